@@ -1,0 +1,1 @@
+"""Entry points: run.py, gin configs, notebooks. The only place gin is imported."""

@@ -1,0 +1,65 @@
+"""Run an experiment from gin files: `python experiments/run.py --gin FILE [--gin FILE ...]
+[--gin_param BINDING ...] [--run_dir DIR]`.
+
+Every file and binding is checked before anything is built or compiled: a missing file, an
+unknown configurable or parameter, or an unknown loss name stops the run with a message
+naming it. The operative config is logged and written to RUN_DIR/config.gin.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gin  # noqa: E402
+
+from experiments import gin_externals  # noqa: E402
+from rl import ConfigError  # noqa: E402
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--gin", action="append", default=[], metavar="FILE",
+                      help="gin config file; repeatable, later files override earlier ones")
+  parser.add_argument("--gin_param", action="append", default=[], metavar="BINDING",
+                      help="one gin binding, e.g. \"train.num_steps = 10\"; repeatable")
+  parser.add_argument("--run_dir", help="overrides train.run_dir")
+  args = parser.parse_args(argv)
+  if not args.gin:
+    parser.error("give at least one --gin FILE (e.g. experiments/configs/quickstart.gin)")
+  return args
+
+
+def load_config(files, bindings, run_dir=None):
+  """Parse gin files and bindings strictly; returns the run directory."""
+  for path in files:
+    if not os.path.isfile(path):
+      raise SystemExit(f"error: gin config file not found: {path}")
+  if run_dir:
+    bindings = [*bindings, f"train.run_dir = {run_dir!r}"]
+  try:
+    gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
+  except (ValueError, KeyError, TypeError, SyntaxError) as e:
+    raise SystemExit(f"error in gin config: {e}") from None
+  try:
+    return gin.query_parameter("train.run_dir")
+  except ValueError:
+    raise SystemExit("error: no run directory; bind train.run_dir or pass --run_dir") from None
+
+
+def main(argv=None):
+  args = parse_args(argv if argv is not None else sys.argv[1:])
+  run_dir = load_config(args.gin, args.gin_param, args.run_dir)
+  print(gin.config_str())
+  try:
+    summary = gin_externals.train()  # validates its configuration before any compile
+  except ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
+  with open(os.path.join(run_dir, "config.gin"), "w") as f:
+    f.write(gin.operative_config_str())
+  return summary
+
+
+if __name__ == "__main__":
+  main()

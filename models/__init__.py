@@ -1,0 +1,1 @@
+"""The policy network as pure functions of (params, inputs)."""

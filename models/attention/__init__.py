@@ -1,0 +1,1 @@
+"""Attention kernels. `reference` is the dense implementation every other kernel is tested against."""

@@ -1,0 +1,161 @@
+"""The Qwen2-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) as pure functions.
+
+Owns the network: `init_params`, `forward` (packed training rows) and `forward_cached`
+(prefill and decode against a KV cache), and the output projection. Log-probs live in
+models/logprobs.py; sampling lives in rollouts/jax_engine.py.
+
+Parameter names follow Hugging Face's Qwen2 modules (q_proj, gate_proj, ...) so that the
+safetensors import (models/hf.py) is a renaming, not a reshuffle.
+"""
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.attention import reference
+from models.config import ModelConfig
+
+
+class KVCache(NamedTuple):
+  """Per-layer keys and values: f32[num_layers, batch, cache_len, num_kv_heads, head_dim]."""
+  k: jax.Array
+  v: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, cache_len: int) -> KVCache:
+  shape = (cfg.num_layers, batch, cache_len, cfg.num_kv_heads, cfg.head_dim)
+  zeros = jnp.zeros(shape, cfg.compute_dtype)
+  return KVCache(zeros, zeros)
+
+
+def rope(x, positions, theta):
+  """Rotary embedding, Hugging Face's rotate-half layout. x: [b, s, heads, d]; positions: i32[b, s]."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * scale).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, mask, cache_kv=None, cache_slot=None):
+    cfg = self.cfg
+    dense = lambda heads, bias, name: nn.DenseGeneral(
+        (heads, cfg.head_dim), use_bias=bias, dtype=cfg.compute_dtype, name=name)
+    q = rope(dense(cfg.num_heads, cfg.qkv_bias, "q_proj")(x), positions, cfg.rope_theta)
+    k = rope(dense(cfg.num_kv_heads, cfg.qkv_bias, "k_proj")(x), positions, cfg.rope_theta)
+    v = dense(cfg.num_kv_heads, cfg.qkv_bias, "v_proj")(x)
+    if cache_kv is not None:
+      k_all, v_all = cache_kv
+      k = jax.lax.dynamic_update_slice(k_all, k.astype(k_all.dtype), (0, cache_slot, 0, 0))
+      v = jax.lax.dynamic_update_slice(v_all, v.astype(v_all.dtype), (0, cache_slot, 0, 0))
+    out = reference.attention(q, k, v, mask)
+    out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False,
+                          dtype=cfg.compute_dtype, name="o_proj")(out)
+    return out, (k, v)
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda size, name: nn.Dense(size, use_bias=False, dtype=self.cfg.compute_dtype,
+                                        name=name)
+    gate = dense(self.cfg.intermediate_size, "gate_proj")(x)
+    up = dense(self.cfg.intermediate_size, "up_proj")(x)
+    return dense(self.cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, mask, cache_kv=None, cache_slot=None):
+    h, kv = Attention(self.cfg, name="self_attn")(
+        RMSNorm(self.cfg.rms_norm_eps, name="input_layernorm")(x),
+        positions, mask, cache_kv, cache_slot)
+    x = x + h
+    x = x + MLP(self.cfg, name="mlp")(
+        RMSNorm(self.cfg.rms_norm_eps, name="post_attention_layernorm")(x))
+    return x, kv
+
+
+class Decoder(nn.Module):
+  """Embeddings, blocks and final norm; returns final hidden states (the head is separate)."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions, mask, cache=None, cache_slot=None):
+    cfg = self.cfg
+    x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens",
+                 embedding_init=nn.initializers.normal(0.02))(tokens)
+    x = x.astype(cfg.compute_dtype)
+    new_k, new_v = [], []
+    for i in range(cfg.num_layers):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+      x, (k, v) = Block(cfg, name=f"layers_{i}")(x, positions, mask, layer_cache, cache_slot)
+      new_k.append(k)
+      new_v.append(v)
+    x = RMSNorm(cfg.rms_norm_eps, name="norm")(x)
+    if not cfg.tie_embeddings:
+      # Declared here so init creates it; applied by `output_projection`.
+      self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size))
+    new_cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
+    return x, new_cache
+
+
+def init_params(cfg: ModelConfig, key: jax.Array):
+  """Random parameters (float32) for `cfg`."""
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  seg = jnp.ones((1, 2), jnp.int32)
+  return Decoder(cfg).init(key, tokens, tokens, reference.segment_causal_mask(seg))["params"]
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, segment_ids):
+  """Hidden states of packed rows.
+
+  tokens, positions, segment_ids: i32[rows, seq] (segment 0 = padding)
+  -> f32[rows, seq, hidden]
+  """
+  mask = reference.segment_causal_mask(segment_ids)
+  hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, mask)
+  return hidden.astype(jnp.float32)
+
+
+def forward_cached(params, cfg: ModelConfig, tokens, positions, kv_valid, cache: KVCache,
+                   cache_slot):
+  """Run `tokens` written at cache slots [cache_slot, cache_slot + q_len).
+
+  tokens, positions: i32[batch, q_len]; kv_valid: bool[batch, cache_len] (after this write);
+  -> (f32[batch, q_len, hidden], updated KVCache)
+  """
+  mask = reference.cache_mask(kv_valid, cache_slot, tokens.shape[1])
+  hidden, cache = Decoder(cfg).apply({"params": params}, tokens, positions, mask, cache,
+                                     cache_slot)
+  return hidden.astype(jnp.float32), cache
+
+
+def output_projection(params, cfg: ModelConfig):
+  """The unembedding matrix f32[hidden, vocab] (the transposed embedding when tied)."""
+  if cfg.tie_embeddings:
+    return params["embed_tokens"]["embedding"].T
+  return params["lm_head"]

@@ -1,0 +1,37 @@
+"""Group baselines: every completion is compared with the others sampled for its prompt.
+
+Each function maps rewards f32[N] and group_ids i32[N] (0..num_groups-1) to advantages f32[N];
+the packer broadcasts them to the completion's tokens. Registered by name so that a loss
+names the estimator it is defined with.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def _group_stats(reward, group_ids, num_groups):
+  count = jax.ops.segment_sum(jnp.ones_like(reward), group_ids, num_groups)
+  mean = jax.ops.segment_sum(reward, group_ids, num_groups) / jnp.maximum(count, 1)
+  return count, mean
+
+
+def mean_baseline(reward, group_ids, num_groups: int):
+  """r_i - mean_j r_j, the mean over the whole group with i included (Kimi k1.5 sec. 2.3.2,
+  Dr.GRPO)."""
+  _, mean = _group_stats(reward, group_ids, num_groups)
+  return reward - mean[group_ids]
+
+
+def group_normalized(reward, group_ids, num_groups: int, *, eps: float = 1e-6):
+  """(r_i - mean) / (std + eps) with the unbiased std (GRPO, arXiv 2402.03300; eps as verl,
+  TRL uses 1e-4). A singleton group uses mean 0 and std 1, as verl does."""
+  count, mean = _group_stats(reward, group_ids, num_groups)
+  sq = jax.ops.segment_sum(jnp.square(reward - mean[group_ids]), group_ids, num_groups)
+  std = jnp.sqrt(sq / jnp.maximum(count - 1, 1))
+  single = count[group_ids] <= 1
+  mean_i = jnp.where(single, 0.0, mean[group_ids])
+  std_i = jnp.where(single, 1.0, std[group_ids])
+  return (reward - mean_i) / (std_i + eps)
+
+
+ESTIMATORS = {"mean_baseline": mean_baseline, "group_normalized": group_normalized}

@@ -1,0 +1,268 @@
+"""The RL loop: a Python generator of steps, and `train`, the run around it.
+
+Owns the order of one RL step (draw prompts -> generate -> verify -> reward transforms ->
+advantages -> pack -> train step -> weight sync -> prompt statistics) and, in `train`, a run
+directory: SFT warm start, held-out evaluation, orbax checkpoints, metrics.jsonl, the plot,
+and resuming from the last checkpoint. The generator does no I/O, so a notebook can drive
+it a few steps at a time; `train` adds the I/O.
+"""
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from models import transformer
+from models.config import ModelConfig
+from models.tokenizer import CharTokenizer
+from rl import ConfigError
+from rl import advantages as advantages_lib
+from rl import eval as eval_lib
+from rl import losses
+from rl import metrics as metrics_lib
+from rl import rewards as rewards_lib
+from rl import sampling as sampling_lib
+from rl import sft
+from rl.checkpoint import Checkpointer
+from rl.packing import trajectory_batch
+from rl.train_step import TrainState, init_train_state, make_train_step
+from rl.types import Rollouts
+from rollouts.engine import RolloutEngine, SamplingParams
+from rollouts.jax_engine import JaxEngine
+
+
+@flax.struct.dataclass
+class LoopState:
+  """Everything a resumed run needs; saved whole by rl/checkpoint.py."""
+  step: jax.Array  # i32[] RL steps (rollout batches) done; the engine's weight version
+  train: TrainState  # train.step counts optimizer updates (minibatches per RL step)
+  rng: jax.Array  # u32[2]
+  prompt_stats: sampling_lib.PromptStats
+  sampler_state: Any
+  reward_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """Sizes of one RL step."""
+  prompts_per_step: int = 32
+  samples_per_prompt: int = 8
+  max_new_tokens: int = 48
+  temperature: float = 1.0
+  top_p: float = 1.0
+  minibatches: int = 1  # optimizer updates per RL step, each on a disjoint share of groups
+  seq_len: int = 128  # packed row length; must hold prompt + completion
+  row_multiple: int = 8  # rows are padded to a multiple of this (fewer recompiles)
+  micro_batches: int = 1
+
+
+@dataclasses.dataclass
+class StepRecord:
+  """What one RL step yields: the new state, scalar metrics, and the step's completions."""
+  step: int
+  state: LoopState
+  metrics: dict[str, float]
+  scored: eval_lib.Scored
+  rewards: np.ndarray
+
+
+def init_loop_state(params, optimizer, *, num_prompts: int, sampler, reward, seed: int
+                    ) -> LoopState:
+  return LoopState(jnp.zeros((), jnp.int32), init_train_state(params, optimizer),
+                   jax.random.PRNGKey(seed),
+                   sampling_lib.PromptStats.create(num_prompts), sampler.init(num_prompts),
+                   reward.init())
+
+
+def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
+             train_step: Callable, advantage: str, reward: rewards_lib.RewardTransform,
+             sampler: sampling_lib.SamplingTransform, config: RLConfig,
+             ref_params=None) -> Iterator[StepRecord]:
+  """Run RL steps forever from `state`, yielding a StepRecord after each.
+
+  `train_step` comes from rl.train_step.make_train_step; `advantage` names an estimator in
+  rl.advantages. Each step makes `config.minibatches` optimizer updates, each on a share of
+  whole groups; after the step the engine gets the new weights (version = RL step).
+  """
+  groups, group_size = config.prompts_per_step, config.samples_per_prompt
+  sampling = SamplingParams(max_new_tokens=config.max_new_tokens,
+                            temperature=config.temperature, top_p=config.top_p,
+                            stop_token_ids=(tokenizer.eos_id,))
+  advantage_fn = advantages_lib.ESTIMATORS[advantage]
+  while True:
+    step = int(state.step)
+    rng, draw_key, gen_key = jax.random.split(state.rng, 3)
+    weights, sampler_state = sampler.update(state.prompt_stats, state.sampler_state, step=step)
+    indices = np.asarray(sampling_lib.draw(draw_key, weights, groups))
+    records = [task.train[int(i)] for i in indices]
+
+    started = time.perf_counter()
+    scored = eval_lib.generate_and_verify(
+        engine, task, tokenizer, records, sampling, samples=group_size,
+        seed=int(jax.random.randint(gen_key, (), 0, 2**31 - 1)))
+    generate_s = time.perf_counter() - started
+
+    group_ids = np.repeat(np.arange(groups), group_size)
+    rollouts = Rollouts(group_ids=jnp.asarray(group_ids), correct=jnp.asarray(scored.correct),
+                        lengths=jnp.asarray(scored.lengths),
+                        truncated=jnp.asarray(scored.truncated),
+                        reward=jnp.zeros(len(group_ids), jnp.float32),
+                        loss_mask=jnp.ones(len(group_ids), bool), num_groups=groups)
+    rollouts, reward_state = reward.update(rollouts, state.reward_state, step=step)
+    adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, groups))
+    loss_mask = np.asarray(rollouts.loss_mask)
+
+    started = time.perf_counter()
+    train, per_update, rows = state.train, [], 0
+    for share_groups in np.array_split(np.arange(groups), config.minibatches):
+      share = np.flatnonzero(np.isin(group_ids, share_groups))
+      batch, _ = trajectory_batch(
+          [scored.prompt_ids[i] for i in share],
+          [scored.completions[i].token_ids for i in share],
+          [scored.completions[i].logprobs for i in share], adv[share], loss_mask[share],
+          config.seq_len, row_multiple=config.row_multiple * config.micro_batches)
+      train, update_metrics = train_step(train, batch, ref_params)
+      per_update.append(update_metrics)
+      rows += batch.tokens.shape[0]
+    per_update = jax.device_get(per_update)
+    train_metrics = {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
+    train_metrics["logp_diff_max"] = float(max(m["logp_diff_max"] for m in per_update))
+    train_s = time.perf_counter() - started
+    engine.update_weights(train.params, version=step + 1)
+
+    successes = scored.correct.reshape(groups, group_size).sum(axis=1)
+    stats = state.prompt_stats.record(jnp.asarray(indices), group_size, jnp.asarray(successes),
+                                      step=step)
+    state = LoopState(jnp.int32(step + 1), train, rng, stats, sampler_state, reward_state)
+    rewards = np.asarray(rollouts.reward)
+    metrics = {"step": step + 1, "reward": float(rewards.mean()),
+               "accuracy": float(scored.correct.mean()),
+               "completion_length": float(scored.lengths.mean()),
+               "truncated": float(scored.truncated.mean()), "rows": rows,
+               "generate_s": generate_s, "train_s": train_s, **train_metrics}
+    yield StepRecord(step + 1, state, metrics, scored, rewards)
+
+
+def rl_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0,
+                 weight_decay: float = 0.0) -> optax.GradientTransformation:
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                     optax.adamw(learning_rate, weight_decay=weight_decay))
+
+
+def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
+          tokenizer: Optional[CharTokenizer] = None, loss: str = "k1.5",
+          loss_hparams: Optional[dict[str, Any]] = None,
+          reward: Optional[rewards_lib.RewardTransform] = None,
+          sampler: Optional[sampling_lib.SamplingTransform] = None,
+          rl: RLConfig = RLConfig(), num_steps: int = 100, learning_rate: float = 1e-4,
+          kl_reference: bool = False, sft_steps: int = 200, sft_batch_size: int = 64,
+          sft_learning_rate: float = 3e-3, eval_records: int = 256, eval_every: int = 0,
+          checkpoint_every: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+  """A whole run in `run_dir`: SFT warm start, held-out eval, `num_steps` RL steps, eval.
+
+  `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny). If
+  `run_dir` holds a checkpoint the run resumes from it: no SFT again, the step count goes on,
+  metrics.jsonl is appended. With `kl_reference` the SFT params are the reference policy of
+  losses that have a KL term. Returns {"sft_accuracy", "rl_accuracy", "steps", ...}.
+  """
+  tokenizer = tokenizer or CharTokenizer()
+  reward = reward or rewards_lib.named_chain({"correctness": rewards_lib.correctness()})
+  sampler = sampler or sampling_lib.uniform()
+  # Everything that can be wrong with the configuration fails here, before any compile.
+  loss_fn = losses.bind(loss, loss_hparams)
+  cfg = model(tokenizer.vocab_size)
+  if cfg.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                     f"{tokenizer.vocab_size}")
+  if not 1 <= rl.minibatches <= rl.prompts_per_step:
+    raise ConfigError(f"RLConfig.minibatches={rl.minibatches} must be in [1, prompts_per_step="
+                      f"{rl.prompts_per_step}]")
+  if rl.prompts_per_step > len(task.train):
+    raise ConfigError(f"RLConfig.prompts_per_step={rl.prompts_per_step} exceeds the "
+                     f"{len(task.train)} training prompts")
+  if eval_records > len(task.test):
+    raise ConfigError(f"eval_records={eval_records} exceeds the {len(task.test)} test records")
+
+  os.makedirs(run_dir, exist_ok=True)
+  metrics_path = os.path.join(run_dir, "metrics.jsonl")
+  summary_path = os.path.join(run_dir, "summary.json")
+  checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+  optimizer = rl_optimizer(learning_rate)
+  evaluate = lambda engine: eval_lib.greedy_accuracy(
+      engine, task, tokenizer, num_records=eval_records, max_new_tokens=rl.max_new_tokens)
+
+  params = transformer.init_params(cfg, jax.random.PRNGKey(seed))
+  state = init_loop_state(params, optimizer, num_prompts=len(task.train), sampler=sampler,
+                          reward=reward, seed=seed + 1)
+  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+  if checkpointer.latest_step() is not None:
+    state = checkpointer.restore(state)
+    print(f"resuming from {run_dir} at RL step {int(state.step)}")
+  else:
+    started = time.perf_counter()
+    params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
+                                      batch_size=sft_batch_size, learning_rate=sft_learning_rate,
+                                      seq_len=rl.seq_len, seed=seed, progress=progress)
+    state = state.replace(train=init_train_state(params, optimizer))
+    sft_accuracy, sft_length = evaluate(JaxEngine(cfg, params))
+    summary = {"sft_accuracy": sft_accuracy, "sft_length": sft_length, "sft_loss": sft_loss,
+               "sft_seconds": time.perf_counter() - started}
+    _write_json(summary_path, summary)
+    metrics_lib.append(metrics_path, {"step": 0, "eval_accuracy": sft_accuracy,
+                                      "eval_length": sft_length})
+    checkpointer.save(0, state)
+    print(f"after SFT: held-out accuracy {sft_accuracy:.3f}, mean length {sft_length:.1f}")
+
+  ref_params = None
+  if kl_reference:  # the reference policy is the SFT model, saved beside the run after SFT
+    reference = Checkpointer(os.path.join(run_dir, "reference"), max_to_keep=1)
+    if reference.latest_step() is None:
+      if int(state.step):
+        raise ConfigError(f"kl_reference=True but {run_dir} holds no reference (SFT) params: "
+                         "the run was started without kl_reference; use a new run_dir")
+      reference.save(0, state.train.params)
+    ref_params = reference.restore(state.train.params)
+    reference.close()
+  engine = JaxEngine(cfg, state.train.params, version=int(state.step))
+  train_step = make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches)
+  steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
+                   advantage=losses.get(loss).advantage, reward=reward, sampler=sampler,
+                   config=rl, ref_params=ref_params)
+  start_step = int(state.step)
+  bar = tqdm(total=num_steps, initial=start_step, desc=f"RL ({loss})", disable=not progress,
+             dynamic_ncols=True)
+  for _ in range(max(0, num_steps - start_step)):
+    record = next(steps)
+    state, m = record.state, record.metrics
+    if eval_every and record.step % eval_every == 0:
+      m["eval_accuracy"], m["eval_length"] = evaluate(engine)
+    metrics_lib.append(metrics_path, m)
+    bar.set_postfix(reward=f"{m['reward']:.2f}", acc=f"{m['accuracy']:.2f}",
+                    len=f"{m['completion_length']:.1f}")
+    bar.update(1)
+    if record.step % checkpoint_every == 0 or record.step == num_steps:
+      checkpointer.save(record.step, state)
+  bar.close()
+  checkpointer.close()
+
+  rl_accuracy, rl_length = evaluate(engine)
+  summary.update(rl_accuracy=rl_accuracy, rl_length=rl_length, steps=int(state.step))
+  _write_json(summary_path, summary)
+  metrics_lib.plot(metrics_lib.read(metrics_path), os.path.join(run_dir, "metrics.png"),
+                   title=f"{loss} on {type(task).__name__}")
+  print(f"held-out accuracy after RL: {rl_accuracy:.3f}, mean length {rl_length:.1f}")
+  print(f"sft_accuracy={summary['sft_accuracy']:.2f} rl_accuracy={rl_accuracy:.2f}")
+  return summary
+
+
+def _write_json(path: str, value: dict) -> None:
+  with open(path, "w") as f:
+    json.dump(value, f, indent=2)

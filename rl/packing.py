@@ -1,0 +1,77 @@
+"""Packing variable-length trajectories into fixed-shape rows, and back.
+
+Owns the layout of a `TrainBatch`: first-fit-decreasing placement into rows of `seq_len`,
+segment ids (1, 2, ... per row; 0 = padding), positions restarting per segment, and a row
+count rounded up to `row_multiple` so that a run compiles a handful of shapes.
+"""
+
+from typing import Sequence
+
+import numpy as np
+
+from rl.types import TrainBatch
+
+
+def pack(sequences: Sequence[dict[str, np.ndarray]], seq_len: int, *, row_multiple: int = 1):
+  """Pack sequences (dicts of equal-length 1-D arrays with the same keys) into rows.
+
+  Returns (fields, placements): fields maps each key, plus "segment_ids" and "positions", to
+  an array [rows, seq_len] (zeros where nothing is placed); placements[i] = (row, start).
+  """
+  if not sequences:
+    raise ValueError("pack: no sequences")
+  lengths = [len(next(iter(s.values()))) for s in sequences]
+  too_long = [i for i, n in enumerate(lengths) if n > seq_len]
+  if too_long:
+    raise ValueError(f"pack: sequence {too_long[0]} has {lengths[too_long[0]]} tokens, more "
+                     f"than seq_len={seq_len}; raise seq_len or lower max_new_tokens")
+  free: list[int] = []  # room left in each row
+  placements: list[tuple[int, int]] = [(0, 0)] * len(sequences)
+  for i in sorted(range(len(sequences)), key=lambda i: -lengths[i]):
+    row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+    if row is None:
+      free.append(seq_len)
+      row = len(free) - 1
+    placements[i] = (row, seq_len - free[row])
+    free[row] -= lengths[i]
+  rows = -(-len(free) // row_multiple) * row_multiple
+  fields = {k: np.zeros((rows, seq_len), v.dtype) for k, v in sequences[0].items()}
+  fields["segment_ids"] = np.zeros((rows, seq_len), np.int32)
+  fields["positions"] = np.zeros((rows, seq_len), np.int32)
+  segments_in_row = [0] * rows
+  for seq, (row, start), n in zip(sequences, placements, lengths):
+    for k, v in seq.items():
+      fields[k][row, start:start + n] = v
+    segments_in_row[row] += 1
+    fields["segment_ids"][row, start:start + n] = segments_in_row[row]
+    fields["positions"][row, start:start + n] = np.arange(n)
+  return fields, placements
+
+
+def unpack(packed: np.ndarray, placements: Sequence[tuple[int, int]],
+           lengths: Sequence[int]) -> list[np.ndarray]:
+  """The 1-D slices of packed[rows, seq_len] at `placements` with `lengths`."""
+  return [packed[row, start:start + n] for (row, start), n in zip(placements, lengths)]
+
+
+def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                     completion_logp: Sequence[np.ndarray], advantages: Sequence[float],
+                     train_mask: Sequence[bool], seq_len: int, *, row_multiple: int = 1):
+  """A TrainBatch (numpy) of prompt + completion trajectories.
+
+  The inputs are trajectory[:-1] and the targets trajectory[1:]; the loss mask covers the
+  completion's targets (all zero when train_mask is False). Returns (batch, placements).
+  """
+  sequences = []
+  for prompt, completion, logp, adv, keep in zip(prompts, completions, completion_logp,
+                                                 advantages, train_mask):
+    full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(completion, np.int32)])
+    n, p = len(full) - 1, len(prompt)
+    mask = np.zeros((n,), np.float32)
+    mask[p - 1:] = float(keep)
+    old_logp = np.zeros((n,), np.float32)
+    old_logp[p - 1:] = logp
+    sequences.append({"tokens": full[:-1], "targets": full[1:], "loss_mask": mask,
+                      "old_logp": old_logp, "advantages": np.full((n,), adv, np.float32)})
+  fields, placements = pack(sequences, seq_len, row_multiple=row_multiple)
+  return TrainBatch(**fields), placements

@@ -1,0 +1,22 @@
+"""Tasks: prompts behind a grain random-access data source, plus a verifier.
+
+A Task has `train` and `test` sources (each `__len__` and `__getitem__` returning a dict
+record, which is grain's RandomAccessDataSource protocol), `prompt(record) -> str`,
+`verify(completion_text, record) -> bool`, and `solution(record) -> str`, the reference
+completion used for the SFT warm start.
+"""
+
+from typing import Any, Protocol
+
+import grain
+
+
+class Task(Protocol):
+  train: grain.sources.RandomAccessDataSource
+  test: grain.sources.RandomAccessDataSource
+
+  def prompt(self, record: dict[str, Any]) -> str: ...
+
+  def solution(self, record: dict[str, Any]) -> str: ...
+
+  def verify(self, completion: str, record: dict[str, Any]) -> bool: ...

@@ -1,0 +1,98 @@
+"""The jitted update: log-probs -> loss -> gradients (summed over micro-batches) -> optax.
+
+Owns `TrainState` and `make_train_step`. The loss is any function
+`(logp, TrainBatch) -> (Weighted, metrics)` (rl/losses.py); totals and counts are summed over
+micro-batches and divided once, so the update does not depend on how the batch is split.
+"""
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from models import logprobs as logprobs_lib
+from models import transformer
+from models.config import ModelConfig
+from rl.types import TrainBatch
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: Any
+  opt_state: Any
+  step: jax.Array  # i32[] optimizer updates so far
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+  return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: int = 2048):
+  """(logp, entropy) f32[rows, seq] of batch.targets under `params`."""
+  hidden = transformer.forward(params, cfg, batch.tokens, batch.positions, batch.segment_ids)
+  return logprobs_lib.token_logprobs(hidden, transformer.output_projection(params, cfg),
+                                     batch.targets, chunk_size=chunk_size)
+
+
+def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
+                    loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048):
+  """A jitted `step(state, batch, ref_params=None) -> (state, metrics)`.
+
+  batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
+  ref_logp is computed under them (for losses with a KL to a reference policy).
+  metrics: f32 scalars: loss, entropy, the loss's own metrics, grad_norm, and
+  logp_diff_mean / logp_diff_max, |trainer - batch.old_logp| on loss tokens (the
+  engine-vs-trainer mismatch when old_logp comes from the engine).
+  """
+
+  def micro_step(params, ref_params, mb: TrainBatch):
+    if ref_params is not None:
+      ref_logp, _ = policy_logprobs(ref_params, cfg, mb, chunk_size=logprob_chunk)
+      mb = mb.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
+
+    def objective(p):
+      logp, entropy = policy_logprobs(p, cfg, mb, chunk_size=logprob_chunk)
+      weighted, metrics = loss_fn(logp, mb)
+      return weighted.total, (weighted, metrics, logp, entropy)
+
+    grads, (weighted, metrics, logp, entropy) = jax.grad(objective, has_aux=True)(params)
+    diff = jnp.abs(logp - mb.old_logp) * mb.loss_mask
+    tokens = jnp.sum(mb.loss_mask)
+    sums = {"loss": (weighted.total, weighted.count),
+            "entropy": (jnp.sum(entropy * mb.loss_mask), tokens),
+            "logp_diff_mean": (jnp.sum(diff), tokens)}
+    sums.update({k: (w.total, w.count) for k, w in metrics.items()})
+    return grads, sums, jnp.max(diff)
+
+  def step(state: TrainState, batch: TrainBatch, ref_params=None):
+    rows = batch.tokens.shape[0]
+    if rows % micro_batches:
+      raise ValueError(f"train step: {rows} rows do not split into {micro_batches} micro-batches")
+    split = jax.tree.map(lambda x: x.reshape(micro_batches, rows // micro_batches, *x.shape[1:]),
+                         batch)
+
+    def accumulate(carry, mb):
+      grads, sums, diff_max = micro_step(state.params, ref_params, mb)
+      if carry is None:
+        return grads, sums, diff_max
+      add = lambda a, b: jax.tree.map(jnp.add, a, b)
+      return add(carry[0], grads), add(carry[1], sums), jnp.maximum(carry[2], diff_max)
+
+    first = jax.tree.map(lambda x: x[0], split)
+    carry = accumulate(None, first)
+    if micro_batches > 1:
+      rest = jax.tree.map(lambda x: x[1:], split)
+      carry, _ = jax.lax.scan(lambda c, mb: (accumulate(c, mb), None), carry, rest)
+    grads, sums, diff_max = carry
+    count = jnp.maximum(sums["loss"][1], 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {k: total / jnp.maximum(n, 1.0) for k, (total, n) in sums.items()}
+    metrics["logp_diff_max"] = diff_max
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return TrainState(params, opt_state, state.step + 1), metrics
+
+  return jax.jit(step)

@@ -1,0 +1,1 @@
+"""Generation behind one protocol: the embedded JAX engine now, SGLang servers later."""

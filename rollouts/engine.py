@@ -1,0 +1,58 @@
+"""The RolloutEngine protocol: what every generator of completions promises the trainer.
+
+Owns the request and result types. It does not own sampling (each engine does) or
+anything about training.
+"""
+
+import dataclasses
+from typing import Literal, Protocol, Sequence
+
+import numpy as np
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """temperature 0 means greedy; top_p 1 means no nucleus cut."""
+
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_p: float = 1.0
+  stop_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.temperature < 0:
+      raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """One generated continuation.
+
+  token_ids: i32[n] generated tokens, the stop token included when finish_reason == "stop".
+  logprobs: f32[n] log-prob of each token under the engine's policy at temperature 1
+    (before temperature and top-p), which is what the trainer recomputes.
+  versions: i32[n] the weight version that produced each token.
+  """
+
+  token_ids: np.ndarray
+  logprobs: np.ndarray
+  finish_reason: FinishReason
+  versions: np.ndarray
+
+
+class RolloutEngine(Protocol):
+  """Generates completions for token prompts and takes new weights with a version number."""
+
+  @property
+  def version(self) -> int: ...
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+               seed: int) -> list[Completion]: ...
+
+  def update_weights(self, params, version: int) -> None: ...

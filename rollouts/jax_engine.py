@@ -1,0 +1,136 @@
+"""The embedded JAX engine: batched sampling with a KV cache, in the trainer's process.
+
+Owns the prefill/decode loop and the token choice (temperature, top-p, greedy). It is the
+default engine on CPU and TPU and the one the tests use. Batch size and prompt length are
+rounded up to buckets so that a run compiles a few shapes, not one per call.
+"""
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import transformer
+from models.config import ModelConfig
+from rollouts.engine import Completion, SamplingParams
+
+
+def _bucket(n: int, minimum: int) -> int:
+  """The next power of two >= max(n, minimum)."""
+  return max(minimum, 1 << (n - 1).bit_length())
+
+
+def choose_tokens(key, logits, temperature, top_p):
+  """Sample from logits f32[batch, vocab] with temperature and nucleus cut; argmax when
+  temperature == 0. Returns i32[batch]."""
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+  sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+  # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_logits, jnp.inf), axis=-1)
+  scaled = jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
+  sampled = jax.random.categorical(key, scaled, axis=-1)
+  return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "stop_ids"))
+def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelConfig,
+           max_new: int, stop_ids: tuple[int, ...]):
+  """Generate up to `max_new` tokens for left-padded prompts.
+
+  Args:
+    prompts: i32[batch, prompt_len], each prompt right-aligned (left padding).
+    prompt_lens: i32[batch] real prompt lengths (>= 1).
+  Returns:
+    tokens i32[batch, max_new] (0 after a row finished), logp f32[batch, max_new],
+    lengths i32[batch] tokens generated, stopped bool[batch] (ended on a stop token).
+  """
+  batch, plen = prompts.shape
+  pad = plen - prompt_lens
+  slots = jnp.arange(plen)
+  positions = jnp.maximum(slots[None, :] - pad[:, None], 0)
+  kv_valid = jnp.zeros((batch, plen + max_new), bool).at[:, :plen].set(
+      slots[None, :] >= pad[:, None])
+  cache = transformer.init_cache(cfg, batch, plen + max_new)
+  unembed = transformer.output_projection(params, cfg)
+  hidden, cache = transformer.forward_cached(params, cfg, prompts, positions, kv_valid, cache, 0)
+  logits = hidden[:, -1] @ unembed
+  stop_ids = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+
+  def step(carry):
+    i, logits, cache, kv_valid, tokens, logp, done, key = carry
+    key, sub = jax.random.split(key)
+    token = choose_tokens(sub, logits, temperature, top_p)
+    token_logp = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], -1)[:, 0]
+    tokens = tokens.at[:, i].set(jnp.where(done, 0, token))
+    logp = logp.at[:, i].set(jnp.where(done, 0.0, token_logp))
+    kv_valid = kv_valid.at[:, plen + i].set(~done)
+    done = done | jnp.isin(token, stop_ids)
+    hidden, cache = transformer.forward_cached(
+        params, cfg, token[:, None], (prompt_lens + i)[:, None], kv_valid, cache, plen + i)
+    return i + 1, hidden[:, 0] @ unembed, cache, kv_valid, tokens, logp, done, key
+
+  def keep_going(carry):
+    i, *_, done, _ = carry
+    return (i < max_new) & ~jnp.all(done)
+
+  init = (jnp.int32(0), logits, cache, kv_valid, jnp.zeros((batch, max_new), jnp.int32),
+          jnp.zeros((batch, max_new), jnp.float32), jnp.zeros((batch,), bool), key)
+  _, _, _, kv_valid, tokens, logp, stopped, _ = jax.lax.while_loop(keep_going, step, init)
+  lengths = jnp.sum(kv_valid[:, plen:], axis=1).astype(jnp.int32)
+  return tokens, logp, lengths, stopped
+
+
+class JaxEngine:
+  """RolloutEngine over `rollouts.jax_engine.sample`; weights are held in memory."""
+
+  def __init__(self, cfg: ModelConfig, params, *, version: int = 0, pad_id: int = 0,
+               min_batch: int = 8, min_prompt_len: int = 16):
+    self._cfg = cfg
+    self._params = params
+    self._version = version
+    self._pad_id = pad_id
+    self._min_batch = min_batch
+    self._min_prompt_len = min_prompt_len
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  @property
+  def params(self):
+    return self._params
+
+  def update_weights(self, params, version: int) -> None:
+    self._params = params
+    self._version = version
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+               seed: int) -> list[Completion]:
+    if not prompts:
+      return []
+    if any(len(p) == 0 for p in prompts):
+      raise ValueError("JaxEngine.generate: every prompt needs at least one token")
+    n = len(prompts)
+    batch = _bucket(n, self._min_batch)
+    plen = _bucket(max(len(p) for p in prompts), self._min_prompt_len)
+    tokens = np.full((batch, plen), self._pad_id, np.int32)
+    lens = np.ones((batch,), np.int32)
+    for row, p in enumerate(prompts):
+      tokens[row, plen - len(p):] = p
+      lens[row] = len(p)
+    out = sample(self._params, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
+                 jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), cfg=self._cfg,
+                 max_new=sampling.max_new_tokens, stop_ids=tuple(sampling.stop_token_ids))
+    out_tokens, out_logp, lengths, stopped = jax.device_get(out)
+    completions = []
+    for row in range(n):
+      k = int(lengths[row])
+      completions.append(Completion(
+          token_ids=out_tokens[row, :k].copy(), logprobs=out_logp[row, :k].copy(),
+          finish_reason="stop" if stopped[row] else "length",
+          versions=np.full((k,), self._version, np.int32)))
+    return completions

@@ -1,0 +1,21 @@
+import jax
+import pytest
+
+from models import config, transformer
+from models.tokenizer import CharTokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+  return CharTokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tokenizer):
+  return config.tiny(tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=4,
+                     num_kv_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+  return transformer.init_params(tiny_cfg, jax.random.PRNGKey(0))

@@ -1,0 +1,60 @@
+"""experiments/run.py: strict configuration, run directory contents, resume."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "experiments/configs/quickstart.gin")
+TINY = os.path.join(ROOT, "experiments/configs/tiny.gin")
+
+
+def run(*args, env_extra=None):
+  env = dict(os.environ, JAX_LOG_COMPILES="1", **(env_extra or {}))
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments/run.py"), *args],
+                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gin", "experiments/configs/no_such.gin"], "not found: experiments/configs/no_such.gin"),
+    (["--gin", QUICKSTART, "--gin_param", "train.num_stepz = 3"], "num_stepz"),
+    (["--gin", QUICKSTART, "--gin_param", "RLConfig.prompts_per_stp = 3"], "prompts_per_stp"),
+    (["--gin", QUICKSTART, "--gin_param", "train.loss = 'k1.6'"], "unknown loss 'k1.6'"),
+    (["--gin", QUICKSTART, "--gin_param", "train.loss_hparams = {'tau': 1, 'eps': 2}"],
+     "no hyper-parameter(s) ['eps']"),
+])
+def test_bad_configuration_fails_before_any_compile(tmp_path, args, message):
+  run_dir = str(tmp_path / "run")
+  result = run(*args, "--run_dir", run_dir)
+  assert result.returncode != 0
+  assert message in result.stderr, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  assert "Compiling" not in result.stderr  # JAX_LOG_COMPILES logs every compile
+  assert not os.path.exists(os.path.join(run_dir, "checkpoints"))
+
+
+def test_run_writes_the_run_dir_and_resumes(tmp_path):
+  run_dir = str(tmp_path / "run")
+  first = run("--gin", QUICKSTART, "--gin", TINY, "--run_dir", run_dir,
+              "--gin_param", "train.progress = False")
+  assert first.returncode == 0, first.stderr[-3000:]
+  last = first.stdout.strip().splitlines()[-1]
+  assert re.fullmatch(r"sft_accuracy=\d\.\d\d rl_accuracy=\d\.\d\d", last), last
+  for name in ("config.gin", "metrics.jsonl", "metrics.png", "summary.json", "checkpoints"):
+    assert os.path.exists(os.path.join(run_dir, name)), name
+  assert "train.num_steps = 3" in open(os.path.join(run_dir, "config.gin")).read()
+
+  again = run("--gin", QUICKSTART, "--gin", TINY, "--run_dir", run_dir,
+              "--gin_param", "train.progress = False", "--gin_param", "train.num_steps = 5")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "resuming from" in again.stdout and "at RL step 3" in again.stdout
+  assert "after SFT" not in again.stdout
+  records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+  assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]  # 0: held-out eval after SFT
+  assert {"reward", "accuracy", "completion_length", "entropy", "loss",
+          "logp_diff_mean", "logp_diff_max"} <= set(records[-1])
+  assert all("eval_accuracy" in records[i] for i in (0, 2, 4))
