@@ -163,15 +163,16 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           reward: Optional[rewards_lib.RewardTransform] = None,
           sampler: Optional[sampling_lib.SamplingTransform] = None,
           rl: RLConfig = RLConfig(), num_steps: int = 100, learning_rate: float = 1e-4,
-          kl_reference: bool = False, sft_steps: int = 200, sft_batch_size: int = 64,
+          sft_steps: int = 200, sft_batch_size: int = 64,
           sft_learning_rate: float = 3e-3, eval_records: int = 256, eval_every: int = 0,
           checkpoint_every: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
   """A whole run in `run_dir`: SFT warm start, held-out eval, `num_steps` RL steps, eval.
 
   `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny). If
   `run_dir` holds a checkpoint the run resumes from it: no SFT again, the step count goes on,
-  metrics.jsonl is appended. With `kl_reference` the SFT params are the reference policy of
-  losses that have a KL term. Returns {"sft_accuracy", "rl_accuracy", "steps", ...}.
+  metrics.jsonl is appended. The SFT params are saved in `run_dir/sft`; they are the
+  reference policy of losses with a KL term. Returns {"sft_accuracy", "rl_accuracy",
+  "steps", ...}.
   """
   tokenizer = tokenizer or CharTokenizer()
   reward = reward or rewards_lib.named_chain({"correctness": rewards_lib.correctness()})
@@ -195,6 +196,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   metrics_path = os.path.join(run_dir, "metrics.jsonl")
   summary_path = os.path.join(run_dir, "summary.json")
   checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+  sft_checkpointer = Checkpointer(os.path.join(run_dir, "sft"), max_to_keep=1)
   optimizer = rl_optimizer(learning_rate)
   evaluate = lambda engine: eval_lib.greedy_accuracy(
       engine, task, tokenizer, num_records=eval_records, max_new_tokens=rl.max_new_tokens)
@@ -206,12 +208,16 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if checkpointer.latest_step() is not None:
     state = checkpointer.restore(state)
     print(f"resuming from {run_dir} at RL step {int(state.step)}")
+    moved = metrics_lib.truncate(metrics_path, int(state.step))
+    if moved:
+      print(f"{moved} metrics records after the checkpoint moved to {metrics_path}.discarded")
   else:
     started = time.perf_counter()
     params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
                                       batch_size=sft_batch_size, learning_rate=sft_learning_rate,
                                       seq_len=rl.seq_len, seed=seed, progress=progress)
     state = state.replace(train=init_train_state(params, optimizer))
+    sft_checkpointer.save(0, params)
     sft_accuracy, sft_length = evaluate(JaxEngine(cfg, params))
     summary = {"sft_accuracy": sft_accuracy, "sft_length": sft_length, "sft_loss": sft_loss,
                "sft_seconds": time.perf_counter() - started}
@@ -222,15 +228,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     print(f"after SFT: held-out accuracy {sft_accuracy:.3f}, mean length {sft_length:.1f}")
 
   ref_params = None
-  if kl_reference:  # the reference policy is the SFT model, saved beside the run after SFT
-    reference = Checkpointer(os.path.join(run_dir, "reference"), max_to_keep=1)
-    if reference.latest_step() is None:
-      if int(state.step):
-        raise ConfigError(f"kl_reference=True but {run_dir} holds no reference (SFT) params: "
-                         "the run was started without kl_reference; use a new run_dir")
-      reference.save(0, state.train.params)
-    ref_params = reference.restore(state.train.params)
-    reference.close()
+  if losses.uses_reference(loss, loss_hparams):
+    ref_params = sft_checkpointer.restore(state.train.params)
+  sft_checkpointer.close()
   engine = JaxEngine(cfg, state.train.params, version=int(state.step))
   train_step = make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches)
   steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
@@ -259,7 +259,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   metrics_lib.plot(metrics_lib.read(metrics_path), os.path.join(run_dir, "metrics.png"),
                    title=f"{loss} on {type(task).__name__}")
   print(f"held-out accuracy after RL: {rl_accuracy:.3f}, mean length {rl_length:.1f}")
-  print(f"sft_accuracy={summary['sft_accuracy']:.2f} rl_accuracy={rl_accuracy:.2f}")
+  print(f"sft_accuracy={summary.get('sft_accuracy', float('nan')):.2f} "
+        f"rl_accuracy={rl_accuracy:.2f}")
   return summary
 
 

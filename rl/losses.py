@@ -11,6 +11,9 @@ step, so a loss means the same under micro-batching, packing and data parallelis
 are `Weighted` too. Each loss is registered with the advantage estimator it is defined with
 (rl/advantages.py).
 
+A loss with a KL term to a reference policy names its weight `kl_coef`; whenever that is
+non-zero the loop keeps the SFT model as the reference and fills `batch.ref_logp`.
+
 Adding a loss: write the function, decorate it with `@register(name, advantage=...)`.
 """
 
@@ -120,6 +123,11 @@ def hyperparameters(name: str) -> dict[str, Any]:
   """The keyword hyper-parameters of loss `name` with their defaults."""
   params = inspect.signature(get(name).fn).parameters.values()
   return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+
+
+def uses_reference(name: str, hparams: dict[str, Any] | None = None) -> bool:
+  """Whether loss `name` with `hparams` needs reference log-probs (a non-zero `kl_coef`)."""
+  return bool({**hyperparameters(name), **(hparams or {})}.get("kl_coef", 0.0))
 
 
 def bind(name: str, hparams: dict[str, Any] | None = None):

@@ -23,6 +23,20 @@ def read(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def truncate(path: str, last_step: int) -> int:
+  """Keep the records of steps <= last_step (a run resumed from an older checkpoint redoes
+  the later ones); the others move to `<path>.discarded` rather than being deleted.
+  Returns how many moved."""
+  records = read(path)
+  later = [r for r in records if r["step"] > last_step]
+  if later:
+    with open(path + ".discarded", "a") as f:
+      f.writelines(json.dumps(r) + "\n" for r in later)
+    with open(path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= last_step)
+  return len(later)
+
+
 def plot(records: Iterable[dict[str, Any]], png_path: str | None = None, *,
          keys=PLOTTED, title: str = ""):
   """One panel per metric against step; eval_accuracy is drawn on the accuracy panel.

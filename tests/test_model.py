@@ -14,13 +14,16 @@ from rollouts.jax_engine import JaxEngine
 
 
 def _uncached_greedy(params, cfg, prompt, steps):
-  """Greedy decoding by re-running the full forward pass on the growing sequence."""
+  """Greedy decoding that re-runs the full forward pass over the whole sequence each step
+  (a fixed-length buffer; positions after the sequence are padding, segment 0)."""
+  length = len(prompt) + steps
+  forward = jax.jit(transformer.forward, static_argnums=1)
   seq = list(prompt)
   for _ in range(steps):
-    tokens = jnp.asarray([seq], jnp.int32)
-    pos = jnp.arange(len(seq))[None]
-    hidden = transformer.forward(params, cfg, tokens, pos, jnp.ones_like(tokens))
-    logits = hidden[0, -1] @ transformer.output_projection(params, cfg)
+    tokens = jnp.asarray([seq + [0] * (length - len(seq))], jnp.int32)
+    segments = (jnp.arange(length) < len(seq)).astype(jnp.int32)[None]
+    hidden = forward(params, cfg, tokens, jnp.arange(length)[None], segments)
+    logits = hidden[0, len(seq) - 1] @ transformer.output_projection(params, cfg)
     seq.append(int(jnp.argmax(logits)))
   return seq[len(prompt):]
 

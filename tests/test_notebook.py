@@ -3,11 +3,13 @@
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs(monkeypatch):
   monkeypatch.setenv("LONGRL_NOTEBOOK_TINY", "1")
   path = os.path.join(ROOT, "experiments/notebooks/quickstart.ipynb")

@@ -45,3 +45,4 @@ def test_trajectory_batch_aligns_targets_and_masks():
   (row, start), n = placements[1], 2
   np.testing.assert_array_equal(batch.targets[row, start:start + n], [12, 22])
   np.testing.assert_array_equal(batch.loss_mask[row, start:start + n], [0, 0])  # masked out
+

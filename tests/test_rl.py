@@ -82,6 +82,7 @@ def _params_at(run_dir, step, vocab_size=55):
   return state
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_uninterrupted_run(tmp_path, capsys):
   whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
   summary = _tiny_run(whole, 4)
@@ -101,14 +102,16 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, capsys):
   assert os.path.exists(os.path.join(split, "metrics.png"))
 
 
+@pytest.mark.slow
 def test_kl_reference_is_the_sft_model(tmp_path):
+  assert losses.uses_reference("grpo") and not losses.uses_reference("grpo", {"kl_coef": 0.0})
+  assert not losses.uses_reference("k1.5")
   run = str(tmp_path / "grpo")
-  _tiny_run(run, 2, loss="grpo", kl_reference=True)
-  ref = Checkpointer(os.path.join(run, "reference"))
+  _tiny_run(run, 2, loss="grpo")  # kl_coef = 0.04 by default: the SFT model is the reference
   sft_state = _params_at(run, 0)
-  params = ref.restore(sft_state.train.params)
-  ref.close()
+  saved = Checkpointer(os.path.join(run, "sft"))
+  params = saved.restore(sft_state.train.params)
+  saved.close()
   jax.tree.map(np.testing.assert_array_equal, params, sft_state.train.params)
-  with pytest.raises(ValueError, match="kl_reference=True but"):
-    _tiny_run(str(tmp_path / "plain"), 2)
-    _tiny_run(str(tmp_path / "plain"), 3, loss="grpo", kl_reference=True)
+  records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+  assert all(r["kl"] >= 0 for r in records[1:])

@@ -37,6 +37,7 @@ def test_bad_configuration_fails_before_any_compile(tmp_path, args, message):
   assert not os.path.exists(os.path.join(run_dir, "checkpoints"))
 
 
+@pytest.mark.slow
 def test_run_writes_the_run_dir_and_resumes(tmp_path):
   run_dir = str(tmp_path / "run")
   first = run("--gin", QUICKSTART, "--gin", TINY, "--run_dir", run_dir,
