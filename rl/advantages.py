@@ -34,4 +34,19 @@ def group_normalized(reward, group_ids, num_groups: int, *, eps: float = 1e-6):
   return (reward - mean_i) / (std_i + eps)
 
 
-ESTIMATORS = {"mean_baseline": mean_baseline, "group_normalized": group_normalized}
+def leave_one_out(reward, group_ids, num_groups: int):
+  """r_i - mean_{j != i} r_j (RLOO; = n/(n-1) (r_i - mean)). A singleton group uses 0 as its
+  baseline."""
+  count, mean = _group_stats(reward, group_ids, num_groups)
+  n = count[group_ids]
+  return jnp.where(n > 1, (reward - mean[group_ids]) * n / jnp.maximum(n - 1, 1), reward)
+
+
+def success_indicator(reward, group_ids, num_groups: int, *, threshold: float = 1.0):
+  """1[r_i >= threshold]: the positive-only weight of ReST / rejection-sampling fine-tuning."""
+  del group_ids, num_groups
+  return (reward >= threshold).astype(jnp.float32)
+
+
+ESTIMATORS = {"mean_baseline": mean_baseline, "group_normalized": group_normalized,
+              "leave_one_out": leave_one_out, "success_indicator": success_indicator}

@@ -159,7 +159,7 @@ def rl_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0,
 
 def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           tokenizer: Optional[CharTokenizer] = None, loss: str = "k1.5",
-          loss_hparams: Optional[dict[str, Any]] = None,
+          loss_hparams: Optional[dict[str, Any]] = None, advantage: Optional[str] = None,
           reward: Optional[rewards_lib.RewardTransform] = None,
           sampler: Optional[sampling_lib.SamplingTransform] = None,
           rl: RLConfig = RLConfig(), num_steps: int = 100, learning_rate: float = 1e-4,
@@ -168,7 +168,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           checkpoint_every: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
   """A whole run in `run_dir`: SFT warm start, held-out eval, `num_steps` RL steps, eval.
 
-  `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny). If
+  `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny).
+  `advantage` overrides the estimator the loss is registered with. If
   `run_dir` holds a checkpoint the run resumes from it: no SFT again, the step count goes on,
   metrics.jsonl is appended. The SFT params are saved in `run_dir/sft`; they are the
   reference policy of losses with a KL term. Returns {"sft_accuracy", "rl_accuracy",
@@ -179,6 +180,10 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   sampler = sampler or sampling_lib.uniform()
   # Everything that can be wrong with the configuration fails here, before any compile.
   loss_fn = losses.bind(loss, loss_hparams)
+  advantage = advantage or losses.get(loss).advantage
+  if advantage not in advantages_lib.ESTIMATORS:
+    raise ConfigError(f"unknown advantage estimator {advantage!r}; valid: "
+                      f"{', '.join(sorted(advantages_lib.ESTIMATORS))}")
   cfg = model(tokenizer.vocab_size)
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
@@ -234,7 +239,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   engine = JaxEngine(cfg, state.train.params, version=int(state.step))
   train_step = make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches)
   steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
-                   advantage=losses.get(loss).advantage, reward=reward, sampler=sampler,
+                   advantage=advantage, reward=reward, sampler=sampler,
                    config=rl, ref_params=ref_params)
   start_step = int(state.step)
   bar = tqdm(total=num_steps, initial=start_step, desc=f"RL ({loss})", disable=not progress,

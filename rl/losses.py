@@ -175,6 +175,54 @@ def kimi_k15(logp, batch: TrainBatch, *, tau: float = 0.01):
   return Weighted(jnp.sum(valid * per_seq), num_seqs), metrics
 
 
+def _ratio(logp, batch: TrainBatch):
+  """rho = pi / pi_old per token, the log-ratio clamped to [-20, 20] as in verl."""
+  return jnp.exp(jnp.clip(logp - batch.old_logp, -20.0, 20.0))
+
+
+def clipped_surrogate(ratio, batch: TrainBatch, *, eps_low: float, eps_high: float,
+                      dual_clip: float | None = None):
+  """PPO's per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), with verl's
+  optional dual clip (Ye et al. 2019) capping the loss at -dual_clip * A where A < 0.
+
+  Returns (token_loss f32[rows, seq], metrics)."""
+  adv = batch.advantages
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  token_loss = jnp.maximum(unclipped, clipped)
+  metrics = {"clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), batch)}
+  if dual_clip is not None:
+    capped = jnp.minimum(token_loss, -adv * dual_clip)
+    metrics["dual_clip_fraction"] = masked_mean(
+        ((adv < 0) & (token_loss > capped)).astype(jnp.float32), batch)
+    token_loss = jnp.where(adv < 0, capped, token_loss)
+  return token_loss, metrics
+
+
+def _kl_to_reference(logp, batch: TrainBatch, estimator: str, loss_name: str):
+  if batch.ref_logp is None:
+    raise ValueError(f"loss {loss_name!r} with kl_coef > 0 needs reference log-probs: give the "
+                     "train step reference params, or set kl_coef=0")
+  if estimator not in kl_lib.ESTIMATORS:
+    raise ConfigError(f"unknown KL estimator {estimator!r}; valid: {sorted(kl_lib.ESTIMATORS)}")
+  return kl_lib.ESTIMATORS[estimator](logp, batch.ref_logp)
+
+
+@register("ppo", advantage="group_normalized")
+def ppo(logp, batch: TrainBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
+        dual_clip: float | None = None, aggregation: str = "token-mean"):
+  """PPO clipped surrogate (arXiv 1707.06347) on outcome advantages, no value function:
+
+      l_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
+
+  eps = 0.2 (paper and verl); `dual_clip` (verl's clip_ratio_c, e.g. 3) caps the loss of
+  negative-advantage tokens at -c A. token-mean aggregation as in verl.
+  """
+  token_loss, metrics = clipped_surrogate(_ratio(logp, batch), batch, eps_low=eps_low,
+                                          eps_high=eps_high, dual_clip=dual_clip)
+  return aggregate(token_loss, batch, aggregation), metrics
+
+
 @register("grpo", advantage="group_normalized")
 def grpo(logp, batch: TrainBatch, *, clip_eps: float = 0.2, kl_coef: float = 0.04,
          kl_estimator: str = "k3", aggregation: str = "seq-mean-token-mean"):
@@ -183,21 +231,124 @@ def grpo(logp, batch: TrainBatch, *, clip_eps: float = 0.2, kl_coef: float = 0.0
 
       l_t = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) + kl_coef * k3(logp, ref_logp)
 
+
   beta = 0.04 and the k3 estimator are the paper's; the paper states no eps, 0.2 is the
   convention (PPO, TRL, verl). With kl_coef > 0 the train step needs reference params.
   """
-  ratio = jnp.exp(jnp.clip(logp - batch.old_logp, -20.0, 20.0))
-  adv = batch.advantages
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-  token_loss = jnp.maximum(unclipped, clipped)
-  metrics = {"clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), batch),
-             "ratio": masked_mean(ratio, batch)}
+  token_loss, metrics = clipped_surrogate(_ratio(logp, batch), batch, eps_low=clip_eps,
+                                          eps_high=clip_eps)
   if kl_coef:
-    if batch.ref_logp is None:
-      raise ValueError("loss 'grpo' with kl_coef > 0 needs reference log-probs: give the train "
-                       "step reference params, or set kl_coef=0")
-    kl = kl_lib.ESTIMATORS[kl_estimator](logp, batch.ref_logp)
+    kl = _kl_to_reference(logp, batch, kl_estimator, "grpo")
     token_loss = token_loss + kl_coef * kl
     metrics["kl"] = masked_mean(kl, batch)
   return aggregate(token_loss, batch, aggregation), metrics
+
+
+@register("dr_grpo", advantage="mean_baseline")
+def dr_grpo(logp, batch: TrainBatch, *, clip_eps: float = 0.2,
+            norm_length: float | None = None):
+  """Dr. GRPO (arXiv 2503.20783): GRPO without the std in the advantage (A = r - mean) and
+  without length normalisation: the loss is sum_{i,t} m l / (B * L_max), as in the paper's
+  code (oat) and TRL; verl's `seq-mean-token-sum-norm` leaves out the 1/B.
+
+  `norm_length` is L_max, the maximum generation length; None uses the packed row length, a
+  constant of the run (verl's default, the padded length). No KL term.
+  """
+  token_loss, metrics = clipped_surrogate(_ratio(logp, batch), batch, eps_low=clip_eps,
+                                          eps_high=clip_eps)
+  length = float(batch.tokens.shape[1]) if norm_length is None else norm_length
+  return aggregate(token_loss, batch, "seq-mean-token-sum-norm", norm_length=length), metrics
+
+
+@register("dapo", advantage="group_normalized")
+def dapo(logp, batch: TrainBatch, *, eps_low: float = 0.2, eps_high: float = 0.28,
+         aggregation: str = "token-mean"):
+  """DAPO (arXiv 2503.14476): clip-higher (eps_low 0.2, eps_high 0.28) and one token-level
+  normaliser over the whole batch; no KL. Its dynamic sampling and overlong shaping are a
+  sampling and a reward transform (rl/sampling.py, rl/rewards.py)."""
+  token_loss, metrics = clipped_surrogate(_ratio(logp, batch), batch, eps_low=eps_low,
+                                          eps_high=eps_high)
+  return aggregate(token_loss, batch, aggregation), metrics
+
+
+@register("gspo", advantage="group_normalized")
+def gspo(logp, batch: TrainBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4):
+  """GSPO (arXiv 2507.18071): a sequence-level ratio s_i = exp(mean_t (logp - old_logp)),
+  clipped as in PPO, in its GSPO-token form (same value, gradient through each token):
+
+      log s_it = logp_t - sg(logp_t) + sg(log s_i),   capped at 10 as in verl
+      l_it = -min(s_it A_i, clip(s_it, 1 - eps_low, 1 + eps_high) A_i)
+
+  eps 3e-4 / 4e-4 as in the paper and verl; seq-mean-token-mean (verl forces it).
+  """
+  mask = batch.loss_mask
+  tokens = sequence_sum(mask, batch)
+  mean_log_ratio = sequence_sum((logp - batch.old_logp) * mask, batch) / jnp.maximum(tokens, 1)
+  index, _ = _sequence_index(batch)
+  seq_log_ratio = mean_log_ratio[index].reshape(logp.shape)
+  log_s = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq_log_ratio)
+  ratio = jnp.exp(jnp.minimum(log_s, 10.0))
+  token_loss, metrics = clipped_surrogate(ratio, batch, eps_low=eps_low, eps_high=eps_high)
+  metrics["sequence_ratio"] = masked_mean(ratio, batch)
+  return aggregate(token_loss, batch, "seq-mean-token-mean"), metrics
+
+
+@register("cispo", advantage="group_normalized")
+def cispo(logp, batch: TrainBatch, *, eps_low: float | None = None, eps_high: float = 0.2,
+          aggregation: str = "token-mean"):
+  """CISPO (MiniMax-M1, arXiv 2506.13585 sec. 3.1): REINFORCE weighted by a clipped,
+  stop-gradient importance ratio, so every token keeps a gradient:
+
+      l_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) * A * logp_t
+
+  The paper uses no lower bound (eps_low=None) and gives no eps_high; 0.2 is verl's example.
+  TRL's `epsilon_high` is an absolute cap instead (5.0 there is eps_high=4.0 here).
+  """
+  ratio = _ratio(logp, batch)
+  lower = 0.0 if eps_low is None else 1.0 - eps_low
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, lower, 1.0 + eps_high))
+  token_loss = -weight * batch.advantages * logp
+  metrics = {"clip_fraction": masked_mean(
+      ((ratio > 1.0 + eps_high) | (ratio < lower)).astype(jnp.float32), batch)}
+  return aggregate(token_loss, batch, aggregation), metrics
+
+
+@register("rloo", advantage="leave_one_out")
+def rloo(logp, batch: TrainBatch, *, aggregation: str = "seq-mean-token-sum"):
+  """REINFORCE with a leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740):
+  l_i = -(r_i - mean_{j != i} r_j) * sum_t logp_t, averaged over sequences. No ratio: exact
+  on-policy; with several minibatches per step the later ones are slightly off-policy."""
+  return aggregate(-batch.advantages * logp, batch, aggregation), {}
+
+
+@register("rest", advantage="success_indicator")
+def rest(logp, batch: TrainBatch, *, aggregation: str = "token-mean"):
+  """ReST / RFT, positive-only (k1.5 sec. 3 "negative gradients"): the negative log-likelihood
+  of the successful completions only (A = 1[r >= 1]); failed ones carry no gradient and do
+  not count in the normaliser."""
+  success = batch.replace(loss_mask=batch.loss_mask * (batch.advantages > 0))
+  return aggregate(-logp, success, aggregation), {}
+
+
+@register("k2.5", advantage="mean_baseline")
+def kimi_k25(logp, batch: TrainBatch, *, alpha: float = -1.0, beta: float = 1.0,
+             tau: float = 0.01, window: str = "log_ratio"):
+  """Kimi K2.5 token-level masking (arXiv 2602.02276 sec. 4.4.2, the reading recommended in
+  objectives.md): maximise the token mean over the batch of
+
+      M_t * rho_t * (r - mean r) - tau * (log rho_t)**2,   M_t = 1[alpha <= log rho_t <= beta]
+
+  so the policy gradient is exactly zero outside the window whatever the advantage's sign;
+  the squared penalty is not masked. `window="ratio"` reads [alpha, beta] as ratio bounds
+  instead (then 0 < alpha < 1 < beta). The report gives no alpha, beta or tau: the defaults
+  here (log-ratio window [-1, 1], tau 0.01 as k1.5) are ours.
+  """
+  if window not in ("log_ratio", "ratio"):
+    raise ConfigError(f"k2.5 window must be 'log_ratio' or 'ratio', got {window!r}")
+  log_ratio = jnp.clip(logp - batch.old_logp, -20.0, 20.0)
+  measure = log_ratio if window == "log_ratio" else jnp.exp(log_ratio)
+  inside = (measure >= alpha) & (measure <= beta)
+  policy_term = jnp.where(inside, jnp.exp(log_ratio) * batch.advantages, 0.0)
+  token_loss = -policy_term + tau * jnp.square(log_ratio)
+  metrics = {"clip_fraction": masked_mean((~inside).astype(jnp.float32), batch)}
+  return aggregate(token_loss, batch, "token-mean"), metrics

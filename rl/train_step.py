@@ -15,6 +15,7 @@ import optax
 from models import logprobs as logprobs_lib
 from models import transformer
 from models.config import ModelConfig
+from rl import kl as kl_lib
 from rl.types import TrainBatch
 
 
@@ -42,9 +43,10 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
   ref_logp is computed under them (for losses with a KL to a reference policy).
-  metrics: f32 scalars: loss, entropy, the loss's own metrics, grad_norm, and
-  logp_diff_mean / logp_diff_max, |trainer - batch.old_logp| on loss tokens (the
-  engine-vs-trainer mismatch when old_logp comes from the engine).
+  metrics: f32 scalars over loss tokens: loss, entropy, the loss's own metrics, grad_norm,
+  ratio_mean (pi / pi_old), kl_to_old and kl_to_reference (k3), and logp_diff_mean /
+  logp_diff_max, |trainer - batch.old_logp|: on the first update of a rollout batch, the
+  engine-vs-trainer mismatch.
   """
 
   def micro_step(params, ref_params, mb: TrainBatch):
@@ -58,11 +60,17 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
       return weighted.total, (weighted, metrics, logp, entropy)
 
     grads, (weighted, metrics, logp, entropy) = jax.grad(objective, has_aux=True)(params)
-    diff = jnp.abs(logp - mb.old_logp) * mb.loss_mask
-    tokens = jnp.sum(mb.loss_mask)
+    mask = mb.loss_mask
+    diff = jnp.abs(logp - mb.old_logp) * mask
+    tokens = jnp.sum(mask)
+    masked_sum = lambda x: (jnp.sum(x * mask), tokens)
     sums = {"loss": (weighted.total, weighted.count),
-            "entropy": (jnp.sum(entropy * mb.loss_mask), tokens),
-            "logp_diff_mean": (jnp.sum(diff), tokens)}
+            "entropy": masked_sum(entropy),
+            "logp_diff_mean": (jnp.sum(diff), tokens),
+            "ratio_mean": masked_sum(jnp.exp(jnp.clip(logp - mb.old_logp, -20.0, 20.0))),
+            "kl_to_old": masked_sum(kl_lib.k3(logp, mb.old_logp))}
+    if mb.ref_logp is not None:
+      sums["kl_to_reference"] = masked_sum(kl_lib.k3(logp, mb.ref_logp))
     sums.update({k: (w.total, w.count) for k, w in metrics.items()})
     return grads, sums, jnp.max(diff)
 

@@ -39,7 +39,7 @@ def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer):
   params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   params, _ = sft.warm_start(params, cfg, PickADigit(10), tokenizer, steps=150, batch_size=32,
                              seq_len=16, progress=False)
-  optimizer = loop.rl_optimizer(3e-3)
+  optimizer = loop.rl_optimizer(2e-3)
   reward = rewards.named_chain({"correctness": rewards.correctness()})
   sampler = sampling.uniform()
   state = loop.init_loop_state(params, optimizer, num_prompts=1, sampler=sampler, reward=reward,
@@ -48,13 +48,13 @@ def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer):
       state, engine=JaxEngine(cfg, params), task=PickADigit(1), tokenizer=tokenizer,
       train_step=make_train_step(cfg, optimizer, losses.bind(name)),
       advantage=losses.get(name).advantage, reward=reward, sampler=sampler,
-      config=loop.RLConfig(prompts_per_step=1, samples_per_prompt=16, max_new_tokens=4,
+      config=loop.RLConfig(prompts_per_step=1, samples_per_prompt=32, max_new_tokens=4,
                            seq_len=16),
       ref_params=params)  # used by losses with a KL to the reference
   history = [next(steps).metrics["reward"] for _ in range(60)]
   assert history[0] < 0.5
   assert max(history) == 1.0
-  assert np.mean(history[-5:]) >= 0.9, history
+  assert np.mean(history[-10:]) >= 0.9, history
 
 
 def _tiny_run(run_dir, num_steps, **overrides):
