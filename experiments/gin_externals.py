@@ -1,8 +1,10 @@
 """Registers the library's configurable pieces with gin. Importing this module is what makes
-names such as `train`, `Arithmetic`, `tiny` or `RLConfig` usable in .gin files; models/ and rl/
-never import gin themselves."""
+names such as `train`, `Arithmetic`, `tiny`, `RLConfig`, `rewards.k15_length_penalty` or
+`sampling.prioritized` usable in .gin files; models/ and rl/ never import gin themselves.
+Where two pieces share a name (`named_chain`), qualify it: `rewards.named_chain`."""
 
 import gin
+import optax
 
 from models import config
 from models import tokenizer
@@ -12,12 +14,20 @@ from rl import sampling
 from rl.tasks import arithmetic
 
 train = gin.external_configurable(loop.train, module="rl")
-for _fn, _module in [
-    (loop.RLConfig, "rl"),
-    (config.tiny, "models"), (config.ModelConfig, "models"),
-    (tokenizer.CharTokenizer, "models"),
-    (arithmetic.Arithmetic, "tasks"),
-    (rewards.correctness, "rewards"), (rewards.named_chain, "rewards"),
-    (sampling.uniform, "sampling"),
-]:
-  gin.external_configurable(_fn, module=_module)
+
+_REGISTERED = {
+    "rl": [loop.RLConfig],
+    "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer],
+    "tasks": [arithmetic.Arithmetic],
+    "rewards": [rewards.correctness, rewards.format_reward, rewards.named_chain,
+                rewards.k15_length_penalty, rewards.truncation, rewards.laser, rewards.laser_d,
+                rewards.dapo_overlong, rewards.adaptive_target_length, rewards.mask_incorrect,
+                rewards.mask_long_correct, rewards.mask_over_length, rewards.k15, rewards.dapo],
+    "sampling": [sampling.uniform, sampling.prioritized, sampling.pass_rate_band,
+                 sampling.curriculum, sampling.field_difficulty, sampling.named_chain],
+    "optax": [optax.constant_schedule, optax.linear_schedule, optax.join_schedules,
+              optax.piecewise_constant_schedule],
+}
+for _module, _fns in _REGISTERED.items():
+  for _fn in _fns:
+    gin.external_configurable(_fn, module=_module)

@@ -22,6 +22,7 @@ class Scored:
   correct: np.ndarray  # bool[n]
   lengths: np.ndarray  # i32[n]
   truncated: np.ndarray  # bool[n]
+  well_formed: np.ndarray  # bool[n]
 
 
 def prompt_ids(task, tokenizer, record: dict[str, Any]) -> list[int]:
@@ -37,8 +38,10 @@ def generate_and_verify(engine: RolloutEngine, task, tokenizer, records: Sequenc
   truncated = np.array([c.finish_reason != "stop" for c in completions])
   correct = np.array([(not cut) and task.verify(text, records[i // samples])
                       for i, (text, cut) in enumerate(zip(texts, truncated))], bool)
+  well_formed = np.array([(not cut) and task.well_formed(text)
+                          for text, cut in zip(texts, truncated)], bool)
   lengths = np.array([len(c.token_ids) for c in completions], np.int32)
-  return Scored(requests, completions, texts, correct, lengths, truncated)
+  return Scored(requests, completions, texts, correct, lengths, truncated, well_formed)
 
 
 def greedy_accuracy(engine: RolloutEngine, task, tokenizer, *, num_records: int,

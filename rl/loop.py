@@ -59,6 +59,11 @@ class RLConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   minibatches: int = 1  # optimizer updates per RL step, each on a disjoint share of groups
+  # DAPO dynamic sampling (arXiv 2503.14476): drop groups whose rewards are all equal and
+  # generate more prompts until the step has prompts_per_step groups, at most
+  # max_generation_rounds generations (then an error, as in verl's recipe).
+  drop_uniform_groups: bool = False
+  max_generation_rounds: int = 8
   seq_len: int = 128  # packed row length; must hold prompt + completion
   row_multiple: int = 8  # rows are padded to a multiple of this (fewer recompiles)
   micro_batches: int = 1
@@ -99,24 +104,34 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   advantage_fn = advantages_lib.ESTIMATORS[advantage]
   while True:
     step = int(state.step)
-    rng, draw_key, gen_key = jax.random.split(state.rng, 3)
-    weights, sampler_state = sampler.update(state.prompt_stats, state.sampler_state, step=step)
-    indices = np.asarray(sampling_lib.draw(draw_key, weights, groups))
-    records = [task.train[int(i)] for i in indices]
-
+    rng, stats = state.rng, state.prompt_stats
+    sampler_state, reward_state = state.sampler_state, state.reward_state
+    kept: list[tuple[eval_lib.Scored, Rollouts]] = []  # one entry per generation round
     started = time.perf_counter()
-    scored = eval_lib.generate_and_verify(
-        engine, task, tokenizer, records, sampling, samples=group_size,
-        seed=int(jax.random.randint(gen_key, (), 0, 2**31 - 1)))
+    for _ in range(config.max_generation_rounds if config.drop_uniform_groups else 1):
+      rng, draw_key, gen_key = jax.random.split(rng, 3)
+      weights, sampler_state = sampler.update(stats, sampler_state, step=step)
+      indices = np.asarray(sampling_lib.draw(draw_key, weights, groups))
+      scored = eval_lib.generate_and_verify(
+          engine, task, tokenizer, [task.train[int(i)] for i in indices], sampling,
+          samples=group_size, seed=int(jax.random.randint(gen_key, (), 0, 2**31 - 1)))
+      rollouts, reward_state = reward.update(_rollouts(scored, groups), reward_state, step=step)
+      successes = scored.correct.reshape(groups, group_size).sum(axis=1)
+      stats = stats.record(jnp.asarray(indices), group_size, jnp.asarray(successes), step=step)
+      keep = np.ones(groups, bool)
+      if config.drop_uniform_groups:
+        keep = np.asarray(rollouts.reward).reshape(groups, group_size).std(axis=1) > 0
+      kept.append(_select_groups(scored, rollouts, np.flatnonzero(keep), group_size))
+      if sum(r.num_groups for _, r in kept) >= groups:
+        break
+    else:  # only dynamic sampling can come short
+      raise RuntimeError(
+          f"dynamic sampling: fewer than {groups} groups with unequal rewards after "
+          f"{config.max_generation_rounds} generation rounds at step {step}; raise "
+          "RLConfig.max_generation_rounds or make the prompts less uniform")
+    scored, rollouts = _concat_groups(kept, groups, group_size)
     generate_s = time.perf_counter() - started
-
-    group_ids = np.repeat(np.arange(groups), group_size)
-    rollouts = Rollouts(group_ids=jnp.asarray(group_ids), correct=jnp.asarray(scored.correct),
-                        lengths=jnp.asarray(scored.lengths),
-                        truncated=jnp.asarray(scored.truncated),
-                        reward=jnp.zeros(len(group_ids), jnp.float32),
-                        loss_mask=jnp.ones(len(group_ids), bool), num_groups=groups)
-    rollouts, reward_state = reward.update(rollouts, state.reward_state, step=step)
+    group_ids = np.asarray(rollouts.group_ids)
     adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, groups))
     loss_mask = np.asarray(rollouts.loss_mask)
 
@@ -138,17 +153,53 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     train_s = time.perf_counter() - started
     engine.update_weights(train.params, version=step + 1)
 
-    successes = scored.correct.reshape(groups, group_size).sum(axis=1)
-    stats = state.prompt_stats.record(jnp.asarray(indices), group_size, jnp.asarray(successes),
-                                      step=step)
     state = LoopState(jnp.int32(step + 1), train, rng, stats, sampler_state, reward_state)
     rewards = np.asarray(rollouts.reward)
     metrics = {"step": step + 1, "reward": float(rewards.mean()),
                "accuracy": float(scored.correct.mean()),
                "completion_length": float(scored.lengths.mean()),
                "truncated": float(scored.truncated.mean()), "rows": rows,
+               "generation_rounds": len(kept),
                "generate_s": generate_s, "train_s": train_s, **train_metrics}
     yield StepRecord(step + 1, state, metrics, scored, rewards)
+
+
+def _rollouts(scored: eval_lib.Scored, groups: int) -> Rollouts:
+  n = len(scored.texts)
+  return Rollouts(group_ids=jnp.asarray(np.repeat(np.arange(groups), n // groups)),
+                  correct=jnp.asarray(scored.correct), lengths=jnp.asarray(scored.lengths),
+                  truncated=jnp.asarray(scored.truncated),
+                  well_formed=jnp.asarray(scored.well_formed),
+                  reward=jnp.zeros(n, jnp.float32), loss_mask=jnp.ones(n, bool),
+                  num_groups=groups)
+
+
+def _select_groups(scored: eval_lib.Scored, rollouts: Rollouts, keep, group_size: int):
+  """The completions of groups `keep` (indices, in order), renumbered 0..len(keep)-1."""
+  rows = (keep[:, None] * group_size + np.arange(group_size)).reshape(-1)
+  pick = lambda xs: [xs[i] for i in rows]
+  part = eval_lib.Scored(pick(scored.prompt_ids), pick(scored.completions), pick(scored.texts),
+                         scored.correct[rows], scored.lengths[rows], scored.truncated[rows],
+                         scored.well_formed[rows])
+  arrays = jax.tree.map(lambda x: np.asarray(x)[rows], rollouts)
+  return part, arrays.replace(group_ids=np.repeat(np.arange(len(keep)), group_size),
+                              num_groups=len(keep))
+
+
+def _concat_groups(parts, groups: int, group_size: int):
+  """The first `groups` groups of the rounds' kept groups, as one Scored and one Rollouts."""
+  n = groups * group_size
+  cat_list = lambda name: [x for scored, _ in parts for x in getattr(scored, name)][:n]
+  cat_array = lambda xs: np.concatenate(xs)[:n]
+  scored = eval_lib.Scored(cat_list("prompt_ids"), cat_list("completions"), cat_list("texts"),
+                           *(cat_array([getattr(s, f) for s, _ in parts])
+                             for f in ("correct", "lengths", "truncated", "well_formed")))
+  # num_groups is static pytree metadata: make it equal before mapping over the parts.
+  rollouts = jax.tree.map(lambda *xs: jnp.asarray(cat_array(xs)),
+                          *[r.replace(num_groups=groups) for _, r in parts])
+  return scored, rollouts.replace(group_ids=jnp.asarray(np.repeat(np.arange(groups),
+                                                                   group_size)),
+                                  num_groups=groups)
 
 
 def rl_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0,

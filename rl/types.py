@@ -18,6 +18,7 @@ class Rollouts:
   correct: bool[N] the verifier's verdict.
   lengths: i32[N] completion length in tokens.
   truncated: bool[N] generation hit max_new_tokens without a stop token.
+  well_formed: bool[N] the task's format check (e.g. an answer in the expected place).
   reward: f32[N] the scalar outcome reward (reward transforms write it).
   loss_mask: bool[N] False excludes the whole completion from the gradient.
   """
@@ -26,6 +27,7 @@ class Rollouts:
   correct: jax.Array
   lengths: jax.Array
   truncated: jax.Array
+  well_formed: jax.Array
   reward: jax.Array
   loss_mask: jax.Array
   num_groups: int = flax.struct.field(pytree_node=False, default=0)

@@ -31,6 +31,9 @@ class PickADigit:
   def verify(self, completion, record):
     return completion == "7"
 
+  def well_formed(self, completion):
+    return len(completion) == 1 and completion.isdigit()
+
 
 @pytest.mark.parametrize("name", sorted(losses.LOSSES))
 def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer):
@@ -115,3 +118,43 @@ def test_kl_reference_is_the_sft_model(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, params, sft_state.train.params)
   records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
   assert all(r["kl"] >= 0 for r in records[1:])
+
+
+def test_dynamic_sampling_never_yields_an_all_equal_group(tokenizer):
+  cfg = config.tiny(tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=4,
+                    num_kv_heads=2, intermediate_size=64)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  params, _ = sft.warm_start(params, cfg, PickADigit(10), tokenizer, steps=150, batch_size=32,
+                             seq_len=16, progress=False)
+  optimizer = loop.rl_optimizer(1e-4)
+  reward = rewards.named_chain({"correctness": rewards.correctness()})
+  sampler = sampling.uniform()
+  config_ = loop.RLConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=4,
+                          seq_len=16, drop_uniform_groups=True, max_generation_rounds=30)
+  state = loop.init_loop_state(params, optimizer, num_prompts=10, sampler=sampler,
+                               reward=reward, seed=0)
+  steps = loop.rl_steps(state, engine=JaxEngine(cfg, params), task=PickADigit(10),
+                        tokenizer=tokenizer, train_step=make_train_step(
+                            cfg, optimizer, losses.bind("dapo")),
+                        advantage="group_normalized", reward=reward, sampler=sampler,
+                        config=config_)
+  rounds = 0
+  for _ in range(3):
+    record = next(steps)
+    groups = record.rewards.reshape(4, 4)
+    assert (groups.std(axis=1) > 0).all()
+    assert len(record.scored.texts) == 16
+    rounds += record.metrics["generation_rounds"]
+    # Every generated group is counted in the prompt statistics, kept or not.
+    assert int(record.state.prompt_stats.attempts.sum()) >= 16 * record.metrics[
+        "generation_rounds"]
+  assert rounds > 3  # uniform groups were met and dropped
+  # A task where every group is uniform exhausts the rounds with a clear error.
+  zero = rewards.named_chain({"zero": rewards.correctness(correct=0.0)})
+  hopeless = loop.rl_steps(state.replace(reward_state=zero.init()), engine=JaxEngine(cfg, params),
+                           task=PickADigit(10), tokenizer=tokenizer,
+                           train_step=make_train_step(cfg, optimizer, losses.bind("dapo")),
+                           advantage="group_normalized", reward=zero, sampler=sampler,
+                           config=config_)
+  with pytest.raises(RuntimeError, match="dynamic sampling: fewer than 4 groups"):
+    next(hopeless)

@@ -24,6 +24,8 @@ def test_reference_solutions_verify_and_wrong_answers_do_not():
     assert not task.verify(task.solution(record) + "1", record)
     assert not task.verify(task.solution(record)[:-1], record) or record["answer"][:-1] == ""
     assert not task.verify("", record)
+    assert task.well_formed(task.solution(record))
+    assert not task.well_formed(task.solution(record) + ";") and not task.well_formed("12")
 
 
 def test_filler_only_lengthens():
@@ -53,6 +55,7 @@ def _rollouts(correct, groups):
   n = len(correct)
   return Rollouts(group_ids=jnp.asarray(groups), correct=jnp.asarray(correct),
                   lengths=jnp.full(n, 5), truncated=jnp.zeros(n, bool),
+                  well_formed=jnp.ones(n, bool),
                   reward=jnp.zeros(n), loss_mask=jnp.ones(n, bool), num_groups=max(groups) + 1)
 
 

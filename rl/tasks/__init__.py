@@ -2,8 +2,9 @@
 
 A Task has `train` and `test` sources (each `__len__` and `__getitem__` returning a dict
 record, which is grain's RandomAccessDataSource protocol), `prompt(record) -> str`,
-`verify(completion_text, record) -> bool`, and `solution(record) -> str`, the reference
-completion used for the SFT warm start.
+`verify(completion_text, record) -> bool`, `well_formed(completion_text) -> bool` (the
+format check of format rewards), and `solution(record) -> str`, the reference completion
+used for the SFT warm start.
 """
 
 from typing import Any, Protocol
@@ -20,3 +21,5 @@ class Task(Protocol):
   def solution(self, record: dict[str, Any]) -> str: ...
 
   def verify(self, completion: str, record: dict[str, Any]) -> bool: ...
+
+  def well_formed(self, completion: str) -> bool: ...

@@ -27,6 +27,7 @@ from typing import Any
 _FILLER = "hmm;"
 _TEST_BUCKET = 0
 _ANSWER = re.compile(r"#(\d+)$")
+_FORMAT = re.compile(r"(?:[\d+]+=\d+;|hmm;)*#\d+")
 
 
 def _is_test(question: str) -> bool:
@@ -121,6 +122,10 @@ class Arithmetic:
 
   def solution(self, record: dict[str, Any]) -> str:
     return record["solution"]
+
+  def well_formed(self, completion: str) -> bool:
+    """Column steps ("d+d(+c)=s;" or filler) followed by "#<digits>", nothing else."""
+    return _FORMAT.fullmatch(completion.strip()) is not None
 
   def verify(self, completion: str, record: dict[str, Any]) -> bool:
     """True iff the completion ends in "#<the right sum>" (a truncated one never does)."""

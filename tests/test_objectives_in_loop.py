@@ -1,0 +1,50 @@
+"""Every loss, reward chain and sampler runs in the quickstart loop, swapped by one binding."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from models import config
+from rl import loop, losses
+from rl.tasks.arithmetic import Arithmetic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(losses.LOSSES))
+def test_three_quickstart_steps_for_every_loss(name, tmp_path):
+  summary = loop.train(
+      str(tmp_path / name), task=Arithmetic(digits=1, num_train=200, num_test=20),
+      model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
+      loss=name, rl=loop.RLConfig(prompts_per_step=4, samples_per_prompt=4, minibatches=2,
+                                  max_new_tokens=16, seq_len=32),
+      num_steps=3, sft_steps=5, sft_batch_size=16, eval_records=16, checkpoint_every=3,
+      progress=False)
+  assert summary["steps"] == 3
+  records = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")][1:]
+  assert [r["step"] for r in records] == [1, 2, 3]
+  for r in records:
+    for key in ("loss", "entropy", "ratio_mean", "kl_to_old", "logp_diff_max", "grad_norm"):
+      assert key in r and r[key] == r[key], (key, r)  # present and not NaN
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("binding", [
+    "train.loss = 'dapo'",
+    "train.reward = @rewards.k15()",
+    "train.sampler = @sampling.prioritized()",
+])
+def test_one_binding_swaps_a_piece_of_the_quickstart(binding, tmp_path):
+  result = subprocess.run(
+      [sys.executable, "experiments/run.py", "--gin", "experiments/configs/quickstart.gin",
+       "--gin", "experiments/configs/tiny.gin", "--run_dir", str(tmp_path / "run"),
+       "--gin_param", "train.progress = False", "--gin_param", "train.num_steps = 2",
+       "--gin_param", binding],
+      capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  operative = open(tmp_path / "run" / "config.gin").read()
+  assert binding.split(" = ")[1].strip("@'()") in operative
