@@ -6,8 +6,9 @@ columns from the least significant digit, carrying explicitly, then give the ans
 
     47+85=   ->   7+5=12;4+8+1=13;#132
 
-With `filler` > 0 each solution also carries 0..filler "hmm;" steps at random places:
-length that a length penalty can remove without touching correctness.
+With `filler` > 0 each solution starts with 0..filler "hmm;" steps: length that a length
+penalty can remove without touching correctness. (Leading rather than interleaved, so the
+column steps stay contiguous and a small model learns them as fast as without filler.)
 
 With `sloppy` > 0 the reference solutions are an imperfect demonstrator: with that
 probability a solution whose last column carries drops the carry from its final answer
@@ -82,8 +83,7 @@ class ArithmeticSource:
       if _is_test(question) == want_test:
         break
     steps = column_solution(numbers, drop_final_carry=rng.random() < self.sloppy)
-    for _ in range(rng.randint(0, self.filler)):
-      steps.insert(rng.randint(0, len(steps) - 1), _FILLER)
+    steps = [_FILLER] * rng.randint(0, self.filler) + steps
     return {"question": question, "answer": str(sum(numbers)), "solution": "".join(steps),
             "digits": max(len(str(x)) for x in numbers)}
 
