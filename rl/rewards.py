@@ -77,6 +77,12 @@ def group_accuracy(rollouts: Rollouts):
   return (hits / jnp.maximum(size, 1.0))[rollouts.group_ids]
 
 
+def accuracy_at_least(threshold: float) -> Callable[[Rollouts], jax.Array]:
+  """A `masked` predicate: completions whose group accuracy is >= threshold (K2.5 Toggle's
+  gate; "train length on prompts the policy already solves")."""
+  return lambda rollouts: group_accuracy(rollouts) >= threshold
+
+
 # ----------------------------------------------------------------------------- length rewards
 
 def k15_length_penalty(*, weight: float = 1.0, warmup_steps: int = 0,

@@ -80,8 +80,7 @@ def test_format_reward_and_masked_wrapper():
   np.testing.assert_allclose(_apply(rewards.format_reward(), r)[0], [1.0, -0.5, -1.5])
   # Only groups with accuracy >= 0.5 get the length penalty (group 1 is all wrong).
   r = _rollouts([True, False, False, False], [10, 20, 10, 20], [0, 0, 1, 1])
-  gated = rewards.masked(rewards.k15_length_penalty(),
-                         lambda x: rewards.group_accuracy(x) >= 0.5)
+  gated = rewards.masked(rewards.k15_length_penalty(), rewards.accuracy_at_least(0.5))
   np.testing.assert_allclose(_apply(gated, r)[0], [0.5, -0.5, 0.0, 0.0])
 
 
