@@ -35,13 +35,20 @@ class PickADigit:
     return len(completion) == 1 and completion.isdigit()
 
 
-@pytest.mark.parametrize("name", sorted(losses.LOSSES))
-def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer):
+@pytest.fixture(scope="module")
+def digit_model(tokenizer):
+  """A tiny model SFT'd to answer "pick:" with one digit, uniformly: reward 7 is ~10%."""
   cfg = config.tiny(tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=4,
                     num_kv_heads=2, intermediate_size=64)
   params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   params, _ = sft.warm_start(params, cfg, PickADigit(10), tokenizer, steps=150, batch_size=32,
                              seq_len=16, progress=False)
+  return cfg, params
+
+
+@pytest.mark.parametrize("name", sorted(losses.LOSSES))
+def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer, digit_model):
+  cfg, params = digit_model
   optimizer = loop.rl_optimizer(2e-3)
   reward = rewards.named_chain({"correctness": rewards.correctness()})
   sampler = sampling.uniform()
@@ -120,12 +127,8 @@ def test_kl_reference_is_the_sft_model(tmp_path):
   assert all(r["kl"] >= 0 for r in records[1:])
 
 
-def test_dynamic_sampling_never_yields_an_all_equal_group(tokenizer):
-  cfg = config.tiny(tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=4,
-                    num_kv_heads=2, intermediate_size=64)
-  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
-  params, _ = sft.warm_start(params, cfg, PickADigit(10), tokenizer, steps=150, batch_size=32,
-                             seq_len=16, progress=False)
+def test_dynamic_sampling_never_yields_an_all_equal_group(tokenizer, digit_model):
+  cfg, params = digit_model
   optimizer = loop.rl_optimizer(1e-4)
   reward = rewards.named_chain({"correctness": rewards.correctness()})
   sampler = sampling.uniform()
