@@ -32,8 +32,9 @@ from rl import rewards as rewards_lib
 from rl import sampling as sampling_lib
 from rl import sft
 from rl.checkpoint import Checkpointer
-from rl.packing import trajectory_batch
-from rl.train_step import TrainState, init_train_state, make_train_step
+from rl import kl as kl_lib
+from rl.packing import trajectory_batch, unpack
+from rl.train_step import TrainState, init_train_state, make_train_step, policy_logprobs
 from rl.types import Rollouts
 from rollouts.engine import RolloutEngine, SamplingParams
 from rollouts.jax_engine import JaxEngine
@@ -64,6 +65,10 @@ class RLConfig:
   # max_generation_rounds generations (then an error, as in verl's recipe).
   drop_uniform_groups: bool = False
   max_generation_rounds: int = 8
+  # KL to the reference in the reward (PPO/InstructGPT style; verl use_kl_in_reward):
+  # r_i -= kl_reward_coef * sum_t kl(engine_logp_t, ref_logp_t), kl one of rl.kl.ESTIMATORS.
+  kl_reward_coef: float = 0.0
+  kl_reward_estimator: str = "k1"
   seq_len: int = 128  # packed row length; must hold prompt + completion
   row_multiple: int = 8  # rows are padded to a multiple of this (fewer recompiles)
   micro_batches: int = 1
@@ -90,9 +95,12 @@ def init_loop_state(params, optimizer, *, num_prompts: int, sampler, reward, see
 def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
              train_step: Callable, advantage: str, reward: rewards_lib.RewardTransform,
              sampler: sampling_lib.SamplingTransform, config: RLConfig,
-             ref_params=None) -> Iterator[StepRecord]:
+             ref_params=None, reference_logprobs: Optional[Callable] = None
+             ) -> Iterator[StepRecord]:
   """Run RL steps forever from `state`, yielding a StepRecord after each.
 
+  `ref_params` go to the train step (KL in the loss); `reference_logprobs` (a TrainBatch ->
+  log-probs function under the reference) serves `config.kl_reward_coef` (KL in the reward).
   `train_step` comes from rl.train_step.make_train_step; `advantage` names an estimator in
   rl.advantages. Each step makes `config.minibatches` optimizer updates, each on a share of
   whole groups; after the step the engine gets the new weights (version = RL step).
@@ -102,6 +110,9 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
                             temperature=config.temperature, top_p=config.top_p,
                             stop_token_ids=(tokenizer.eos_id,))
   advantage_fn = advantages_lib.ESTIMATORS[advantage]
+  if config.kl_reward_coef and reference_logprobs is None:
+    raise ValueError("RLConfig.kl_reward_coef > 0 needs reference_logprobs (TrainBatch -> "
+                     "f32[rows, seq] log-probs under the reference policy)")
   while True:
     step = int(state.step)
     rng, stats = state.rng, state.prompt_stats
@@ -116,6 +127,9 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
           engine, task, tokenizer, [task.train[int(i)] for i in indices], sampling,
           samples=group_size, seed=int(jax.random.randint(gen_key, (), 0, 2**31 - 1)))
       rollouts, reward_state = reward.update(_rollouts(scored, groups), reward_state, step=step)
+      if config.kl_reward_coef:
+        rollouts = rollouts.replace(reward=rollouts.reward - config.kl_reward_coef * _sequence_kl(
+            scored, reference_logprobs, config))
       successes = scored.correct.reshape(groups, group_size).sum(axis=1)
       stats = stats.record(jnp.asarray(indices), group_size, jnp.asarray(successes), step=step)
       keep = np.ones(groups, bool)
@@ -162,6 +176,21 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
                "generation_rounds": len(kept),
                "generate_s": generate_s, "train_s": train_s, **train_metrics}
     yield StepRecord(step + 1, state, metrics, scored, rewards)
+
+
+def _sequence_kl(scored: eval_lib.Scored, reference_logprobs: Callable, config: RLConfig):
+  """sum_t kl(engine_logp_t, ref_logp_t) over each completion's tokens: f32[N]. The engine's
+  log-probs stand for the behaviour policy (they equal the trainer's, see logp_diff_*)."""
+  lengths = [len(p) + len(c.token_ids) - 1 for p, c in zip(scored.prompt_ids,
+                                                           scored.completions)]
+  batch, placements = trajectory_batch(
+      scored.prompt_ids, [c.token_ids for c in scored.completions],
+      [c.logprobs for c in scored.completions], [0.0] * len(lengths), [True] * len(lengths),
+      config.seq_len, row_multiple=config.row_multiple)
+  ref_logp = np.asarray(reference_logprobs(jax.tree.map(jnp.asarray, batch)))
+  kl = np.asarray(kl_lib.ESTIMATORS[config.kl_reward_estimator](
+      jnp.asarray(batch.old_logp), jnp.asarray(ref_logp))) * batch.loss_mask
+  return jnp.asarray([x.sum() for x in unpack(kl, placements, lengths)], jnp.float32)
 
 
 def _rollouts(scored: eval_lib.Scored, groups: int) -> Rollouts:
@@ -239,6 +268,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                      f"{tokenizer.vocab_size}")
+  if rl.kl_reward_estimator not in kl_lib.ESTIMATORS:
+    raise ConfigError(f"unknown RLConfig.kl_reward_estimator {rl.kl_reward_estimator!r}; "
+                      f"valid: {sorted(kl_lib.ESTIMATORS)}")
   if not 1 <= rl.minibatches <= rl.prompts_per_step:
     raise ConfigError(f"RLConfig.minibatches={rl.minibatches} must be in [1, prompts_per_step="
                       f"{rl.prompts_per_step}]")
@@ -283,15 +315,17 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     checkpointer.save(0, state)
     print(f"after SFT: held-out accuracy {sft_accuracy:.3f}, mean length {sft_length:.1f}")
 
-  ref_params = None
-  if losses.uses_reference(loss, loss_hparams):
-    ref_params = sft_checkpointer.restore(state.train.params)
+  ref_params = reference_logprobs = None
+  if losses.uses_reference(loss, loss_hparams) or rl.kl_reward_coef:
+    reference = sft_checkpointer.restore(state.train.params)
+    ref_params = reference if losses.uses_reference(loss, loss_hparams) else None
+    reference_logprobs = jax.jit(lambda batch: policy_logprobs(reference, cfg, batch)[0])
   sft_checkpointer.close()
   engine = JaxEngine(cfg, state.train.params, version=int(state.step))
   train_step = make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches)
   steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
                    advantage=advantage, reward=reward, sampler=sampler,
-                   config=rl, ref_params=ref_params)
+                   config=rl, ref_params=ref_params, reference_logprobs=reference_logprobs)
   start_step = int(state.step)
   bar = tqdm(total=num_steps, initial=start_step, desc=f"RL ({loss})", disable=not progress,
              dynamic_ncols=True)

@@ -4,6 +4,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,7 +12,8 @@ from models import config, transformer
 from rl import loop, losses, rewards, sampling, sft
 from rl.checkpoint import Checkpointer
 from rl.tasks.arithmetic import Arithmetic
-from rl.train_step import make_train_step
+from rl.packing import trajectory_batch
+from rl.train_step import make_train_step, policy_logprobs
 from rollouts.jax_engine import JaxEngine
 
 
@@ -113,6 +115,14 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_kl_in_the_reward_runs_in_train(tmp_path):
+  summary = _tiny_run(str(tmp_path / "klr"), 2, rl=loop.RLConfig(
+      prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16, seq_len=32,
+      kl_reward_coef=0.05))
+  assert summary["steps"] == 2
+
+
+@pytest.mark.slow
 def test_kl_reference_is_the_sft_model(tmp_path):
   assert losses.uses_reference("grpo") and not losses.uses_reference("grpo", {"kl_coef": 0.0})
   assert not losses.uses_reference("k1.5")
@@ -161,3 +171,38 @@ def test_dynamic_sampling_never_yields_an_all_equal_group(tokenizer, digit_model
                            config=config_)
   with pytest.raises(RuntimeError, match="dynamic sampling: fewer than 4 groups"):
     next(hopeless)
+
+
+def test_kl_in_the_reward_subtracts_the_sequence_kl(tokenizer, digit_model):
+  cfg, params = digit_model
+  other = transformer.init_params(cfg, jax.random.PRNGKey(5))  # a reference far from params
+  reward = rewards.named_chain({"correctness": rewards.correctness()})
+  sampler = sampling.uniform()
+  optimizer = loop.rl_optimizer(1e-4)
+  reference_logprobs = jax.jit(lambda b: policy_logprobs(other, cfg, b)[0])
+  records = {}
+  for coef in (0.0, 0.1):
+    config_ = loop.RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=4,
+                            seq_len=16, kl_reward_coef=coef)
+    state = loop.init_loop_state(params, optimizer, num_prompts=10, sampler=sampler,
+                                 reward=reward, seed=0)
+    steps = loop.rl_steps(state, engine=JaxEngine(cfg, params), task=PickADigit(10),
+                          tokenizer=tokenizer,
+                          train_step=make_train_step(cfg, optimizer, losses.bind("rloo")),
+                          advantage="leave_one_out", reward=reward, sampler=sampler,
+                          config=config_, reference_logprobs=reference_logprobs)
+    records[coef] = next(steps)
+  plain, with_kl = records[0.0], records[0.1]
+  assert plain.scored.texts == with_kl.scored.texts  # same samples, only the reward differs
+  # By hand: k1 = engine logp - reference logp, summed over each completion's tokens.
+  for i, completion in enumerate(plain.scored.completions):
+    tokens = np.concatenate([plain.scored.prompt_ids[i], completion.token_ids])
+    batch = jax.tree.map(jnp.asarray, trajectory_batch(
+        [plain.scored.prompt_ids[i]], [completion.token_ids], [completion.logprobs], [0.0],
+        [True], 16)[0])
+    ref = np.asarray(reference_logprobs(batch))[0][:len(tokens) - 1]
+    kl = float(np.sum((np.asarray(batch.old_logp)[0][:len(tokens) - 1] - ref)
+                      * np.asarray(batch.loss_mask)[0][:len(tokens) - 1]))
+    np.testing.assert_allclose(with_kl.rewards[i], plain.rewards[i] - 0.1 * kl, rtol=1e-4,
+                               atol=1e-5)
+  assert not np.allclose(with_kl.rewards, plain.rewards)

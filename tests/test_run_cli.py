@@ -26,6 +26,8 @@ def run(*args, env_extra=None):
     (["--gin", QUICKSTART, "--gin_param", "train.loss = 'k1.6'"], "unknown loss 'k1.6'"),
     (["--gin", QUICKSTART, "--gin_param", "train.loss_hparams = {'tau': 1, 'eps': 2}"],
      "no hyper-parameter(s) ['eps']"),
+    (["--gin", QUICKSTART, "--gin_param", "RLConfig.kl_reward_estimator = 'k9'"],
+     "unknown RLConfig.kl_reward_estimator 'k9'"),
 ])
 def test_bad_configuration_fails_before_any_compile(tmp_path, args, message):
   run_dir = str(tmp_path / "run")
