@@ -43,7 +43,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
   ref_logp is computed under them (for losses with a KL to a reference policy).
-  metrics: f32 scalars over loss tokens: loss, entropy, the loss's own metrics, grad_norm,
+  metrics: f32 scalars over loss tokens: loss, entropy, the loss's own metrics (clip_fraction
+  is 0 for losses that do not clip), grad_norm,
   ratio_mean (pi / pi_old), kl_to_old and kl_to_reference (k3), and logp_diff_mean /
   logp_diff_max, |trainer - batch.old_logp|: on the first update of a rollout batch, the
   engine-vs-trainer mismatch.
@@ -72,6 +73,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
     if mb.ref_logp is not None:
       sums["kl_to_reference"] = masked_sum(kl_lib.k3(logp, mb.ref_logp))
     sums.update({k: (w.total, w.count) for k, w in metrics.items()})
+    sums.setdefault("clip_fraction", (jnp.zeros(()), tokens))  # losses that never clip
     return grads, sums, jnp.max(diff)
 
   def step(state: TrainState, batch: TrainBatch, ref_params=None):

@@ -124,22 +124,28 @@ def test_advantages_by_hand():
 
 
 @pytest.mark.parametrize("name", sorted(losses.LOSSES))
-def test_train_step_is_invariant_to_micro_batching(name, tiny_cfg, tiny_params):
+def test_train_step_is_invariant_to_micro_batching_and_packing(name, tiny_cfg, tiny_params):
+  """The contract every registered loss meets: jit-able, finite, and the same update however
+  the trajectories are split into micro-batches or arranged in packed rows."""
   rng = np.random.default_rng(0)
   prompts = [[1] + rng.integers(3, 40, rng.integers(1, 5)).tolist() for _ in range(8)]
   completions = [rng.integers(3, 40, rng.integers(1, 9)).tolist() for _ in range(8)]
   logp = [rng.normal(-2, 0.5, len(c)).astype(np.float32) for c in completions]
   adv = rng.normal(size=8).tolist()
-  batch, _ = trajectory_batch(prompts, completions, logp, adv, [True] * 7 + [False], seq_len=16,
-                              row_multiple=4)
-  batch = jax.tree.map(jnp.asarray, batch)
+  keep = [True] * 7 + [False]
   optimizer = optax.sgd(0.1)
   loss_fn = losses.bind(name)
   results = []
-  for micro in (1, 4):
+  for micro, order, row_multiple in ((1, range(8), 4), (4, range(8), 4),
+                                     (1, [5, 2, 7, 0, 3, 6, 1, 4], 8)):
+    pick = lambda xs: [xs[i] for i in order]
+    batch, _ = trajectory_batch(pick(prompts), pick(completions), pick(logp), pick(adv),
+                                pick(keep), seq_len=16, row_multiple=row_multiple)
     step = make_train_step(tiny_cfg, optimizer, loss_fn, micro_batches=micro)
-    state, metrics = step(init_train_state(tiny_params, optimizer), batch, tiny_params)
+    state, metrics = step(init_train_state(tiny_params, optimizer),
+                          jax.tree.map(jnp.asarray, batch), tiny_params)
     assert all(np.isfinite(float(v)) for v in metrics.values())
+    assert "clip_fraction" in metrics and "ratio_mean" in metrics and "kl_to_old" in metrics
     results.append((state.params, float(metrics["loss"])))
   for params, loss in results[1:]:
     np.testing.assert_allclose(loss, results[0][1], rtol=1e-5)
