@@ -319,7 +319,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if losses.uses_reference(loss, loss_hparams) or rl.kl_reward_coef:
     reference = sft_checkpointer.restore(state.train.params)
     ref_params = reference if losses.uses_reference(loss, loss_hparams) else None
-    reference_logprobs = jax.jit(lambda batch: policy_logprobs(reference, cfg, batch)[0])
+    # Params go in as an argument: closing over them would bake them into the executable.
+    logprobs_fn = jax.jit(policy_logprobs, static_argnums=1)
+    reference_logprobs = lambda batch: logprobs_fn(reference, cfg, batch)[0]
   sft_checkpointer.close()
   engine = JaxEngine(cfg, state.train.params, version=int(state.step))
   train_step = make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches)
