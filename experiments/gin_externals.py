@@ -1,5 +1,5 @@
 """Registers the library's configurable pieces with gin. Importing this module is what makes
-names such as `train`, `Arithmetic`, `tiny`, `RLConfig`, `rewards.k15_length_penalty` or
+names such as `train`, `Arithmetic`, `tiny`, `make_mesh`, `RLConfig`, `rewards.k15_length_penalty` or
 `sampling.prioritized` usable in .gin files; models/ and rl/ never import gin themselves.
 Where two pieces share a name (`named_chain`), qualify it: `rewards.named_chain`."""
 
@@ -7,6 +7,7 @@ import gin
 import optax
 
 from models import config
+from models import sharding
 from models import tokenizer
 from rl import loop
 from rl import rewards
@@ -17,7 +18,7 @@ train = gin.external_configurable(loop.train, module="rl")
 
 _REGISTERED = {
     "rl": [loop.RLConfig],
-    "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer],
+    "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer, sharding.make_mesh],
     "tasks": [arithmetic.Arithmetic],
     "rewards": [rewards.correctness, rewards.format_reward, rewards.named_chain,
                 rewards.k15_length_penalty, rewards.truncation, rewards.laser, rewards.laser_d,

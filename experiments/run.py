@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gin  # noqa: E402
 
 from experiments import gin_externals  # noqa: E402
+from models.attention.dispatch import KernelUnavailable  # noqa: E402
+from models.sharding import MeshUnavailable  # noqa: E402
 from rl import ConfigError  # noqa: E402
 
 
@@ -54,7 +56,7 @@ def main(argv=None):
   print(gin.config_str())
   try:
     summary = gin_externals.train()  # validates its configuration before any compile
-  except ConfigError as e:
+  except (ConfigError, KernelUnavailable, MeshUnavailable) as e:
     raise SystemExit(f"error: {e}") from None
   with open(os.path.join(run_dir, "config.gin"), "w") as f:
     f.write(gin.operative_config_str())

@@ -8,6 +8,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from models.attention.dispatch import KERNELS
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -28,6 +30,7 @@ class ModelConfig:
   qkv_bias: bool = True  # Qwen2/2.5 put a bias on q, k, v; Qwen3 and Llama do not.
   tie_embeddings: bool = True
   dtype: str = "float32"  # compute dtype; parameters are kept in float32.
+  attention: str = "auto"  # kernel, see models/attention/dispatch.py
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -37,6 +40,8 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE).")
     jnp.dtype(self.dtype)  # raises on an unknown dtype name
+    if self.attention not in KERNELS:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {KERNELS}")
 
   @property
   def compute_dtype(self):
@@ -45,9 +50,10 @@ class ModelConfig:
 
 def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,
          num_heads: int = 4, num_kv_heads: int = 2,
-         intermediate_size: int = 384) -> ModelConfig:
+         intermediate_size: int = 384, attention: str = "auto") -> ModelConfig:
   """A model small enough to train on a 2-core CPU in minutes."""
   return ModelConfig(
       vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
       num_heads=num_heads, num_kv_heads=num_kv_heads,
-      head_dim=hidden_size // num_heads, intermediate_size=intermediate_size)
+      head_dim=hidden_size // num_heads, intermediate_size=intermediate_size,
+      attention=attention)

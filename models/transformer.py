@@ -1,7 +1,10 @@
 """The Qwen2-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) as pure functions.
 
-Owns the network: `init_params`, `forward` (packed training rows) and `forward_cached`
-(prefill and decode against a KV cache), and the output projection. Log-probs live in
+Owns the network: `init_params`, `forward` (packed training rows), `prefill` and `decode` (the
+embedded engine's KV-cache passes), and the output projection. Attention goes through
+models/attention/dispatch.py (the kernel named by `ModelConfig.attention`; ring attention when
+the mesh set with `jax.set_mesh` has a `context` axis); decode steps, one query against the
+cache, use the dense reference. Log-probs live in
 models/logprobs.py; sampling lives in rollouts/jax_engine.py.
 
 Parameter names follow Hugging Face's Qwen2 modules (q_proj, gate_proj, ...) so that the
@@ -14,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import reference
+from models.attention import dispatch, reference, ring
 from models.config import ModelConfig
 
 
@@ -56,21 +59,29 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, mask, cache_kv=None, cache_slot=None):
+  def __call__(self, x, positions, segment_ids, cache_kv=None, cache_slot=None, kv_valid=None):
+    """Without a cache: causal attention within segments. With a cache: k, v are written at
+    `cache_slot`; then with `kv_valid` (decode) the queries attend to the whole cache, without
+    it (prefill, slot 0) to the written tokens only."""
     cfg = self.cfg
     dense = lambda heads, bias, name: nn.DenseGeneral(
         (heads, cfg.head_dim), use_bias=bias, dtype=cfg.compute_dtype, name=name)
     q = rope(dense(cfg.num_heads, cfg.qkv_bias, "q_proj")(x), positions, cfg.rope_theta)
     k = rope(dense(cfg.num_kv_heads, cfg.qkv_bias, "k_proj")(x), positions, cfg.rope_theta)
     v = dense(cfg.num_kv_heads, cfg.qkv_bias, "v_proj")(x)
+    new_kv = None
     if cache_kv is not None:
-      k_all, v_all = cache_kv
-      k = jax.lax.dynamic_update_slice(k_all, k.astype(k_all.dtype), (0, cache_slot, 0, 0))
-      v = jax.lax.dynamic_update_slice(v_all, v.astype(v_all.dtype), (0, cache_slot, 0, 0))
-    out = reference.attention(q, k, v, mask)
+      new_kv = tuple(
+          jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (0, cache_slot, 0, 0))
+          for cached, new in zip(cache_kv, (k, v)))
+    if kv_valid is not None:
+      mask = reference.cache_mask(kv_valid, cache_slot, q.shape[1])
+      out = reference.attention(q, *new_kv, mask)
+    else:
+      out = dispatch.attention(q, k, v, segment_ids, kernel=cfg.attention)
     out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False,
                           dtype=cfg.compute_dtype, name="o_proj")(out)
-    return out, (k, v)
+    return out, new_kv
 
 
 class MLP(nn.Module):
@@ -89,10 +100,10 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, mask, cache_kv=None, cache_slot=None):
+  def __call__(self, x, positions, segment_ids, cache_kv=None, cache_slot=None, kv_valid=None):
     h, kv = Attention(self.cfg, name="self_attn")(
         RMSNorm(self.cfg.rms_norm_eps, name="input_layernorm")(x),
-        positions, mask, cache_kv, cache_slot)
+        positions, segment_ids, cache_kv, cache_slot, kv_valid)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(
         RMSNorm(self.cfg.rms_norm_eps, name="post_attention_layernorm")(x))
@@ -104,7 +115,7 @@ class Decoder(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, positions, mask, cache=None, cache_slot=None):
+  def __call__(self, tokens, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
     cfg = self.cfg
     x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens",
                  embedding_init=nn.initializers.normal(0.02))(tokens)
@@ -112,9 +123,11 @@ class Decoder(nn.Module):
     new_k, new_v = [], []
     for i in range(cfg.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, (k, v) = Block(cfg, name=f"layers_{i}")(x, positions, mask, layer_cache, cache_slot)
-      new_k.append(k)
-      new_v.append(v)
+      x, kv = Block(cfg, name=f"layers_{i}")(x, positions, segment_ids, layer_cache, cache_slot,
+                                             kv_valid)
+      if kv is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
     x = RMSNorm(cfg.rms_norm_eps, name="norm")(x)
     if not cfg.tie_embeddings:
       # Declared here so init creates it; applied by `output_projection`.
@@ -126,8 +139,7 @@ class Decoder(nn.Module):
 def init_params(cfg: ModelConfig, key: jax.Array):
   """Random parameters (float32) for `cfg`."""
   tokens = jnp.zeros((1, 2), jnp.int32)
-  seg = jnp.ones((1, 2), jnp.int32)
-  return Decoder(cfg).init(key, tokens, tokens, reference.segment_causal_mask(seg))["params"]
+  return Decoder(cfg).init(key, tokens, tokens, jnp.ones((1, 2), jnp.int32))["params"]
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, segment_ids):
@@ -135,22 +147,42 @@ def forward(params, cfg: ModelConfig, tokens, positions, segment_ids):
 
   tokens, positions, segment_ids: i32[rows, seq] (segment 0 = padding)
   -> f32[rows, seq, hidden]
+
+  Under a mesh with a `context` axis of size C > 1 the rows run in ring attention's zigzag
+  order (padded to a multiple of 2C); the result is in the original order.
   """
-  mask = reference.segment_causal_mask(segment_ids)
-  hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, mask)
+  context = ring.context_size()
+  seq = tokens.shape[1]
+  if context > 1:
+    tokens, positions, segment_ids = (ring.to_zigzag(x, context)
+                                      for x in (tokens, positions, segment_ids))
+  hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, segment_ids)
+  if context > 1:
+    hidden = ring.from_zigzag(hidden, seq, context)
   return hidden.astype(jnp.float32)
 
 
-def forward_cached(params, cfg: ModelConfig, tokens, positions, kv_valid, cache: KVCache,
-                   cache_slot):
-  """Run `tokens` written at cache slots [cache_slot, cache_slot + q_len).
+def prefill(params, cfg: ModelConfig, tokens, positions, segment_ids, cache: KVCache):
+  """Run prompts and write their keys and values at cache slots [0, prompt_len).
 
-  tokens, positions: i32[batch, q_len]; kv_valid: bool[batch, cache_len] (after this write);
+  tokens, positions, segment_ids: i32[batch, prompt_len] (left padding has segment 0)
+  -> (f32[batch, prompt_len, hidden], updated KVCache)
+  """
+  if ring.context_size() > 1:
+    raise ValueError("prefill runs on one device's rows; call it outside a mesh with a "
+                     "`context` axis (the engine is not context-parallel)")
+  hidden, cache = Decoder(cfg).apply({"params": params}, tokens, positions, segment_ids, cache, 0)
+  return hidden.astype(jnp.float32), cache
+
+
+def decode(params, cfg: ModelConfig, tokens, positions, kv_valid, cache: KVCache, cache_slot):
+  """Run `tokens` written at cache slots [cache_slot, cache_slot + q_len) against the cache.
+
+  tokens, positions: i32[batch, q_len]; kv_valid: bool[batch, cache_len] (after this write)
   -> (f32[batch, q_len, hidden], updated KVCache)
   """
-  mask = reference.cache_mask(kv_valid, cache_slot, tokens.shape[1])
-  hidden, cache = Decoder(cfg).apply({"params": params}, tokens, positions, mask, cache,
-                                     cache_slot)
+  hidden, cache = Decoder(cfg).apply({"params": params}, tokens, positions, None, cache,
+                                     cache_slot, kv_valid)
   return hidden.astype(jnp.float32), cache
 
 

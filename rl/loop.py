@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from models import transformer
+from models import sharding, transformer
+from models.attention import dispatch
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
 from rl import ConfigError
@@ -245,7 +247,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           rl: RLConfig = RLConfig(), num_steps: int = 100, learning_rate: float = 1e-4,
           sft_steps: int = 200, sft_batch_size: int = 64,
           sft_learning_rate: float = 3e-3, eval_records: int = 256, eval_every: int = 0,
-          checkpoint_every: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+          checkpoint_every: int = 20, seed: int = 0, progress: bool = True,
+          mesh: Optional[Mesh] = None) -> dict[str, Any]:
   """A whole run in `run_dir`: SFT warm start, held-out eval, `num_steps` RL steps, eval.
 
   `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny).
@@ -254,6 +257,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   metrics.jsonl is appended. The SFT params are saved in `run_dir/sft`; they are the
   reference policy of losses with a KL term. Returns {"sft_accuracy", "rl_accuracy",
   "steps", ...}.
+  `mesh` (models.sharding.make_mesh) is where the SFT and RL train steps and the reference
+  log-probs run; its `context` axis turns on ring attention. The embedded engine runs on one
+  device.
   """
   tokenizer = tokenizer or CharTokenizer()
   reward = reward or rewards_lib.named_chain({"correctness": rewards_lib.correctness()})
@@ -268,6 +274,16 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                      f"{tokenizer.vocab_size}")
+  context = 1 if mesh is None else mesh.shape["context"]
+  if context > 1 and cfg.attention not in ("auto", "blockwise"):
+    raise ConfigError(f"attention={cfg.attention!r} cannot run context-parallel (mesh context="
+                      f"{context}); ring attention uses blockwise tiles: use 'auto' or "
+                      "'blockwise'")
+  try:
+    kernel = (f"ring over {context} sequence shards" if context > 1
+              else dispatch.resolve(cfg.attention, jax.default_backend()))
+  except dispatch.KernelUnavailable as e:
+    raise ConfigError(str(e)) from None
   if rl.kl_reward_estimator not in kl_lib.ESTIMATORS:
     raise ConfigError(f"unknown RLConfig.kl_reward_estimator {rl.kl_reward_estimator!r}; "
                       f"valid: {sorted(kl_lib.ESTIMATORS)}")
@@ -280,6 +296,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if eval_records > len(task.test):
     raise ConfigError(f"eval_records={eval_records} exceeds the {len(task.test)} test records")
 
+  mesh_shape = "one device" if mesh is None else dict(mesh.shape)
+  print(f"train step: mesh {mesh_shape}, attention {kernel}")
   os.makedirs(run_dir, exist_ok=True)
   metrics_path = os.path.join(run_dir, "metrics.jsonl")
   summary_path = os.path.join(run_dir, "summary.json")
@@ -301,9 +319,11 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
       print(f"{moved} metrics records after the checkpoint moved to {metrics_path}.discarded")
   else:
     started = time.perf_counter()
-    params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
-                                      batch_size=sft_batch_size, learning_rate=sft_learning_rate,
-                                      seq_len=rl.seq_len, seed=seed, progress=progress)
+    with sharding.use(mesh):
+      params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
+                                        batch_size=sft_batch_size,
+                                        learning_rate=sft_learning_rate, seq_len=rl.seq_len,
+                                        seed=seed, progress=progress)
     state = state.replace(train=init_train_state(params, optimizer))
     sft_checkpointer.save(0, params)
     sft_accuracy, sft_length = evaluate(JaxEngine(cfg, params))
@@ -320,11 +340,12 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     reference = sft_checkpointer.restore(state.train.params)
     ref_params = reference if losses.uses_reference(loss, loss_hparams) else None
     # Params go in as an argument: closing over them would bake them into the executable.
-    logprobs_fn = jax.jit(policy_logprobs, static_argnums=1)
+    logprobs_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
     reference_logprobs = lambda batch: logprobs_fn(reference, cfg, batch)[0]
   sft_checkpointer.close()
   engine = JaxEngine(cfg, state.train.params, version=int(state.step))
-  train_step = make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches)
+  train_step = sharding.on_mesh(
+      mesh, make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches))
   steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
                    advantage=advantage, reward=reward, sampler=sampler,
                    config=rl, ref_params=ref_params, reference_logprobs=reference_logprobs)

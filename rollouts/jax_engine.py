@@ -56,7 +56,8 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
       slots[None, :] >= pad[:, None])
   cache = transformer.init_cache(cfg, batch, plen + max_new)
   unembed = transformer.output_projection(params, cfg)
-  hidden, cache = transformer.forward_cached(params, cfg, prompts, positions, kv_valid, cache, 0)
+  hidden, cache = transformer.prefill(params, cfg, prompts, positions,
+                                      kv_valid[:, :plen].astype(jnp.int32), cache)
   logits = hidden[:, -1] @ unembed
   stop_ids = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
 
@@ -69,7 +70,7 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
     logp = logp.at[:, i].set(jnp.where(done, 0.0, token_logp))
     kv_valid = kv_valid.at[:, plen + i].set(~done)
     done = done | jnp.isin(token, stop_ids)
-    hidden, cache = transformer.forward_cached(
+    hidden, cache = transformer.decode(
         params, cfg, token[:, None], (prompt_lens + i)[:, None], kv_valid, cache, plen + i)
     return i + 1, hidden[:, 0] @ unembed, cache, kv_valid, tokens, logp, done, key
 

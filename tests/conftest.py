@@ -1,3 +1,11 @@
+import os
+
+# Sharding and ring-attention tests need a multi-device mesh: XLA simulates 8 CPU devices. Set
+# before jax is imported; subprocesses (experiments/run.py) inherit it.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
 import jax
 import pytest
 

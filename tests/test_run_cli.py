@@ -6,11 +6,13 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "experiments/configs/quickstart.gin")
 TINY = os.path.join(ROOT, "experiments/configs/tiny.gin")
+CONTEXT_PARALLEL = os.path.join(ROOT, "experiments/configs/context_parallel.gin")
 
 
 def run(*args, env_extra=None):
@@ -28,6 +30,12 @@ def run(*args, env_extra=None):
      "no hyper-parameter(s) ['eps']"),
     (["--gin", QUICKSTART, "--gin_param", "RLConfig.kl_reward_estimator = 'k9'"],
      "unknown RLConfig.kl_reward_estimator 'k9'"),
+    (["--gin", QUICKSTART, "--gin_param", "tiny.attention = 'cudnn'"],
+     "attention kernel 'cudnn' needs a GPU"),
+    (["--gin", QUICKSTART, "--gin", CONTEXT_PARALLEL, "--gin_param", "make_mesh.context = 16"],
+     "needs 32 devices"),
+    (["--gin", QUICKSTART, "--gin", CONTEXT_PARALLEL, "--gin_param", "tiny.attention = 'dense'"],
+     "attention='dense' cannot run context-parallel"),
 ])
 def test_bad_configuration_fails_before_any_compile(tmp_path, args, message):
   run_dir = str(tmp_path / "run")
@@ -61,3 +69,17 @@ def test_run_writes_the_run_dir_and_resumes(tmp_path):
   assert {"reward", "accuracy", "completion_length", "entropy", "loss",
           "logp_diff_mean", "logp_diff_max"} <= set(records[-1])
   assert all("eval_accuracy" in records[i] for i in (0, 2, 4))
+
+
+@pytest.mark.slow
+def test_context_parallel_config_runs_ring_attention(tmp_path):
+  """The quickstart recipe (shrunk) with its train steps on a data=2 x context=4 mesh."""
+  result = run("--gin", QUICKSTART, "--gin", TINY, "--gin", CONTEXT_PARALLEL,
+               "--run_dir", str(tmp_path / "run"), "--gin_param", "train.progress = False",
+               "--gin_param", "train.num_steps = 2")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "attention ring over 4 sequence shards" in result.stdout
+  assert "'context': 4" in result.stdout
+  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  assert [r["step"] for r in records] == [0, 1, 2]
+  assert all(np.isfinite(r["loss"]) for r in records[1:])

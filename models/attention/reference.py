@@ -1,14 +1,14 @@
 """Dense reference attention with grouped-query heads and an explicit boolean mask.
 
 Owns the attention arithmetic and the masks for packed training rows and for a KV cache.
-Memory is O(queries x keys); the blockwise and ring kernels (issue 4) replace it for long
-sequences and are tested against it.
+Memory is O(queries x keys); the blockwise and ring kernels replace it for long sequences and
+are tested against it. The embedded engine's decode steps (one query against the cache) use it.
 """
 
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30  # finite, so fully masked (padding) rows give zeros, never NaN gradients
+_MASKED = -1e30  # finite, so fully masked (padding) rows never give NaN gradients
 
 
 def attention(q, k, v, mask):
@@ -27,7 +27,9 @@ def attention(q, k, v, mask):
   scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
   scores = scores * (d ** -0.5)
   scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  probs = jax.nn.softmax(scores, axis=-1)
+  # A query that sees no key (padding) would otherwise average every value; it outputs zero.
+  probs = jnp.where(mask[:, None, None, :, :], probs, 0.0).astype(v.dtype)
   out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
   return out.reshape(b, s, h, d)
 

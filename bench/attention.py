@@ -1,0 +1,238 @@
+"""Attention benchmarks on this machine (not tests): memory and time, dense vs blockwise vs ring.
+
+  python bench/attention.py [--parts kernels,ring,balance,train_step] [--out bench/results]
+
+kernels     causal attention forward+backward at 4k, 16k and 64k tokens, dense vs blockwise:
+            the compiled executable's peak memory (arguments + outputs + temporaries, from
+            XLA's memory analysis) and the wall time of one warm call. A dense call whose
+            memory exceeds this machine's RAM is reported as not fitting and is not run.
+ring        per-device temporary memory of ring attention forward+backward at context=8 (from
+            the compiled executable's memory analysis, 8 simulated CPU devices) against the
+            single-device blockwise figure at the same length.
+balance     attention work per device under the zigzag layout vs a contiguous split: visible
+            (query, key) pairs and computed tiles (the blockwise kernel skips empty tiles).
+train_step  one full train step (forward, chunked log-probs, k1.5 loss, backward, AdamW) of a
+            4-layer, width-256 model on one packed 32,768-token row: peak RSS and time.
+
+Each part runs in its own process so that peak RSS and the simulated device count are its own.
+Results go to OUT/attention.json and are printed as a table.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+LENGTHS = (4096, 16384, 65536)
+GiB = 2 ** 30
+
+
+def _machine_bytes():
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _attention_grad(kind, seq, block=256):
+  """(jitted grad fn, args) of sum(attention(q, k, v)) w.r.t. q, k, v for one row."""
+  import jax
+  import jax.numpy as jnp
+  from models.attention import blockwise, reference
+
+  q = jnp.zeros((1, seq, HEADS, HEAD_DIM), jnp.float32)
+  kv = jnp.zeros((1, seq, KV_HEADS, HEAD_DIM), jnp.float32)
+  seg = jnp.ones((1, seq), jnp.int32)
+  if kind == "dense":
+    fn = lambda q, k, v: reference.attention(q, k, v, reference.segment_causal_mask(seg))
+  else:
+    fn = lambda q, k, v: blockwise.attention(q, k, v, seg, block_q=block, block_k=block)
+  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
+  return grad, (q, kv, kv)
+
+
+def _peak_bytes(compiled):
+  m = compiled.memory_analysis()
+  return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+
+
+def part_kernels():
+  import jax
+  rows = []
+  for seq in LENGTHS:
+    for kind in ("dense", "blockwise"):
+      grad, args = _attention_grad(kind, seq)
+      compiled = grad.lower(*args).compile()
+      peak = _peak_bytes(compiled)
+      row = {"kind": kind, "seq": seq, "peak_bytes": peak}
+      if peak > 0.8 * _machine_bytes():
+        row["seconds"] = None
+        row["note"] = f"does not fit: needs {peak / GiB:.1f} GiB of {_machine_bytes() / GiB:.0f}"
+      else:
+        jax.block_until_ready(compiled(*args))  # warm
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        row["seconds"] = time.perf_counter() - start
+      rows.append(row)
+      print(row, flush=True)
+  return rows
+
+
+def part_ring():
+  import jax
+  import jax.numpy as jnp
+  from models import sharding
+  from models.attention import ring
+
+  rows = []
+  for seq in (16384, 65536):
+    single, args = _attention_grad("blockwise", seq)
+    single_temp = single.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    mesh = sharding.make_mesh(context=8)
+    seg = jnp.ones((1, seq), jnp.int32)
+    fn = lambda q, k, v: jnp.sum(ring.attention(q, k, v, seg, block_q=256, block_k=256))
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(jax.grad(fn, argnums=(0, 1, 2))).lower(*args).compile()
+    ring_temp = compiled.memory_analysis().temp_size_in_bytes  # per device
+    rows.append({"seq": seq, "context": 8, "single_device_temp_bytes": single_temp,
+                 "ring_per_device_temp_bytes": ring_temp, "ratio": ring_temp / single_temp})
+    print(rows[-1], flush=True)
+  return rows
+
+
+def part_balance():
+  import numpy as np
+  from models.attention import ring
+
+  seq, context, block = 65536, 8, 256
+  rows = []
+  for layout, order in (("zigzag", ring.zigzag_order(seq, context)),
+                        ("contiguous", np.arange(seq))):
+    pairs, tiles = [], []
+    for shard in order.reshape(context, -1):
+      pairs.append(int(np.sum(shard + 1)))  # query at position p sees p + 1 keys
+      q_tiles = shard.reshape(-1, block)
+      kv_tiles = np.arange(seq).reshape(-1, block)
+      tiles.append(int(np.sum(kv_tiles.min(1)[None, :] <= q_tiles.max(1)[:, None])))
+    rows.append({"layout": layout, "pairs_per_device": pairs, "tiles_per_device": tiles,
+                 "pairs_spread": (max(pairs) - min(pairs)) / min(pairs),
+                 "tiles_spread": (max(tiles) - min(tiles)) / min(tiles)})
+    print(rows[-1], flush=True)
+  return rows
+
+
+def part_train_step():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from models import config, transformer
+  from rl import losses
+  from rl.loop import rl_optimizer
+  from rl.train_step import init_train_state, make_train_step
+  from rl.types import TrainBatch
+
+  seq, vocab = 32768, 8192
+  cfg = config.tiny(vocab, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                    intermediate_size=704)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  optimizer = rl_optimizer(1e-5)
+  state = init_train_state(params, optimizer)
+  # One row packed with 16 trajectories of 2,048 tokens; loss on every real token.
+  seg = np.repeat(np.arange(1, 17), seq // 16)[None].astype(np.int32)
+  pos = np.tile(np.arange(seq // 16), 16)[None].astype(np.int32)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, vocab, (1, seq)).astype(np.int32)
+  batch = TrainBatch(tokens=jnp.asarray(tokens), targets=jnp.asarray(np.roll(tokens, -1, 1)),
+                     positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg),
+                     loss_mask=jnp.ones((1, seq), jnp.float32),
+                     old_logp=jnp.full((1, seq), -9.0, jnp.float32),
+                     advantages=jnp.asarray(rng.normal(size=(1, seq)), jnp.float32))
+  step = make_train_step(cfg, optimizer, losses.bind("k1.5", None))
+  compiled_peak = _peak_bytes(step.lower(state, batch).compile())
+  start = time.perf_counter()
+  state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  first = time.perf_counter() - start
+  start = time.perf_counter()
+  state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  row = {"seq": seq, "layers": 4, "width": 256, "vocab": vocab,
+         "compiled_peak_bytes": compiled_peak,
+         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+         "first_step_seconds_incl_compile": first, "step_seconds": time.perf_counter() - start,
+         "loss": float(metrics["loss"]), "machine_bytes": _machine_bytes()}
+  print(row, flush=True)
+  return [row]
+
+
+PARTS = {"kernels": part_kernels, "ring": part_ring, "balance": part_balance,
+         "train_step": part_train_step}
+
+
+def _table(results):
+  lines = []
+  if "kernels" in results:
+    lines += ["attention fwd+bwd (1 row, 8 heads over 2 KV heads, head_dim 64, causal, fp32)",
+              f"{'seq':>7} {'kernel':>10} {'peak memory':>14} {'time':>9}"]
+    for r in results["kernels"]:
+      t = f"{r['seconds']:.2f} s" if r["seconds"] is not None else r["note"]
+      lines.append(f"{r['seq']:>7} {r['kind']:>10} {r['peak_bytes'] / GiB:>10.3f} GiB {t:>9}")
+    bw = {r["seq"]: r["peak_bytes"] for r in results["kernels"] if r["kind"] == "blockwise"}
+    lines.append(f"blockwise memory ratio 64k/16k = {bw[65536] / bw[16384]:.2f} (target <= 4.5)")
+  if "ring" in results:
+    for r in results["ring"]:
+      lines.append(f"ring context=8 at {r['seq']}: per-device temp "
+                   f"{r['ring_per_device_temp_bytes'] / 2**20:.1f} MiB vs single-device "
+                   f"blockwise {r['single_device_temp_bytes'] / 2**20:.1f} MiB: ratio "
+                   f"{r['ratio']:.3f} (target <= 0.167)")
+  if "balance" in results:
+    for r in results["balance"]:
+      lines.append(f"{r['layout']:>10} layout, 64k over 8 devices: visible-pair spread "
+                   f"{100 * r['pairs_spread']:.1f}%, computed-tile spread "
+                   f"{100 * r['tiles_spread']:.1f}% (target <= 5% for zigzag)")
+  if "train_step" in results:
+    r = results["train_step"][0]
+    lines.append(f"train step, 4 layers x 256, one packed {r['seq']}-token row, vocab "
+                 f"{r['vocab']}: peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB (compiled "
+                 f"{r['compiled_peak_bytes'] / GiB:.2f} GiB) of "
+                 f"{r['machine_bytes'] / GiB:.0f} GiB, {r['step_seconds']:.1f} s/step")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--parts", default=",".join(PARTS))
+  parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+  parser.add_argument("--_part", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args._part:  # child process: one part, JSON on the last stdout line
+    print(json.dumps(PARTS[args._part]()))
+    return
+  results = {}
+  for part in args.parts.split(","):
+    if part not in PARTS:
+      parser.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
+    env = dict(os.environ)
+    if part == "ring":
+      env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    print(f"== {part}", flush=True)
+    proc = subprocess.run([sys.executable, __file__, "--_part", part], env=env,
+                          stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+      raise SystemExit(f"bench part {part!r} failed (exit {proc.returncode})")
+    results[part] = json.loads(proc.stdout.strip().splitlines()[-1])
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "attention.json")
+  previous = json.load(open(path)) if os.path.exists(path) else {}
+  with open(path, "w") as f:
+    json.dump({**previous, **results}, f, indent=1)
+  print(_table(results))
+  print(f"results: {path}")
+
+
+if __name__ == "__main__":
+  main()

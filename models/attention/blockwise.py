@@ -1,0 +1,232 @@
+"""Blockwise (flash-style) causal attention with a recomputing backward pass.
+
+Owns the online-softmax arithmetic over (query block, key block) tiles, for one device: the
+forward keeps a running max, normaliser and output per query block; the custom VJP keeps only
+(q, k, v, out, logsumexp) and recomputes each tile's probabilities, so memory is linear in the
+sequence length. Tiles whose mask is empty are skipped at run time (`lax.cond`), which halves the
+causal work and skips padding.
+
+The tile functions take explicit segment ids and causal indices for both sides, so that ring
+attention (models/attention/ring.py) can run them on key chunks that arrive from other devices.
+Grouped-query heads are handled by grouping query heads under their key/value head: keys and
+values are never repeated.
+
+Masking rule, the same as the dense reference: query i sees key j iff index[j] <= index[i],
+segment[j] == segment[i] and segment[i] != 0. A query that sees no key outputs zeros.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_BLOCK = 256  # fastest of 128/256/512 on CPU at 4k tokens (bench/attention.py)
+
+
+class Blocks(NamedTuple):
+  """One side (queries or keys) cut into tiles.
+
+  seg: i32[blocks, batch, block] segment ids (0 = padding); idx: i32[blocks, block] causal order.
+  """
+  seg: jax.Array
+  idx: jax.Array
+
+
+class SoftmaxState(NamedTuple):
+  """Online-softmax accumulators for every query tile: f32[q_blocks, b, kv_heads, group, bq(, d)]."""
+  acc: jax.Array
+  m: jax.Array  # running max of the scores (-inf until a key is seen)
+  l: jax.Array  # running sum of exp(score - m)
+
+
+def _tile_mask(qm_seg, qm_idx, km_seg, km_idx):
+  """bool[b, bq, bk] for one (query tile, key tile) pair."""
+  causal = km_idx[None, :] <= qm_idx[:, None]
+  same = qm_seg[:, :, None] == km_seg[:, None, :]
+  return causal[None] & same & (qm_seg != 0)[:, :, None]
+
+
+def _scores(q, k, mask):
+  """q: [b, kh, g, bq, d] (already scaled); k: [b, kh, bk, d] -> f32[b, kh, g, bq, bk]."""
+  s = jnp.einsum("bkgqd,bktd->bkgqt", q, k, preferred_element_type=jnp.float32)
+  return jnp.where(mask[:, None, None], s, -jnp.inf)
+
+
+def init_state(q_blocks) -> SoftmaxState:
+  shape = q_blocks.shape[:-1]
+  return SoftmaxState(jnp.zeros(q_blocks.shape, jnp.float32),
+                      jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32))
+
+
+def _update_tile(state, q, k, v, mask):
+  acc, m, l = state
+  s = _scores(q, k, mask)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # no key yet: avoid inf - inf
+  p = jnp.exp(s - m_safe[..., None])
+  correction = jnp.exp(m - m_safe)
+  l = l * correction + jnp.sum(p, axis=-1)
+  pv = jnp.einsum("bkgqt,bktd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return SoftmaxState(acc * correction[..., None] + pv, m_new, l)
+
+
+def attend_chunk(state: SoftmaxState, q_blocks, q_meta: Blocks, k_blocks, v_blocks,
+                 kv_meta: Blocks) -> SoftmaxState:
+  """Fold one chunk of keys into the running softmax of every query tile.
+
+  q_blocks: [nq, b, kh, g, bq, d]; k_blocks, v_blocks: [nk, b, kh, bk, d].
+  """
+
+  def one_q_tile(args):
+    tile_state, q, q_seg, q_idx = args
+
+    def one_k_tile(st, kv):
+      k, v, k_seg, k_idx = kv
+      mask = _tile_mask(q_seg, q_idx, k_seg, k_idx)
+      st = jax.lax.cond(jnp.any(mask), _update_tile, lambda st, *_: st, st, q, k, v, mask)
+      return st, None
+
+    return jax.lax.scan(one_k_tile, SoftmaxState(*tile_state),
+                        (k_blocks, v_blocks, kv_meta.seg, kv_meta.idx))[0]
+
+  return SoftmaxState(*jax.lax.map(one_q_tile, (tuple(state), q_blocks, q_meta.seg, q_meta.idx)))
+
+
+def finalize(state: SoftmaxState):
+  """-> (out f32[nq, b, kh, g, bq, d], lse f32[nq, b, kh, g, bq]); lse = +inf where no key was seen,
+  so that exp(score - lse) is 0 there in the backward pass."""
+  seen = state.l > 0
+  out = state.acc / jnp.where(seen, state.l, 1.0)[..., None]
+  lse = jnp.where(seen, state.m + jnp.log(jnp.where(seen, state.l, 1.0)), jnp.inf)
+  return out, lse
+
+
+def grad_chunk(q_blocks, q_meta: Blocks, dout_blocks, lse, delta, k_blocks, v_blocks,
+               kv_meta: Blocks):
+  """Gradients from one chunk of keys: (dq [nq, ...] f32, dk, dv [nk, ...] f32).
+
+  dq is with respect to the scaled queries. delta: f32[nq, b, kh, g, bq] = sum(dout * out, -1).
+  """
+
+  def one_k_tile(dq, kv):
+    k, v, k_seg, k_idx = kv
+
+    def one_q_tile(dkv, qargs):
+      q, dout, lse_t, delta_t, q_seg, q_idx = qargs
+      mask = _tile_mask(q_seg, q_idx, k_seg, k_idx)
+
+      def compute(dk, dv):
+        p = jnp.exp(_scores(q, k, mask) - lse_t[..., None])
+        dv = dv + jnp.einsum("bkgqt,bkgqd->bktd", p, dout, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgqd,bktd->bkgqt", dout, v, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_t[..., None])
+        dk = dk + jnp.einsum("bkgqt,bkgqd->bktd", ds, q, preferred_element_type=jnp.float32)
+        dq_t = jnp.einsum("bkgqt,bktd->bkgqd", ds, k, preferred_element_type=jnp.float32)
+        return dk, dv, dq_t
+
+      def skip(dk, dv):
+        return dk, dv, jnp.zeros(q.shape, jnp.float32)
+
+      dk, dv, dq_t = jax.lax.cond(jnp.any(mask), compute, skip, *dkv)
+      return (dk, dv), dq_t
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    (dk, dv), dq_tiles = jax.lax.scan(
+        one_q_tile, (zeros, zeros), (q_blocks, dout_blocks, lse, delta, q_meta.seg, q_meta.idx))
+    return dq + dq_tiles, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(one_k_tile, jnp.zeros(q_blocks.shape, jnp.float32),
+                              (k_blocks, v_blocks, kv_meta.seg, kv_meta.idx))
+  return dq, dk, dv
+
+
+# ---- layout: [b, s, heads, d] <-> tiles ----
+
+def to_q_blocks(q, block):
+  """[b, s, h, d] -> [nq, b, kh, g, block, d] for `kv_heads` given by the caller's reshape."""
+  b, s, kh, g, d = q.shape
+  q = _pad_seq(q, block).reshape(b, -1, block, kh, g, d)
+  return q.transpose(1, 0, 3, 4, 2, 5)
+
+
+def from_q_blocks(x, seq):
+  """[nq, b, kh, g, block, d] -> [b, seq, kh * g, d]."""
+  nq, b, kh, g, block, d = x.shape
+  return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * block, kh * g, d)[:, :seq]
+
+
+def to_kv_blocks(k, block):
+  """[b, s, kh, d] -> [nk, b, kh, block, d]."""
+  b, s, kh, d = k.shape
+  return _pad_seq(k, block).reshape(b, -1, block, kh, d).transpose(1, 0, 3, 2, 4)
+
+
+def from_kv_blocks(x, seq):
+  nk, b, kh, block, d = x.shape
+  return x.transpose(1, 0, 3, 2, 4).reshape(b, nk * block, kh, d)[:, :seq]
+
+
+def to_meta(segment_ids, index, block) -> Blocks:
+  """segment_ids: i32[b, s]; index: i32[s] -> Blocks (padding gets segment 0)."""
+  seg = _pad_seq(segment_ids, block)
+  idx = _pad_seq(index[None], block)[0]
+  return Blocks(seg.reshape(seg.shape[0], -1, block).transpose(1, 0, 2), idx.reshape(-1, block))
+
+
+def _pad_seq(x, block):
+  pad = -x.shape[1] % block
+  if not pad:
+    return x
+  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def block_size(seq, requested):
+  """The tile size for a sequence: `requested`, or the whole sequence when it is shorter."""
+  return max(1, min(requested, seq))
+
+
+# ---- the single-device kernel ----
+
+@jax.custom_vjp
+def _flash(q_blocks, k_blocks, v_blocks, q_meta, kv_meta):
+  return _flash_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta)[0]
+
+
+def _flash_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta):
+  state = attend_chunk(init_state(q_blocks), q_blocks, q_meta, k_blocks, v_blocks, kv_meta)
+  out, lse = finalize(state)
+  out = out.astype(q_blocks.dtype)
+  return out, (q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse)
+
+
+def _flash_bwd(residuals, dout):
+  q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse = residuals
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  dq, dk, dv = grad_chunk(q_blocks, q_meta, dout, lse, delta, k_blocks, v_blocks, kv_meta)
+  return (dq.astype(q_blocks.dtype), dk.astype(k_blocks.dtype), dv.astype(v_blocks.dtype),
+          None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attention(q, k, v, segment_ids, *, block_q: int = DEFAULT_BLOCK,
+              block_k: int = DEFAULT_BLOCK):
+  """Causal attention within segments, memory linear in the sequence length.
+
+  Args:
+    q: [batch, seq, num_heads, head_dim]
+    k, v: [batch, seq, num_kv_heads, head_dim]
+    segment_ids: i32[batch, seq]; 0 marks padding (its output is zero).
+    block_q, block_k: tile sizes; any sequence length works (the tail tile is padded).
+  Returns:
+    [batch, seq, num_heads, head_dim] in q's dtype.
+  """
+  b, s, h, d = q.shape
+  kh = k.shape[2]
+  bq, bk = block_size(s, block_q), block_size(s, block_k)
+  index = jnp.arange(s, dtype=jnp.int32)
+  scaled = (q * d ** -0.5).astype(q.dtype).reshape(b, s, kh, h // kh, d)
+  out = _flash(to_q_blocks(scaled, bq), to_kv_blocks(k, bk), to_kv_blocks(v, bk),
+               to_meta(segment_ids, index, bq), to_meta(segment_ids, index, bk))
+  return from_q_blocks(out, s)

@@ -1,0 +1,140 @@
+"""The one place that chooses an attention kernel.
+
+Owns the kernel names, the per-backend default and the vendor-kernel calls. Model code calls
+`attention(q, k, v, segment_ids, kernel=cfg.attention)`; under a mesh with a `context` axis
+larger than 1 that is ring attention over blockwise tiles, otherwise:
+
+  auto       TPU -> splash, GPU -> cudnn, CPU -> blockwise (the only choice that falls back:
+             to blockwise when the vendor kernel is missing)
+  blockwise  models/attention/blockwise.py (any backend)
+  dense      models/attention/reference.py (tests; O(seq^2) memory)
+  cudnn      jax.nn.dot_product_attention(implementation="cudnn"); GPU only
+  splash     Pallas splash attention; TPU only
+
+An explicit choice that cannot run raises. The choice is logged once per (request, backend).
+"""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from models.attention import blockwise, reference, ring
+
+KERNELS = ("auto", "blockwise", "dense", "cudnn", "splash")
+_DEFAULTS = {"tpu": "splash", "gpu": "cudnn", "cpu": "blockwise"}
+_log = logging.getLogger("longrl.attention")
+
+
+class KernelUnavailable(RuntimeError):
+  """An explicitly requested attention kernel cannot run here."""
+
+
+def splash_attention(q, k, v, segment_ids, *, interpret: bool = False):
+  """Pallas splash attention (TPU; `interpret=True` runs it anywhere, slowly, for tests).
+
+  Same contract as `blockwise.attention`. Each key/value head serves its group of query heads
+  through the multi-query kernel, so keys are never repeated. The sequence is padded to the
+  kernel's 128-token tiles; padding is segment 0, which splash treats as one more segment, so
+  its (discarded) outputs stay finite.
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+  b, s, h, d = q.shape
+  kh = k.shape[2]
+  g = h // kh
+  tile = 128
+  padded = -(-s // tile) * tile
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - s)] + [(0, 0)] * (x.ndim - 2))
+  mask = sm.MultiHeadMask([sm.CausalMask((padded, padded)) for _ in range(g)])
+  kernel = sk.make_splash_mqa_single_device(mask, interpret=interpret)
+  q = pad(q * d ** -0.5).astype(q.dtype).reshape(b, padded, kh, g, d).transpose(0, 2, 3, 1, 4)
+  k, v = (pad(x).transpose(0, 2, 1, 3) for x in (k, v))  # [b, kh, s, d]
+  seg = pad(segment_ids)
+
+  def one_row(q, k, v, seg):  # q [kh, g, s, d], k/v [kh, s, d], seg [s]
+    ids = sk.SegmentIds(q=seg, kv=seg)
+    return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q, k, v)
+
+  out = jax.vmap(one_row)(q, k, v, seg)  # [b, kh, g, s, d]
+  out = out.transpose(0, 3, 1, 2, 4).reshape(b, padded, h, d)[:, :s]
+  return out * (segment_ids != 0)[:, :, None, None].astype(out.dtype)
+
+
+def cudnn_attention(q, k, v, segment_ids, *, implementation: str = "cudnn"):
+  """jax.nn.dot_product_attention with the cuDNN fused kernel (GPU).
+
+  Same contract as `blockwise.attention`; `implementation="xla"` runs the same call anywhere
+  (tests). jax.nn.dot_product_attention takes grouped KV heads natively. It has no segment-id
+  argument, so packed rows pass a [batch, 1, seq, seq] boolean mask; padding is its own
+  segment there (never a fully masked row) and is zeroed afterwards.
+  """
+  mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                     implementation=implementation)
+  return out * (segment_ids != 0)[:, :, None, None].astype(out.dtype)
+
+
+def _vendor_kernel_available(name: str) -> bool:
+  if name == "splash":
+    try:
+      from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel  # noqa: F401
+    except ImportError:
+      return False
+    return jax.default_backend() == "tpu"
+  if name == "cudnn":
+    if jax.default_backend() != "gpu":
+      return False
+    try:  # a tiny probe: raises when cuDNN (or a recent enough one) is missing
+      with jax.ensure_compile_time_eval():  # run now, even when called while tracing
+        x = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
+        jax.block_until_ready(jax.nn.dot_product_attention(x, x, x, implementation="cudnn"))
+    except Exception:  # noqa: BLE001 - any failure means "cannot run here"
+      return False
+    return True
+  return True
+
+
+@functools.cache
+def resolve(kernel: str, backend: str) -> str:
+  """The kernel that runs for request `kernel` on `backend`; raises KernelUnavailable."""
+  if kernel not in KERNELS:
+    raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
+  if kernel == "auto":
+    chosen = _DEFAULTS.get(backend, "blockwise")
+    if not _vendor_kernel_available(chosen):
+      _log.warning("attention: default kernel %r unavailable on %s; using blockwise", chosen,
+                   backend)
+      chosen = "blockwise"
+  else:
+    chosen = kernel
+    if not _vendor_kernel_available(kernel):
+      needs = {"splash": "a TPU", "cudnn": "a GPU with cuDNN"}[kernel]
+      raise KernelUnavailable(f"attention kernel {kernel!r} needs {needs}; this backend is "
+                              f"{backend!r}. Use attention='auto' or 'blockwise'.")
+  _log.info("attention: requested %r on %s -> %s", kernel, backend, chosen)
+  return chosen
+
+
+def attention(q, k, v, segment_ids, *, kernel: str = "auto"):
+  """Causal attention within segments through the chosen kernel.
+
+  q: [batch, seq, num_heads, head_dim]; k, v: [batch, seq, num_kv_heads, head_dim];
+  segment_ids: i32[batch, seq], 0 = padding (zero output). Under a mesh whose `context` axis is
+  larger than 1 the rows must be in zigzag order (ring.to_zigzag) and ring attention runs.
+  """
+  if ring.context_size() > 1:
+    if kernel not in ("auto", "blockwise"):
+      raise KernelUnavailable(f"attention kernel {kernel!r} cannot run context-parallel; ring "
+                              "attention uses blockwise tiles (attention='auto' or 'blockwise')")
+    return ring.attention(q, k, v, segment_ids)
+  chosen = resolve(kernel, jax.default_backend())
+  if chosen == "blockwise":
+    return blockwise.attention(q, k, v, segment_ids)
+  if chosen == "dense":
+    return reference.attention(q, k, v, reference.segment_causal_mask(segment_ids))
+  if chosen == "cudnn":
+    return cudnn_attention(q, k, v, segment_ids)
+  return splash_attention(q, k, v, segment_ids)

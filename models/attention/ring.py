@@ -1,0 +1,152 @@
+"""Ring attention: causal attention with the sequence sharded over the mesh axis `context`.
+
+Owns the zigzag layout and the ring. Each device keeps its query chunk and passes its key/value
+chunk (with segment ids and causal indices) around the ring with `ppermute`, folding each
+arriving chunk into its online softmax with the blockwise tile functions; the next chunk's
+transfer is issued before the current chunk's compute so that XLA can overlap them. The custom
+VJP sends key/value chunks around again, together with their gradient accumulators, which arrive
+back at their owner after a full turn. Per-device memory is that of one chunk.
+
+Zigzag layout (Brandon et al. 2023, "Striped attention"; the zigzag variant of Megatron-CP): the
+sequence is cut into 2 x context chunks and device r holds chunks r and 2 x context - 1 - r, so
+under a causal mask every device has the same number of visible (query, key) pairs. Model code
+puts its rows in this order once per forward (`to_zigzag`) and back at the end (`from_zigzag`);
+everything but attention is position-wise, and RoPE reads explicit positions.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from models.attention import blockwise
+
+CONTEXT_AXIS = "context"
+_BATCH_AXES = ("data", "fsdp")
+_HEAD_AXIS = "tensor"
+
+
+def zigzag_order(seq: int, context: int) -> np.ndarray:
+  """i32[seq]: slot p of the zigzag layout holds original position order[p].
+
+  seq must be a multiple of 2 x context (callers pad).
+  """
+  if seq % (2 * context):
+    raise ValueError(f"zigzag layout needs a sequence length divisible by 2 x context = "
+                     f"{2 * context}, got {seq}")
+  chunks = np.arange(seq, dtype=np.int32).reshape(2 * context, -1)
+  return np.concatenate([np.concatenate([chunks[r], chunks[2 * context - 1 - r]])
+                         for r in range(context)])
+
+
+def padded_length(seq: int, context: int) -> int:
+  return -(-seq // (2 * context)) * (2 * context)
+
+
+def to_zigzag(x, context: int):
+  """Pad axis 1 to a multiple of 2 x context (with zeros: segment 0 = padding) and reorder."""
+  seq = x.shape[1]
+  x = jnp.pad(x, [(0, 0), (0, padded_length(seq, context) - seq)] + [(0, 0)] * (x.ndim - 2))
+  return x[:, zigzag_order(x.shape[1], context)]
+
+
+def from_zigzag(x, seq: int, context: int):
+  """Inverse of `to_zigzag`: original order, padding dropped."""
+  inverse = np.argsort(zigzag_order(x.shape[1], context))
+  return x[:, inverse][:, :seq]
+
+
+def context_size(mesh=None) -> int:
+  """Size of the `context` axis of `mesh` (default: the mesh set with jax.set_mesh); 1 if none."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty or CONTEXT_AXIS not in mesh.axis_names:
+    return 1
+  return mesh.shape[CONTEXT_AXIS]
+
+
+def _ring_specs(mesh, num_kv_heads):
+  batch = tuple(a for a in _BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1) or None
+  heads = None
+  if _HEAD_AXIS in mesh.axis_names and mesh.shape[_HEAD_AXIS] > 1:
+    if num_kv_heads % mesh.shape[_HEAD_AXIS]:
+      raise ValueError(f"ring attention shards heads over mesh axis {_HEAD_AXIS!r} of size "
+                       f"{mesh.shape[_HEAD_AXIS]}, which must divide num_kv_heads={num_kv_heads}")
+    heads = _HEAD_AXIS
+  return P(batch, CONTEXT_AXIS, heads, None), P(batch, CONTEXT_AXIS), P(CONTEXT_AXIS)
+
+
+def _shift(tree, axis, size):
+  """Send every device's `tree` to the next device on the ring."""
+  perm = [(r, (r + 1) % size) for r in range(size)]
+  return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
+
+
+def _make_ring(axis: str, size: int):
+  """The custom-VJP ring over local tiles (runs inside shard_map)."""
+
+  @jax.custom_vjp
+  def ring(q_blocks, k_blocks, v_blocks, q_meta, kv_meta):
+    return ring_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta)[0]
+
+  def ring_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta):
+    state = blockwise.init_state(q_blocks)
+    chunk = (k_blocks, v_blocks, kv_meta)
+    for step in range(size):
+      incoming = _shift(chunk, axis, size) if step < size - 1 else None
+      state = blockwise.attend_chunk(state, q_blocks, q_meta, *chunk)
+      chunk = incoming
+    out, lse = blockwise.finalize(state)
+    out = out.astype(q_blocks.dtype)
+    return out, (q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse)
+
+  def ring_bwd(residuals, dout):
+    q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse = residuals
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq = jnp.zeros(q_blocks.shape, jnp.float32)
+    dkv = (jnp.zeros(k_blocks.shape, jnp.float32), jnp.zeros(v_blocks.shape, jnp.float32))
+    chunk = (k_blocks, v_blocks, kv_meta)
+    for step in range(size):
+      incoming = _shift(chunk, axis, size) if step < size - 1 else None
+      dq_c, dk_c, dv_c = blockwise.grad_chunk(q_blocks, q_meta, dout, lse, delta, *chunk)
+      dq = dq + dq_c
+      # The accumulators travel with their chunk; after `size` shifts they are home.
+      dkv = _shift((dkv[0] + dk_c, dkv[1] + dv_c), axis, size)
+      chunk = incoming
+    return (dq.astype(q_blocks.dtype), dkv[0].astype(k_blocks.dtype),
+            dkv[1].astype(v_blocks.dtype), None, None)
+
+  ring.defvjp(ring_fwd, ring_bwd)
+  return ring
+
+
+def attention(q, k, v, segment_ids, *, block_q: int = blockwise.DEFAULT_BLOCK,
+              block_k: int = blockwise.DEFAULT_BLOCK):
+  """Causal attention within segments over rows in zigzag order, sharded over `context`.
+
+  Runs under the mesh set with `jax.set_mesh`; batch is sharded over data/fsdp and heads over
+  tensor where those axes exist. Shapes are global:
+    q: [batch, seq, num_heads, head_dim]; k, v: [batch, seq, num_kv_heads, head_dim];
+    segment_ids: i32[batch, seq] (0 = padding), all in `to_zigzag` order, seq divisible by
+    2 x context.
+  Returns [batch, seq, num_heads, head_dim] in zigzag order.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  size = context_size(mesh)
+  b, s, h, d = q.shape
+  kh = k.shape[2]
+  qkv_spec, seg_spec, idx_spec = _ring_specs(mesh, kh)
+  ring = _make_ring(CONTEXT_AXIS, size)
+  local = s // size
+
+  def per_device(q, k, v, seg, index):
+    bq, bk = blockwise.block_size(local, block_q), blockwise.block_size(local, block_k)
+    lb, _, lh, _ = q.shape
+    scaled = (q * d ** -0.5).astype(q.dtype).reshape(lb, local, k.shape[2], lh // k.shape[2], d)
+    out = ring(blockwise.to_q_blocks(scaled, bq), blockwise.to_kv_blocks(k, bk),
+               blockwise.to_kv_blocks(v, bk), blockwise.to_meta(seg, index, bq),
+               blockwise.to_meta(seg, index, bk))
+    return blockwise.from_q_blocks(out, local)
+
+  index = jnp.asarray(zigzag_order(s, size))
+  return jax.shard_map(per_device, in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_spec, idx_spec),
+                       out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids, index)
