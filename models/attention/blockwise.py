@@ -74,11 +74,12 @@ def attend_chunk(state: SoftmaxState, q_blocks, q_meta: Blocks, k_blocks, v_bloc
                  kv_meta: Blocks) -> SoftmaxState:
   """Fold one chunk of keys into the running softmax of every query tile.
 
-  q_blocks: [nq, b, kh, g, bq, d]; k_blocks, v_blocks: [nk, b, kh, bk, d].
+  q_blocks: [nq, b, kh, g, bq, d]; k_blocks, v_blocks: [nk, b, kh, bk, d]. The state is
+  updated tile by tile in place (a loop, not a map), so only one copy of it is live.
   """
 
-  def one_q_tile(args):
-    tile_state, q, q_seg, q_idx = args
+  def one_q_tile(i, state):
+    q, q_seg, q_idx = q_blocks[i], q_meta.seg[i], q_meta.idx[i]
 
     def one_k_tile(st, kv):
       k, v, k_seg, k_idx = kv
@@ -86,10 +87,11 @@ def attend_chunk(state: SoftmaxState, q_blocks, q_meta: Blocks, k_blocks, v_bloc
       st = jax.lax.cond(jnp.any(mask), _update_tile, lambda st, *_: st, st, q, k, v, mask)
       return st, None
 
-    return jax.lax.scan(one_k_tile, SoftmaxState(*tile_state),
+    tile = jax.lax.scan(one_k_tile, SoftmaxState(*(x[i] for x in state)),
                         (k_blocks, v_blocks, kv_meta.seg, kv_meta.idx))[0]
+    return SoftmaxState(*(x.at[i].set(t) for x, t in zip(state, tile)))
 
-  return SoftmaxState(*jax.lax.map(one_q_tile, (tuple(state), q_blocks, q_meta.seg, q_meta.idx)))
+  return jax.lax.fori_loop(0, q_blocks.shape[0], one_q_tile, state)
 
 
 def finalize(state: SoftmaxState):
@@ -101,43 +103,48 @@ def finalize(state: SoftmaxState):
   return out, lse
 
 
-def grad_chunk(q_blocks, q_meta: Blocks, dout_blocks, lse, delta, k_blocks, v_blocks,
+def grad_chunk(grads, q_blocks, q_meta: Blocks, dout_blocks, lse, delta, k_blocks, v_blocks,
                kv_meta: Blocks):
-  """Gradients from one chunk of keys: (dq [nq, ...] f32, dk, dv [nk, ...] f32).
+  """Add one chunk of keys' gradient terms to `grads` = (dq, dk, dv), all f32, in place.
 
-  dq is with respect to the scaled queries. delta: f32[nq, b, kh, g, bq] = sum(dout * out, -1).
+  dq: [nq, b, kh, g, bq, d], with respect to the scaled queries; dk, dv: [nk, b, kh, bk, d]
+  for this chunk's keys. delta: f32[nq, b, kh, g, bq] = sum(dout * out, -1).
   """
 
-  def one_k_tile(dq, kv):
-    k, v, k_seg, k_idx = kv
+  def one_k_tile(j, grads):
+    dq, dk, dv = grads
+    k, v, k_seg, k_idx = k_blocks[j], v_blocks[j], kv_meta.seg[j], kv_meta.idx[j]
 
-    def one_q_tile(dkv, qargs):
-      q, dout, lse_t, delta_t, q_seg, q_idx = qargs
-      mask = _tile_mask(q_seg, q_idx, k_seg, k_idx)
+    def one_q_tile(i, carry):
+      dk_j, dv_j, dq = carry
+      q, dout, lse_t, delta_t = q_blocks[i], dout_blocks[i], lse[i], delta[i]
+      mask = _tile_mask(q_meta.seg[i], q_meta.idx[i], k_seg, k_idx)
 
-      def compute(dk, dv):
+      def compute(dk_j, dv_j):
         p = jnp.exp(_scores(q, k, mask) - lse_t[..., None])
-        dv = dv + jnp.einsum("bkgqt,bkgqd->bktd", p, dout, preferred_element_type=jnp.float32)
+        dv_j = dv_j + jnp.einsum("bkgqt,bkgqd->bktd", p, dout,
+                                 preferred_element_type=jnp.float32)
         dp = jnp.einsum("bkgqd,bktd->bkgqt", dout, v, preferred_element_type=jnp.float32)
         ds = p * (dp - delta_t[..., None])
-        dk = dk + jnp.einsum("bkgqt,bkgqd->bktd", ds, q, preferred_element_type=jnp.float32)
+        dk_j = dk_j + jnp.einsum("bkgqt,bkgqd->bktd", ds, q, preferred_element_type=jnp.float32)
         dq_t = jnp.einsum("bkgqt,bktd->bkgqd", ds, k, preferred_element_type=jnp.float32)
-        return dk, dv, dq_t
+        return dk_j, dv_j, dq_t
 
-      def skip(dk, dv):
-        return dk, dv, jnp.zeros(q.shape, jnp.float32)
+      def skip(dk_j, dv_j):
+        return dk_j, dv_j, jnp.zeros(q.shape, jnp.float32)
 
-      dk, dv, dq_t = jax.lax.cond(jnp.any(mask), compute, skip, *dkv)
-      return (dk, dv), dq_t
+      dk_j, dv_j, dq_t = jax.lax.cond(jnp.any(mask), compute, skip, dk_j, dv_j)
+      return dk_j, dv_j, dq.at[i].add(dq_t)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    (dk, dv), dq_tiles = jax.lax.scan(
-        one_q_tile, (zeros, zeros), (q_blocks, dout_blocks, lse, delta, q_meta.seg, q_meta.idx))
-    return dq + dq_tiles, (dk, dv)
+    dk_j, dv_j, dq = jax.lax.fori_loop(0, q_blocks.shape[0], one_q_tile, (dk[j], dv[j], dq))
+    return dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j)
 
-  dq, (dk, dv) = jax.lax.scan(one_k_tile, jnp.zeros(q_blocks.shape, jnp.float32),
-                              (k_blocks, v_blocks, kv_meta.seg, kv_meta.idx))
-  return dq, dk, dv
+  return jax.lax.fori_loop(0, k_blocks.shape[0], one_k_tile, grads)
+
+
+def zero_grads(q_blocks, k_blocks, v_blocks):
+  """f32 zeros shaped like (q_blocks, k_blocks, v_blocks): the accumulators of `grad_chunk`."""
+  return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_blocks, k_blocks, v_blocks))
 
 
 # ---- layout: [b, s, heads, d] <-> tiles ----
@@ -202,7 +209,8 @@ def _flash_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta):
 def _flash_bwd(residuals, dout):
   q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse = residuals
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  dq, dk, dv = grad_chunk(q_blocks, q_meta, dout, lse, delta, k_blocks, v_blocks, kv_meta)
+  dq, dk, dv = grad_chunk(zero_grads(q_blocks, k_blocks, v_blocks), q_blocks, q_meta, dout,
+                          lse, delta, k_blocks, v_blocks, kv_meta)
   return (dq.astype(q_blocks.dtype), dk.astype(k_blocks.dtype), dv.astype(v_blocks.dtype),
           None, None)
 

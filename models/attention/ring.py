@@ -81,6 +81,21 @@ def _shift(tree, axis, size):
   return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
 
 
+def _turn(carry, chunk, visit, axis: str, size: int):
+  """`carry = visit(carry, c)` for the local chunk, then for each chunk arriving round the ring.
+
+  Each send is issued before the visit it overlaps with. A loop, not unrolled, so that one
+  step's buffers are reused by the next; the last visit is peeled off (nothing to send on).
+  """
+  def step(state, _):
+    carry, chunk = state
+    incoming = _shift(chunk, axis, size)
+    return (visit(carry, chunk), incoming), None
+
+  (carry, chunk), _ = jax.lax.scan(step, (carry, chunk), length=size - 1)
+  return visit(carry, chunk)
+
+
 def _make_ring(axis: str, size: int):
   """The custom-VJP ring over local tiles (runs inside shard_map)."""
 
@@ -89,12 +104,9 @@ def _make_ring(axis: str, size: int):
     return ring_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta)[0]
 
   def ring_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta):
-    state = blockwise.init_state(q_blocks)
-    chunk = (k_blocks, v_blocks, kv_meta)
-    for step in range(size):
-      incoming = _shift(chunk, axis, size) if step < size - 1 else None
-      state = blockwise.attend_chunk(state, q_blocks, q_meta, *chunk)
-      chunk = incoming
+    visit = lambda state, chunk: blockwise.attend_chunk(state, q_blocks, q_meta, *chunk)
+    state = _turn(blockwise.init_state(q_blocks), (k_blocks, v_blocks, kv_meta), visit, axis,
+                  size)
     out, lse = blockwise.finalize(state)
     out = out.astype(q_blocks.dtype)
     return out, (q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse)
@@ -102,18 +114,17 @@ def _make_ring(axis: str, size: int):
   def ring_bwd(residuals, dout):
     q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse = residuals
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    dq = jnp.zeros(q_blocks.shape, jnp.float32)
-    dkv = (jnp.zeros(k_blocks.shape, jnp.float32), jnp.zeros(v_blocks.shape, jnp.float32))
-    chunk = (k_blocks, v_blocks, kv_meta)
-    for step in range(size):
-      incoming = _shift(chunk, axis, size) if step < size - 1 else None
-      dq_c, dk_c, dv_c = blockwise.grad_chunk(q_blocks, q_meta, dout, lse, delta, *chunk)
-      dq = dq + dq_c
-      # The accumulators travel with their chunk; after `size` shifts they are home.
-      dkv = _shift((dkv[0] + dk_c, dkv[1] + dv_c), axis, size)
-      chunk = incoming
-    return (dq.astype(q_blocks.dtype), dkv[0].astype(k_blocks.dtype),
-            dkv[1].astype(v_blocks.dtype), None, None)
+
+    def visit(grads, chunk):
+      dq, dk, dv = blockwise.grad_chunk(grads, q_blocks, q_meta, dout, lse, delta, *chunk)
+      # dk, dv accumulate in place and travel with their chunk; after `size` shifts they are
+      # back with the chunk's owner.
+      return (dq, *_shift((dk, dv), axis, size))
+
+    dq, dk, dv = _turn(blockwise.zero_grads(q_blocks, k_blocks, v_blocks),
+                       (k_blocks, v_blocks, kv_meta), visit, axis, size)
+    return (dq.astype(q_blocks.dtype), dk.astype(k_blocks.dtype), dv.astype(v_blocks.dtype),
+            None, None)
 
   ring.defvjp(ring_fwd, ring_bwd)
   return ring
