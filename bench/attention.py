@@ -38,21 +38,42 @@ def _machine_bytes():
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _attention_grad(kind, seq, block=256):
-  """(jitted grad fn, args) of sum(attention(q, k, v)) w.r.t. q, k, v for one row."""
+def _attention_grad(kind, seq, block=256, mesh=None):
+  """(jitted fn, args): attention forward and the backward pass of a given output cotangent
+  (as in a model, where it comes from the layers above) -> (dq, dk, dv), for one row.
+
+  With `mesh`, the arguments are sequence-sharded over its `context` axis and the kind is
+  ring attention."""
   import jax
   import jax.numpy as jnp
-  from models.attention import blockwise, reference
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from models.attention import blockwise, reference, ring
 
-  q = jnp.zeros((1, seq, HEADS, HEAD_DIM), jnp.float32)
-  kv = jnp.zeros((1, seq, KV_HEADS, HEAD_DIM), jnp.float32)
-  seg = jnp.ones((1, seq), jnp.int32)
-  if kind == "dense":
-    fn = lambda q, k, v: reference.attention(q, k, v, reference.segment_causal_mask(seg))
-  else:
-    fn = lambda q, k, v: blockwise.attention(q, k, v, seg, block_q=block, block_k=block)
-  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
-  return grad, (q, kv, kv)
+  sharded = None if mesh is None else NamedSharding(mesh, P(None, "context"))
+  arg = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
+  q = arg((1, seq, HEADS, HEAD_DIM))
+  kv = arg((1, seq, KV_HEADS, HEAD_DIM))
+  seg = arg((1, seq), jnp.int32)
+  attend = {
+      "dense": lambda q, k, v, s: reference.attention(q, k, v, reference.segment_causal_mask(s)),
+      "blockwise": lambda q, k, v, s: blockwise.attention(q, k, v, s, block_q=block,
+                                                          block_k=block),
+      "ring": lambda q, k, v, s: ring.attention(q, k, v, s, block_q=block, block_k=block),
+  }[kind]
+
+  def forward_backward(q, k, v, seg, cotangent):
+    _, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, seg), q, k, v)
+    return pullback(cotangent)
+
+  out_shardings = None if mesh is None else (sharded,) * 3
+  return jax.jit(forward_backward, out_shardings=out_shardings), (q, kv, kv, seg, q)
+
+
+def _concrete(args):
+  """Arrays for the abstract `args`: zeros, and segment ids of 1 (one document)."""
+  import jax.numpy as jnp
+  return [jnp.ones(a.shape, a.dtype) if a.dtype == jnp.int32 else jnp.zeros(a.shape, a.dtype)
+          for a in args]
 
 
 def _peak_bytes(compiled):
@@ -65,14 +86,15 @@ def part_kernels():
   rows = []
   for seq in LENGTHS:
     for kind in ("dense", "blockwise"):
-      grad, args = _attention_grad(kind, seq)
-      compiled = grad.lower(*args).compile()
+      fn, shapes = _attention_grad(kind, seq)
+      compiled = fn.lower(*shapes).compile()
       peak = _peak_bytes(compiled)
       row = {"kind": kind, "seq": seq, "peak_bytes": peak}
       if peak > 0.8 * _machine_bytes():
         row["seconds"] = None
         row["note"] = f"does not fit: needs {peak / GiB:.1f} GiB of {_machine_bytes() / GiB:.0f}"
       else:
+        args = _concrete(shapes)
         jax.block_until_ready(compiled(*args))  # warm
         start = time.perf_counter()
         jax.block_until_ready(compiled(*args))
@@ -84,19 +106,16 @@ def part_kernels():
 
 def part_ring():
   import jax
-  import jax.numpy as jnp
   from models import sharding
-  from models.attention import ring
 
   rows = []
-  for seq in (16384, 65536):
-    single, args = _attention_grad("blockwise", seq)
-    single_temp = single.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    mesh = sharding.make_mesh(context=8)
-    seg = jnp.ones((1, seq), jnp.int32)
-    fn = lambda q, k, v: jnp.sum(ring.attention(q, k, v, seg, block_q=256, block_k=256))
+  mesh = sharding.make_mesh(context=8)
+  for seq in (16384, 65536, 131072):
+    single, shapes = _attention_grad("blockwise", seq)
+    single_temp = single.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+    ring_fn, shapes = _attention_grad("ring", seq, mesh=mesh)
     with jax.set_mesh(mesh):
-      compiled = jax.jit(jax.grad(fn, argnums=(0, 1, 2))).lower(*args).compile()
+      compiled = ring_fn.lower(*shapes).compile()
     ring_temp = compiled.memory_analysis().temp_size_in_bytes  # per device
     rows.append({"seq": seq, "context": 8, "single_device_temp_bytes": single_temp,
                  "ring_per_device_temp_bytes": ring_temp, "ratio": ring_temp / single_temp})
