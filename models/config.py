@@ -1,7 +1,12 @@
-"""Model configuration: one frozen dataclass per architecture, plus small presets.
+"""Model configuration: one frozen dataclass for the supported decoder families, plus presets.
 
-Owns the numbers that define a network's shape. It does not own training settings
-(rl/) or sharding (models/sharding.py, later).
+Owns the numbers that define a network's shape and how it computes (dtypes, attention kernel,
+rematerialisation). It does not own training settings (rl/), sharding (models/sharding.py) or
+the Hugging Face config.json format (models/hf.py reads and writes it).
+
+Families: "qwen2" (Qwen2 / Qwen2.5: bias on q, k, v), "qwen3" (RMSNorm on each head's q and k,
+no bias, head_dim independent of the width), "llama" (Llama 3.x: no bias, optional llama3
+RoPE scaling). Everything else (RMSNorm, RoPE, grouped-query attention, SwiGLU) is shared.
 """
 
 import dataclasses
@@ -9,6 +14,20 @@ import dataclasses
 import jax.numpy as jnp
 
 from models.attention.dispatch import KERNELS
+
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+# Per-layer rematerialisation (gradient checkpointing) policies, by name.
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3's RoPE frequency scaling (rope_type "llama3")."""
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +48,12 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = True  # Qwen2/2.5 put a bias on q, k, v; Qwen3 and Llama do not.
   tie_embeddings: bool = True
-  dtype: str = "float32"  # compute dtype; parameters are kept in float32.
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
   attention: str = "auto"  # kernel, see models/attention/dispatch.py
+  family: str = "qwen2"
+  rope_scaling: RopeScaling | None = None
+  remat: str = "none"  # per layer: none | full (save nothing) | dots (save matmul outputs)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -40,6 +63,11 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE).")
     jnp.dtype(self.dtype)  # raises on an unknown dtype name
+    jnp.dtype(self.param_dtype)
+    if self.family not in FAMILIES:
+      raise ValueError(f"ModelConfig.family={self.family!r}; choose one of {FAMILIES}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
     if self.attention not in KERNELS:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {KERNELS}")
 
@@ -47,13 +75,18 @@ class ModelConfig:
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
 
+  @property
+  def qk_norm(self) -> bool:
+    return self.family == "qwen3"
+
 
 def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,
          num_heads: int = 4, num_kv_heads: int = 2,
-         intermediate_size: int = 384, attention: str = "auto") -> ModelConfig:
+         intermediate_size: int = 384, attention: str = "auto",
+         remat: str = "none") -> ModelConfig:
   """A model small enough to train on a 2-core CPU in minutes."""
   return ModelConfig(
       vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
       num_heads=num_heads, num_kv_heads=num_kv_heads,
       head_dim=hidden_size // num_heads, intermediate_size=intermediate_size,
-      attention=attention)
+      attention=attention, remat=remat)

@@ -1,20 +1,35 @@
-"""Device meshes for training.
+"""Device meshes, logical axis names and the one table that maps them to mesh axes.
 
 Owns the mesh axes and how a run enters a mesh. The axes are, outermost first:
   data     replicas that each see different rows
-  fsdp     rows split like data; parameters sharded across it
-  tensor   attention heads and MLP columns split
+  fsdp     rows split like data; parameters (and optimizer state) sharded across it
+  tensor   attention heads, MLP columns and the vocabulary split
   context  the sequence split (ring attention, models/attention/ring.py)
-Axis types are Auto: shardings propagate from the inputs and from the shard_map boundaries of
-ring attention, so model code needs no annotation to run on a mesh.
+Model code names the axes of every parameter and activation logically (`EMBED`, `HEADS`, ...);
+`RULES` maps logical names to mesh axes. A mesh axis that does not divide a dimension is
+dropped for that dimension, and `check_sharded` refuses a mesh that leaves a large weight
+whole on every device. Axis types are Auto: XLA propagates shardings between the annotations.
 """
 
 import contextlib
 import functools
 import math
-
 import jax
-from jax.sharding import AxisType, Mesh
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+# Logical axes of parameters.
+VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+# Logical axes of activations.
+BATCH, SEQ, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP = (
+    "batch", "seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp")
+
+RULES: dict[str, tuple[str, ...]] = {
+    VOCAB: ("tensor",), EMBED: ("fsdp",), HEADS: ("tensor",), KV_HEADS: ("tensor",),
+    HEAD_DIM: (), MLP: ("tensor",),
+    BATCH: ("data", "fsdp"), SEQ: ("context",), ACT_EMBED: (), ACT_HEADS: ("tensor",),
+    ACT_KV_HEADS: ("tensor",), ACT_MLP: ("tensor",),
+}
 
 AXES = ("data", "fsdp", "tensor", "context")
 
@@ -55,3 +70,91 @@ def on_mesh(mesh: Mesh | None, fn):
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def spec(logical_axes, shape, mesh) -> P:
+  """PartitionSpec for an array of `shape` whose dimensions are named `logical_axes` (None =
+  never sharded). Mesh axes of size 1, already used, or not dividing the dimension are left
+  out, so every spec is valid for its array."""
+  used, out = set(), []
+  for name, size in zip(logical_axes, shape):
+    axes = []
+    for axis in RULES[name] if name is not None else ():
+      n = mesh.shape.get(axis, 1)
+      if n > 1 and axis not in used and size % (n * math.prod(mesh.shape[a] for a in axes)) == 0:
+        axes.append(axis)
+        used.add(axis)
+    out.append(tuple(axes) if len(axes) > 1 else axes[0] if axes else None)
+  return P(*out)
+
+
+def constrain(x, *logical_axes):
+  """Pin activation `x`'s sharding to its logical axes under the current mesh (no-op without
+  one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, spec(logical_axes, x.shape, mesh))
+
+
+_PARAM_AXES = {
+    ("embed_tokens", "embedding"): (VOCAB, EMBED),
+    ("q_proj", "kernel"): (EMBED, HEADS, HEAD_DIM), ("q_proj", "bias"): (HEADS, HEAD_DIM),
+    ("k_proj", "kernel"): (EMBED, KV_HEADS, HEAD_DIM), ("k_proj", "bias"): (KV_HEADS, HEAD_DIM),
+    ("v_proj", "kernel"): (EMBED, KV_HEADS, HEAD_DIM), ("v_proj", "bias"): (KV_HEADS, HEAD_DIM),
+    ("o_proj", "kernel"): (HEADS, HEAD_DIM, EMBED),
+    ("gate_proj", "kernel"): (EMBED, MLP), ("up_proj", "kernel"): (EMBED, MLP),
+    ("down_proj", "kernel"): (MLP, EMBED),
+}
+
+
+def param_logical_axes(params):
+  """The logical axes of every parameter (a pytree of tuples shaped like `params`)."""
+
+  def axes(path, leaf):
+    keys = tuple(getattr(k, "key", str(k)) for k in path)
+    if keys[-1] == "lm_head":
+      return (EMBED, VOCAB)
+    if keys[-1] == "scale":  # RMSNorm weights: small, replicated
+      return (None,)
+    try:
+      return _PARAM_AXES[keys[-2:]]
+    except KeyError:
+      raise ValueError(f"no logical axes for parameter {'/'.join(keys)}") from None
+
+  return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def param_shardings(params, mesh: Mesh):
+  """NamedSharding for every parameter (params may be arrays or ShapeDtypeStructs)."""
+  return jax.tree.map(lambda axes, p: NamedSharding(mesh, spec(axes, p.shape, mesh)),
+                      param_logical_axes(params), params,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def state_shardings(state, optimizer: optax.GradientTransformation, mesh: Mesh):
+  """Shardings for a TrainState: params by the rules, optimizer moments like their params,
+  everything else (counts, the step) replicated."""
+  params = param_shardings(state.params, mesh)
+  replicated = NamedSharding(mesh, P())
+  opt = optax.tree_map_params(optimizer, lambda _, s: s, state.opt_state, params,
+                              transform_non_params=lambda _: replicated)
+  return state.replace(params=params, opt_state=opt, step=replicated)
+
+
+def check_sharded(params, mesh: Mesh, *, min_elements: int = 1 << 16):
+  """Raise if a parameter with at least `min_elements` elements would sit whole on every
+  device of a mesh whose fsdp x tensor size is larger than 1."""
+  if mesh.shape.get("fsdp", 1) * mesh.shape.get("tensor", 1) == 1:
+    return
+  whole = []
+  for path, sharding in jax.tree_util.tree_leaves_with_path(param_shardings(params, mesh)):
+    leaf = params
+    for k in path:
+      leaf = leaf[getattr(k, "key", k)]
+    if math.prod(leaf.shape) >= min_elements and all(a is None for a in sharding.spec):
+      whole.append(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)}")
+  if whole:
+    raise MeshUnavailable(f"mesh {dict(mesh.shape)} leaves large weights unsharded (no dimension "
+                          f"divisible by its fsdp/tensor axes): {whole[:5]}")
+

@@ -1,9 +1,21 @@
 """Tokenizers. `CharTokenizer` maps each character of a fixed alphabet to one id; it serves
-the synthetic tasks, where a real vocabulary would only slow a tiny model down."""
+the synthetic tasks, where a real vocabulary would only slow a tiny model down. `HFTokenizer`
+is a real checkpoint's tokenizer: tokenizer.json through the `tokenizers` library, and the
+chat template, special tokens and stop tokens from its tokenizer_config.json and
+generation_config.json. Both have encode / decode / pad_id / bos_id / eos_id / vocab_size.
+"""
 
 import dataclasses
+import datetime
+import json
+import os
 import string
-from typing import Sequence
+from typing import Any, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 DEFAULT_ALPHABET = string.digits + string.ascii_lowercase + "+-*/=()<>.,;:#? "
@@ -60,3 +72,100 @@ class CharTokenizer:
       if i >= offset:
         out.append(self.alphabet[i - offset])
     return "".join(out)
+
+
+def _special_token(value) -> str | None:
+  """tokenizer_config.json spells a special token as a string or as {"content": ...}."""
+  if isinstance(value, dict):
+    return value.get("content")
+  return value
+
+
+def _template_environment() -> jinja2.Environment:
+  """Jinja as Hugging Face runs chat templates: sandboxed (templates are untrusted code),
+  trim_blocks and lstrip_blocks, loop controls, and their helper functions."""
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+      x, indent=indent, ensure_ascii=ensure_ascii)
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  return env
+
+
+class HFTokenizer:
+  """The tokenizer of a Hugging Face checkpoint directory (no network access).
+
+  Reads tokenizer.json (required), tokenizer_config.json (special tokens, chat template) and
+  generation_config.json (eos_token_id: the stop tokens) when present.
+  """
+
+  def __init__(self, ckpt_dir: str):
+    path = os.path.join(ckpt_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"no tokenizer.json in {ckpt_dir}")
+    self._tok = tokenizers.Tokenizer.from_file(path)
+    self._config = self._read_json(ckpt_dir, "tokenizer_config.json")
+    generation = self._read_json(ckpt_dir, "generation_config.json")
+    self.special_tokens_map = {
+        key: _special_token(self._config.get(key))
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if _special_token(self._config.get(key)) is not None}
+    self.chat_template = self._config.get("chat_template")
+    if isinstance(self.chat_template, list):  # named templates: use the default one
+      self.chat_template = {t["name"]: t["template"] for t in self.chat_template}.get("default")
+    stops = generation.get("eos_token_id")
+    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    if self.eos_id is not None and self.eos_id not in stops:
+      stops.append(self.eos_id)
+    self.stop_token_ids = tuple(stops)
+
+  @staticmethod
+  def _read_json(ckpt_dir, name) -> dict[str, Any]:
+    path = os.path.join(ckpt_dir, name)
+    if not os.path.isfile(path):
+      return {}
+    with open(path) as f:
+      return json.load(f)
+
+  def _id(self, key):
+    token = self.special_tokens_map.get(key)
+    return None if token is None else self._tok.token_to_id(token)
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._id("bos_token")
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._id("eos_token")
+
+  @property
+  def pad_id(self) -> int:
+    pad = self._id("pad_token")
+    return pad if pad is not None else (self.eos_id or 0)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                          add_generation_prompt: bool = True, **kwargs) -> str:
+    """The prompt text for `messages` under the checkpoint's chat template; extra keyword
+    arguments (tools, enable_thinking, ...) go to the template. Encode it with `encode`: the
+    template writes the special tokens itself."""
+    if not self.chat_template:
+      raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
+    template = _template_environment().from_string(self.chat_template)
+    return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                           **self.special_tokens_map, **kwargs)

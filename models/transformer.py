@@ -1,4 +1,5 @@
-"""The Qwen2-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) as pure functions.
+"""The decoder of the Qwen2, Qwen3 and Llama 3 families (RMSNorm, RoPE, grouped-query
+attention, SwiGLU) as pure functions.
 
 Owns the network: `init_params`, `forward` (packed training rows), `prefill` and `decode` (the
 embedded engine's KV-cache passes), and the output projection. Attention goes through
@@ -7,9 +8,12 @@ the mesh set with `jax.set_mesh` has a `context` axis); decode steps, one query 
 cache, use the dense reference. Log-probs live in
 models/logprobs.py; sampling lives in rollouts/jax_engine.py.
 
-Parameter names follow Hugging Face's Qwen2 modules (q_proj, gate_proj, ...) so that the
-safetensors import (models/hf.py) is a renaming, not a reshuffle.
+Parameter names follow Hugging Face's modules (q_proj, gate_proj, ...) so that the safetensors
+import (models/hf.py) is a renaming plus transposes. `ModelConfig.remat` rematerialises each
+layer in the backward pass with a named jax.checkpoint policy.
 """
+
+import math
 
 from typing import NamedTuple
 
@@ -17,8 +21,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import sharding as shd
 from models.attention import dispatch, reference, ring
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
 
 
 class KVCache(NamedTuple):
@@ -33,10 +38,28 @@ def init_cache(cfg: ModelConfig, batch: int, cache_len: int) -> KVCache:
   return KVCache(zeros, zeros)
 
 
-def rope(x, positions, theta):
-  """Rotary embedding, Hugging Face's rotate-half layout. x: [b, s, heads, d]; positions: i32[b, s]."""
-  d = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None):
+  """Inverse frequencies f32[head_dim / 2], with Llama 3's scaling when given: wavelengths
+  beyond the original context are slowed by `factor`, short ones kept, the band between
+  interpolated (the rope_type "llama3" rule of Hugging Face's modeling_rope_utils)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling is None:
+    return inv_freq
+  old = scaling.original_max_position_embeddings
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+  smooth = ((old / wavelen - scaling.low_freq_factor) /
+            (scaling.high_freq_factor - scaling.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = (wavelen >= old / scaling.high_freq_factor) & (wavelen <= old / scaling.low_freq_factor)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, inv_freq):
+  """Rotary embedding, Hugging Face's rotate-half layout.
+
+  x: [b, s, heads, d]; positions: i32[b, s]; inv_freq: f32[d / 2].
+  """
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -46,13 +69,14 @@ def rope(x, positions, theta):
 
 class RMSNorm(nn.Module):
   eps: float
+  param_dtype: str = "float32"
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * scale).astype(x.dtype)
+    return scale.astype(x.dtype) * x32.astype(x.dtype)  # Hugging Face's order of casts
 
 
 class Attention(nn.Module):
@@ -64,11 +88,17 @@ class Attention(nn.Module):
     `cache_slot`; then with `kv_valid` (decode) the queries attend to the whole cache, without
     it (prefill, slot 0) to the written tokens only."""
     cfg = self.cfg
-    dense = lambda heads, bias, name: nn.DenseGeneral(
-        (heads, cfg.head_dim), use_bias=bias, dtype=cfg.compute_dtype, name=name)
-    q = rope(dense(cfg.num_heads, cfg.qkv_bias, "q_proj")(x), positions, cfg.rope_theta)
-    k = rope(dense(cfg.num_kv_heads, cfg.qkv_bias, "k_proj")(x), positions, cfg.rope_theta)
-    v = dense(cfg.num_kv_heads, cfg.qkv_bias, "v_proj")(x)
+    dense = lambda heads, name: nn.DenseGeneral(
+        (heads, cfg.head_dim), use_bias=cfg.qkv_bias, dtype=cfg.compute_dtype,
+        param_dtype=cfg.param_dtype, name=name)
+    q = shd.constrain(dense(cfg.num_heads, "q_proj")(x), shd.BATCH, shd.SEQ, shd.ACT_HEADS, None)
+    k, v = (shd.constrain(dense(cfg.num_kv_heads, name)(x), shd.BATCH, shd.SEQ,
+                          shd.ACT_KV_HEADS, None) for name in ("k_proj", "v_proj"))
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
+      q = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="q_norm")(q)
+      k = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="k_norm")(k)
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
     new_kv = None
     if cache_kv is not None:
       new_kv = tuple(
@@ -80,7 +110,8 @@ class Attention(nn.Module):
     else:
       out = dispatch.attention(q, k, v, segment_ids, kernel=cfg.attention)
     out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False,
-                          dtype=cfg.compute_dtype, name="o_proj")(out)
+                          dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
+                          name="o_proj")(out)
     return out, new_kv
 
 
@@ -90,10 +121,11 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     dense = lambda size, name: nn.Dense(size, use_bias=False, dtype=self.cfg.compute_dtype,
-                                        name=name)
-    gate = dense(self.cfg.intermediate_size, "gate_proj")(x)
-    up = dense(self.cfg.intermediate_size, "up_proj")(x)
-    return dense(self.cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
+                                        param_dtype=self.cfg.param_dtype, name=name)
+    hidden = nn.silu(dense(self.cfg.intermediate_size, "gate_proj")(x)) * dense(
+        self.cfg.intermediate_size, "up_proj")(x)
+    hidden = shd.constrain(hidden, shd.BATCH, shd.SEQ, shd.ACT_MLP)
+    return dense(self.cfg.hidden_size, "down_proj")(hidden)
 
 
 class Block(nn.Module):
@@ -101,13 +133,16 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache_kv=None, cache_slot=None, kv_valid=None):
+    norm = lambda name: RMSNorm(self.cfg.rms_norm_eps, self.cfg.param_dtype, name=name)
     h, kv = Attention(self.cfg, name="self_attn")(
-        RMSNorm(self.cfg.rms_norm_eps, name="input_layernorm")(x),
-        positions, segment_ids, cache_kv, cache_slot, kv_valid)
+        norm("input_layernorm")(x), positions, segment_ids, cache_kv, cache_slot, kv_valid)
     x = x + h
-    x = x + MLP(self.cfg, name="mlp")(
-        RMSNorm(self.cfg.rms_norm_eps, name="post_attention_layernorm")(x))
-    return x, kv
+    x = x + MLP(self.cfg, name="mlp")(norm("post_attention_layernorm")(x))
+    return shd.constrain(x, shd.BATCH, shd.SEQ, shd.ACT_EMBED), kv
+
+
+_REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
+          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 class Decoder(nn.Module):
@@ -118,26 +153,30 @@ class Decoder(nn.Module):
   def __call__(self, tokens, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
     cfg = self.cfg
     x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens",
-                 embedding_init=nn.initializers.normal(0.02))(tokens)
-    x = x.astype(cfg.compute_dtype)
+                 embedding_init=nn.initializers.normal(0.02), param_dtype=cfg.param_dtype)(tokens)
+    x = shd.constrain(x.astype(cfg.compute_dtype), shd.BATCH, shd.SEQ, shd.ACT_EMBED)
+    block = Block
+    if cfg.remat != "none" and cache is None:  # training passes only
+      block = nn.remat(Block, policy=_REMAT[cfg.remat])
     new_k, new_v = [], []
     for i in range(cfg.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, kv = Block(cfg, name=f"layers_{i}")(x, positions, segment_ids, layer_cache, cache_slot,
+      x, kv = block(cfg, name=f"layers_{i}")(x, positions, segment_ids, layer_cache, cache_slot,
                                              kv_valid)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])
-    x = RMSNorm(cfg.rms_norm_eps, name="norm")(x)
+    x = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="norm")(x)
     if not cfg.tie_embeddings:
       # Declared here so init creates it; applied by `output_projection`.
-      self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size))
+      self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size),
+                 cfg.param_dtype)
     new_cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
     return x, new_cache
 
 
 def init_params(cfg: ModelConfig, key: jax.Array):
-  """Random parameters (float32) for `cfg`."""
+  """Random parameters (in cfg.param_dtype) for `cfg`."""
   tokens = jnp.zeros((1, 2), jnp.int32)
   return Decoder(cfg).init(key, tokens, tokens, jnp.ones((1, 2), jnp.int32))["params"]
 

@@ -343,9 +343,15 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     logprobs_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
     reference_logprobs = lambda batch: logprobs_fn(reference, cfg, batch)[0]
   sft_checkpointer.close()
+  state_shardings = None
+  if mesh is not None:  # params and optimizer moments split over fsdp and tensor
+    sharding.check_sharded(state.train.params, mesh)
+    state_shardings = sharding.state_shardings(state.train, optimizer, mesh)
+    state = state.replace(train=jax.device_put(state.train, state_shardings))
   engine = JaxEngine(cfg, state.train.params, version=int(state.step))
   train_step = sharding.on_mesh(
-      mesh, make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches))
+      mesh, make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches,
+                            state_shardings=state_shardings))
   steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
                    advantage=advantage, reward=reward, sampler=sampler,
                    config=rl, ref_params=ref_params, reference_logprobs=reference_logprobs)

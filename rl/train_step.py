@@ -38,7 +38,8 @@ def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: 
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                    loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048):
+                    loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048,
+                    state_shardings=None):
   """A jitted `step(state, batch, ref_params=None) -> (state, metrics)`.
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
@@ -48,6 +49,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   ratio_mean (pi / pi_old), kl_to_old and kl_to_reference (k3), and logp_diff_mean /
   logp_diff_max, |trainer - batch.old_logp|: on the first update of a rollout batch, the
   engine-vs-trainer mismatch.
+  state_shardings (models.sharding.state_shardings): keeps the updated state sharded like
+  its input; call the step inside the mesh (models.sharding.on_mesh).
   """
 
   def micro_step(params, ref_params, mb: TrainBatch):
@@ -103,6 +106,9 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
     metrics = {k: total / jnp.maximum(n, 1.0) for k, (total, n) in sums.items()}
     metrics["logp_diff_max"] = diff_max
     metrics["grad_norm"] = optax.tree.norm(grads)
-    return TrainState(params, opt_state, state.step + 1), metrics
+    new_state = TrainState(params, opt_state, state.step + 1)
+    if state_shardings is not None:  # keep params and moments where they were placed
+      new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
+    return new_state, metrics
 
   return jax.jit(step)

@@ -1,0 +1,280 @@
+"""Hugging Face checkpoints: config.json and safetensors, in and out.
+
+Owns the mapping between a Hugging Face checkpoint directory (config.json, one or many
+*.safetensors files with model.safetensors.index.json) and our (ModelConfig, params). Import
+streams tensor by tensor (one tensor in host memory at a time, each placed on its devices, with
+its sharding when given, before the next is read); export writes the layout Hugging Face
+writes (sharded files plus the index), which transformers and an SGLang server load
+(/update_weights_from_disk). No network access anywhere.
+
+Weights: HF stores a linear layer as weight[out, in]; ours are kernel[in, out], with the
+attention projections split by head: q_proj kernel[hidden, heads, head_dim], o_proj
+kernel[heads, head_dim, hidden]. RMSNorm `weight` is our `scale`.
+"""
+
+import json
+import os
+import shutil
+from typing import Any, Callable, NamedTuple
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models.config import ModelConfig, RopeScaling
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "llama": "LlamaForCausalLM"}
+# Files a checkpoint directory carries besides weights and config (copied by `save`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json", "vocab.json", "merges.txt")
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory that cannot be read as the model it claims to be."""
+
+
+# ---- config.json ----
+
+def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
+  """ModelConfig from a parsed config.json (transformers 4.x and 5.x spellings).
+
+  `overrides` set fields config.json does not hold (dtype, param_dtype, attention, remat).
+  """
+  family = hf.get("model_type")
+  if family not in _ARCHITECTURES:
+    raise CheckpointError(f"config.json model_type={family!r}; supported: "
+                          f"{sorted(_ARCHITECTURES)}")
+  if hf.get("use_sliding_window"):
+    raise CheckpointError("config.json use_sliding_window=true: sliding-window attention is "
+                          "not supported")
+  if hf.get("mlp_bias"):
+    raise CheckpointError("config.json mlp_bias=true is not supported")
+  if family != "qwen2" and hf.get("attention_bias"):
+    raise CheckpointError(f"config.json attention_bias=true is not supported for {family}")
+  rope = dict(hf.get("rope_parameters") or {})  # transformers 5
+  legacy = hf.get("rope_scaling") or {}  # transformers 4
+  rope.update({k: v for k, v in legacy.items() if k not in rope})
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  scaling = None
+  if rope_type == "llama3":
+    scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                          float(rope["high_freq_factor"]),
+                          int(rope["original_max_position_embeddings"]))
+  elif rope_type != "default":
+    raise CheckpointError(f"config.json rope type {rope_type!r} is not supported "
+                          "(default, llama3)")
+  heads = hf["num_attention_heads"]
+  fields = dict(
+      family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+      num_layers=hf["num_hidden_layers"], num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      intermediate_size=hf["intermediate_size"],
+      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=family == "qwen2",
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling)
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """config.json contents for `cfg` (transformers 5 spelling, which 4.x also reads)."""
+  rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+  if cfg.rope_scaling is not None:
+    s = cfg.rope_scaling
+    rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings)
+  hf = {"architectures": [_ARCHITECTURES[cfg.family]], "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope, "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.param_dtype,
+        "dtype": cfg.param_dtype, "max_position_embeddings": 32768}
+  if cfg.rope_scaling is not None:
+    hf["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+  if cfg.family != "qwen2":
+    hf["attention_bias"] = False
+  if cfg.family == "llama":
+    hf["mlp_bias"] = False
+  return hf
+
+
+# ---- tensor names ----
+
+class _Tensor(NamedTuple):
+  hf_name: str
+  path: tuple[str, ...]  # into our params pytree
+  to_ours: Callable[[np.ndarray], np.ndarray]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _tensors(cfg: ModelConfig) -> list[_Tensor]:
+  """Every tensor of `cfg`'s checkpoint, in Hugging Face's order."""
+  h, d = cfg.hidden_size, cfg.head_dim
+  same = lambda x: x
+  linear = (lambda w: w.T, lambda k: k.T)
+
+  def split_heads(heads):  # weight[heads*d, h] <-> kernel[h, heads, d]; bias [heads*d] <-> [heads, d]
+    return ((lambda w: w.T.reshape(h, heads, d), lambda k: k.reshape(h, heads * d).T),
+            (lambda b: b.reshape(heads, d), lambda b: b.reshape(heads * d)))
+
+  out = [_Tensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), same, same)]
+  for i in range(cfg.num_layers):
+    hf, ours = f"model.layers.{i}.", (f"layers_{i}",)
+    attn = ours + ("self_attn",)
+    for name, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads),
+                        ("v_proj", cfg.num_kv_heads)):
+      weight, bias = split_heads(heads)
+      out.append(_Tensor(f"{hf}self_attn.{name}.weight", attn + (name, "kernel"), *weight))
+      if cfg.qkv_bias:
+        out.append(_Tensor(f"{hf}self_attn.{name}.bias", attn + (name, "bias"), *bias))
+    out.append(_Tensor(f"{hf}self_attn.o_proj.weight", attn + ("o_proj", "kernel"),
+                       lambda w: w.T.reshape(cfg.num_heads, d, h),
+                       lambda k: k.reshape(cfg.num_heads * d, h).T))
+    if cfg.qk_norm:
+      for name in ("q_norm", "k_norm"):
+        out.append(_Tensor(f"{hf}self_attn.{name}.weight", attn + (name, "scale"), same, same))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      out.append(_Tensor(f"{hf}mlp.{name}.weight", ours + ("mlp", name, "kernel"), *linear))
+    for name in ("input_layernorm", "post_attention_layernorm"):
+      out.append(_Tensor(f"{hf}{name}.weight", ours + (name, "scale"), same, same))
+  out.append(_Tensor("model.norm.weight", ("norm", "scale"), same, same))
+  if not cfg.tie_embeddings:
+    out.append(_Tensor("lm_head.weight", ("lm_head",), *linear))
+  return out
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree, path, value):
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+# ---- import ----
+
+def read_config(ckpt_dir: str, **overrides) -> ModelConfig:
+  path = os.path.join(ckpt_dir, "config.json")
+  if not os.path.isfile(path):
+    raise CheckpointError(f"no config.json in {ckpt_dir}")
+  with open(path) as f:
+    return config_from_hf(json.load(f), **overrides)
+
+
+def _weight_files(ckpt_dir: str) -> dict[str, str]:
+  """HF tensor name -> file, from the index or the single-file checkpoint."""
+  index = os.path.join(ckpt_dir, INDEX)
+  if os.path.isfile(index):
+    with open(index) as f:
+      return json.load(f)["weight_map"]
+  single = os.path.join(ckpt_dir, SINGLE)
+  if not os.path.isfile(single):
+    raise CheckpointError(f"{ckpt_dir} has neither {INDEX} nor {SINGLE}")
+  with safe_open(single, "numpy") as f:
+    return {name: SINGLE for name in f.keys()}
+
+
+def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, **overrides):
+  """(cfg, params) from a local checkpoint directory.
+
+  cfg: defaults to the one read from config.json (with `overrides`). shardings: an optional
+  pytree of jax.sharding.Sharding shaped like the params (models.sharding.param_shardings);
+  each tensor goes straight to its shards. Tensors are cast to cfg.param_dtype.
+  Raises CheckpointError naming any missing, unexpected or misshapen tensor.
+  """
+  cfg = cfg or read_config(ckpt_dir, **overrides)
+  files = _weight_files(ckpt_dir)
+  expected = _tensors(cfg)
+  wanted = {t.hf_name for t in expected}
+  unexpected = sorted(n for n in files if n not in wanted and "rotary_emb" not in n)
+  missing = sorted(wanted - set(files))
+  if cfg.tie_embeddings and "lm_head.weight" in unexpected:
+    unexpected.remove("lm_head.weight")  # some tied checkpoints store the copy anyway
+  if missing or unexpected:
+    raise CheckpointError(f"{ckpt_dir} does not match the {cfg.family} config: missing "
+                          f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
+                          f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+  dtype = _DTYPES[cfg.param_dtype]
+  shapes = jax.eval_shape(lambda: _init_shapes(cfg))
+  params: dict = {}
+  by_file: dict[str, list[_Tensor]] = {}
+  for t in expected:
+    by_file.setdefault(files[t.hf_name], []).append(t)
+  for fname in sorted(by_file):
+    with safe_open(os.path.join(ckpt_dir, fname), "numpy") as f:
+      for t in by_file[fname]:
+        value = t.to_ours(f.get_tensor(t.hf_name)).astype(dtype)
+        want = _get(shapes, t.path).shape
+        if value.shape != want:
+          raise CheckpointError(f"{fname}: tensor {t.hf_name} has shape {value.shape} in our "
+                                f"layout, the config needs {want}")
+        sharding = None if shardings is None else _get(shardings, t.path)
+        _set(params, t.path, jax.device_put(np.ascontiguousarray(value), sharding))
+        del value
+  return cfg, params
+
+
+def _init_shapes(cfg):
+  from models import transformer
+  return transformer.init_params(cfg, jax.random.PRNGKey(0))
+
+
+# ---- export ----
+
+def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
+         copy_from: str | None = None) -> str:
+  """Write `params` as a Hugging Face checkpoint directory; returns out_dir.
+
+  Files: config.json, model-0000k-of-0000n.safetensors and model.safetensors.index.json (a
+  single model.safetensors when everything fits one shard), plus the tokenizer and generation
+  files found in `copy_from`. Shards are planned from the shapes, then written one at a time,
+  so host memory holds at most one shard. Tensors are written in cfg.param_dtype. The same
+  params always give the same bytes.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  dtype = np.dtype(_DTYPES[cfg.param_dtype])
+  plan: list[list[_Tensor]] = [[]]
+  size = total = 0
+  for t in _tensors(cfg):
+    nbytes = int(np.prod(_get(params, t.path).shape)) * dtype.itemsize
+    if plan[-1] and size + nbytes > max_shard_bytes:
+      plan.append([])
+      size = 0
+    plan[-1].append(t)
+    size += nbytes
+    total += nbytes
+  names = ([SINGLE] if len(plan) == 1 else
+           [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))])
+  weight_map = {}
+  for fname, tensors in zip(names, plan):
+    shard = {t.hf_name: np.ascontiguousarray(
+        t.to_hf(np.asarray(jax.device_get(_get(params, t.path)))).astype(dtype)) for t in tensors}
+    save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+    weight_map.update({name: fname for name in shard})
+    del shard
+  if len(plan) > 1:
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+      json.dump({"metadata": {"total_size": total},
+                 "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(config_to_hf(cfg), f, indent=2, sort_keys=True)
+  if copy_from:
+    for name in TOKENIZER_FILES:
+      src = os.path.join(copy_from, name)
+      if os.path.isfile(src):
+        shutil.copyfile(src, os.path.join(out_dir, name))
+  return out_dir

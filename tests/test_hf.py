@@ -1,0 +1,159 @@
+"""Hugging Face interop against transformers itself: tiny random checkpoints of each family are
+written with save_pretrained, loaded by models/hf.py, and must give transformers' logits and
+greedy generations; our exports must load back into transformers and re-export byte for byte."""
+
+import filecmp
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch  # the test extra pins the CPU wheel
+import transformers
+
+from models import hf, transformer
+from rollouts.engine import SamplingParams
+from rollouts.jax_engine import JaxEngine
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+              eos_token_id=None, pad_token_id=None)
+FAMILIES = {
+    "qwen2_tied": lambda: transformers.Qwen2Config(tie_word_embeddings=True, **COMMON),
+    "qwen3_untied": lambda: transformers.Qwen3Config(head_dim=24, **COMMON),
+    "llama3_scaled_rope": lambda: transformers.LlamaConfig(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        rope_theta=500000.0, **COMMON),
+}
+
+
+def _write_checkpoint(family, path):
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+  with torch.no_grad():  # norms and biases random too, so a mix-up cannot hide
+    for p in model.parameters():
+      p.normal_(0.0, 0.15)
+  model.save_pretrained(path)
+  return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp(request.param))
+  return request.param, path, _write_checkpoint(request.param, path)
+
+
+def _hf_logits(model, tokens, attention_mask=None):
+  with torch.no_grad():
+    kwargs = {} if attention_mask is None else {"attention_mask": torch.tensor(attention_mask)}
+    return model(torch.tensor(tokens), **kwargs).logits.numpy()
+
+
+def _our_logits(params, cfg, tokens, positions, segment_ids):
+  hidden = transformer.forward(params, cfg, jnp.asarray(tokens), jnp.asarray(positions),
+                               jnp.asarray(segment_ids))
+  return np.asarray(hidden @ transformer.output_projection(params, cfg))
+
+
+def test_logits_equal_transformers_with_padding(checkpoint):
+  family, path, model = checkpoint
+  cfg, params = hf.load(path)
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, VOCAB, (3, 24))
+  lengths = [24, 17, 9]
+  mask = np.array([[1] * n + [0] * (24 - n) for n in lengths])
+  want = _hf_logits(model, tokens, mask)
+  got = _our_logits(params, cfg, tokens * mask, np.arange(24)[None].repeat(3, 0), mask)
+  for row, n in enumerate(lengths):
+    np.testing.assert_allclose(got[row, :n], want[row, :n], atol=1e-4, rtol=0)
+
+
+def test_logits_equal_transformers_on_a_packed_row(checkpoint):
+  family, path, model = checkpoint
+  cfg, params = hf.load(path)
+  rng = np.random.default_rng(2)
+  docs = [rng.integers(0, VOCAB, n) for n in (11, 7, 13)]
+  packed = np.concatenate(docs + [np.zeros(1, np.int64)])[None]
+  segments = np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)] + [[0]])[None]
+  positions = np.concatenate([np.arange(len(d)) for d in docs] + [[0]])[None]
+  got = _our_logits(params, cfg, packed, positions, segments)
+  start = 0
+  for doc in docs:
+    want = _hf_logits(model, doc[None])[0]
+    np.testing.assert_allclose(got[0, start:start + len(doc)], want, atol=1e-4, rtol=0)
+    start += len(doc)
+
+
+def test_greedy_generation_equals_transformers_generate(checkpoint):
+  family, path, model = checkpoint
+  cfg, params = hf.load(path)
+  prompts = [[5, 17, 33, 2, 8], [40, 41, 42], [7] * 9]
+  ours = JaxEngine(cfg, params).generate(
+      prompts, SamplingParams(max_new_tokens=32, temperature=0.0), seed=0)
+  for prompt, completion in zip(prompts, ours):
+    with torch.no_grad():
+      out = model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                           do_sample=False)
+    assert list(completion.token_ids) == out[0, len(prompt):].tolist(), family
+
+
+def test_export_import_export_is_byte_identical_and_loads_in_transformers(checkpoint, tmp_path):
+  family, path, model = checkpoint
+  cfg, params = hf.load(path)
+  first = hf.save(params, cfg, str(tmp_path / "first"), max_shard_bytes=40_000)
+  assert os.path.isfile(os.path.join(first, hf.INDEX))  # several shards and their index
+  shards = json.load(open(os.path.join(first, hf.INDEX)))["weight_map"].values()
+  assert len(set(shards)) > 1
+  cfg2, params2 = hf.load(first)
+  assert cfg2 == cfg
+  second = hf.save(params2, cfg2, str(tmp_path / "second"), max_shard_bytes=40_000)
+  files = sorted(os.listdir(first))
+  assert files == sorted(os.listdir(second))
+  match, mismatch, errors = filecmp.cmpfiles(first, second, files, shallow=False)
+  assert not mismatch and not errors, (mismatch, errors)
+
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(first).eval()
+  tokens = np.random.default_rng(3).integers(0, VOCAB, (2, 16))
+  np.testing.assert_allclose(_hf_logits(reloaded, tokens), _hf_logits(model, tokens),
+                             atol=1e-6, rtol=0)
+
+
+def test_bfloat16_parameters_and_compute(checkpoint, tmp_path):
+  """bf16 params and compute: close to fp32 (bf16 has ~3 significant digits), exported as
+  BF16 tensors that transformers loads."""
+  family, path, model = checkpoint
+  cfg, params = hf.load(path, dtype="bfloat16", param_dtype="bfloat16")
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+  tokens = np.random.default_rng(4).integers(0, VOCAB, (1, 16))
+  ones = np.ones((1, 16), np.int32)
+  got = _our_logits(params, cfg, tokens, np.arange(16)[None], ones)
+  want = _hf_logits(model, tokens)
+  assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+  out = hf.save(params, cfg, str(tmp_path / "bf16"))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+  assert next(reloaded.parameters()).dtype == torch.bfloat16
+
+
+def test_bad_checkpoints_fail_clearly(tmp_path):
+  with pytest.raises(hf.CheckpointError, match="no config.json"):
+    hf.load(str(tmp_path))
+  config = FAMILIES["qwen2_tied"]().to_dict()
+  config["use_sliding_window"] = True
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(hf.CheckpointError, match="sliding-window"):
+    hf.load(str(tmp_path))
+
+
+def test_missing_tensor_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  path = str(tmp_path / "ckpt")
+  _write_checkpoint("qwen3_untied", path)
+  tensors = load_file(os.path.join(path, "model.safetensors"))
+  del tensors["model.layers.1.self_attn.k_norm.weight"]
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(hf.CheckpointError, match="model.layers.1.self_attn.k_norm.weight"):
+    hf.load(path)
