@@ -81,12 +81,15 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
   cfg: ModelConfig
+  layer: int = 0
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids, cache_kv=None, cache_slot=None, kv_valid=None):
-    """Without a cache: causal attention within segments. With a cache: k, v are written at
-    `cache_slot`; then with `kv_valid` (decode) the queries attend to the whole cache, without
-    it (prefill, slot 0) to the written tokens only."""
+  def __call__(self, x, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
+    """Without a cache: causal attention within segments. With the KVCache of all layers:
+    this layer's k, v are written at [layer, :, cache_slot] (in place: the stacked cache is
+    updated, never rebuilt, so a decode loop copies nothing); then with `kv_valid` (decode)
+    the queries attend to the whole cache, without it (prefill, slot 0) to the written tokens
+    only."""
     cfg = self.cfg
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, cfg.head_dim), use_bias=cfg.qkv_bias, dtype=cfg.compute_dtype,
@@ -99,20 +102,20 @@ class Attention(nn.Module):
       k = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="k_norm")(k)
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
-    new_kv = None
-    if cache_kv is not None:
-      new_kv = tuple(
-          jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (0, cache_slot, 0, 0))
-          for cached, new in zip(cache_kv, (k, v)))
+    if cache is not None:
+      cache = KVCache(*(
+          jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype),
+                                       (self.layer, 0, cache_slot, 0, 0))
+          for stacked, new in zip(cache, (k, v))))
     if kv_valid is not None:
       mask = reference.cache_mask(kv_valid, cache_slot, q.shape[1])
-      out = reference.attention(q, *new_kv, mask)
+      out = reference.attention(q, cache.k[self.layer], cache.v[self.layer], mask)
     else:
       out = dispatch.attention(q, k, v, segment_ids, kernel=cfg.attention)
     out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False,
                           dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
                           name="o_proj")(out)
-    return out, new_kv
+    return out, cache
 
 
 class MLP(nn.Module):
@@ -130,15 +133,16 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
   cfg: ModelConfig
+  layer: int = 0
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids, cache_kv=None, cache_slot=None, kv_valid=None):
+  def __call__(self, x, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
     norm = lambda name: RMSNorm(self.cfg.rms_norm_eps, self.cfg.param_dtype, name=name)
-    h, kv = Attention(self.cfg, name="self_attn")(
-        norm("input_layernorm")(x), positions, segment_ids, cache_kv, cache_slot, kv_valid)
+    h, cache = Attention(self.cfg, self.layer, name="self_attn")(
+        norm("input_layernorm")(x), positions, segment_ids, cache, cache_slot, kv_valid)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(norm("post_attention_layernorm")(x))
-    return shd.constrain(x, shd.BATCH, shd.SEQ, shd.ACT_EMBED), kv
+    return shd.constrain(x, shd.BATCH, shd.SEQ, shd.ACT_EMBED), cache
 
 
 _REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
@@ -158,21 +162,15 @@ class Decoder(nn.Module):
     block = Block
     if cfg.remat != "none" and cache is None:  # training passes only
       block = nn.remat(Block, policy=_REMAT[cfg.remat])
-    new_k, new_v = [], []
     for i in range(cfg.num_layers):
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, kv = block(cfg, name=f"layers_{i}")(x, positions, segment_ids, layer_cache, cache_slot,
-                                             kv_valid)
-      if kv is not None:
-        new_k.append(kv[0])
-        new_v.append(kv[1])
+      x, cache = block(cfg, i, name=f"layers_{i}")(x, positions, segment_ids, cache, cache_slot,
+                                                  kv_valid)
     x = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="norm")(x)
     if not cfg.tie_embeddings:
       # Declared here so init creates it; applied by `output_projection`.
       self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size),
                  cfg.param_dtype)
-    new_cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
-    return x, new_cache
+    return x, cache
 
 
 def init_params(cfg: ModelConfig, key: jax.Array):

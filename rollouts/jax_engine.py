@@ -22,18 +22,33 @@ def _bucket(n: int, minimum: int) -> int:
   return max(minimum, 1 << (n - 1).bit_length())
 
 
-def choose_tokens(key, logits, temperature, top_p):
-  """Sample from logits f32[batch, vocab] with temperature and nucleus cut; argmax when
-  temperature == 0. Returns i32[batch]."""
-  scaled = logits / jnp.maximum(temperature, 1e-6)
+def _nucleus(scaled, top_p):
+  """Logits outside the smallest set of tokens whose probability mass reaches top_p -> -inf."""
   sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
   sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
   # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
   mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
   cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_logits, jnp.inf), axis=-1)
-  scaled = jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
-  sampled = jax.random.categorical(key, scaled, axis=-1)
-  return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+  return jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
+
+
+def choose_tokens(key, logits, temperature, top_p):
+  """Sample from logits f32[batch, vocab] with temperature and nucleus cut; argmax when
+  temperature == 0. Returns i32[batch].
+
+  Branches are lax.cond, so greedy decoding and top_p = 1 never pay for the vocabulary sort
+  (on CPU the sort costs as much as a decode step of a small model).
+  """
+
+  def sample(_):
+    scaled = logits / temperature
+    scaled = jax.lax.cond(top_p < 1.0, _nucleus, lambda s, _: s, scaled, top_p)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+  def greedy(_):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  return jax.lax.cond(temperature > 0, sample, greedy, None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "stop_ids"))
