@@ -23,6 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from models import transformer
 from models.config import ModelConfig, RopeScaling
 
 INDEX = "model.safetensors.index.json"
@@ -209,7 +210,7 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, **ove
                           f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
                           f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
   dtype = _DTYPES[cfg.param_dtype]
-  shapes = jax.eval_shape(lambda: _init_shapes(cfg))
+  shapes = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
   params: dict = {}
   by_file: dict[str, list[_Tensor]] = {}
   for t in expected:
@@ -226,11 +227,6 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, **ove
         _set(params, t.path, jax.device_put(np.ascontiguousarray(value), sharding))
         del value
   return cfg, params
-
-
-def _init_shapes(cfg):
-  from models import transformer
-  return transformer.init_params(cfg, jax.random.PRNGKey(0))
 
 
 # ---- export ----

@@ -147,13 +147,10 @@ def check_sharded(params, mesh: Mesh, *, min_elements: int = 1 << 16):
   device of a mesh whose fsdp x tensor size is larger than 1."""
   if mesh.shape.get("fsdp", 1) * mesh.shape.get("tensor", 1) == 1:
     return
-  whole = []
-  for path, sharding in jax.tree_util.tree_leaves_with_path(param_shardings(params, mesh)):
-    leaf = params
-    for k in path:
-      leaf = leaf[getattr(k, "key", k)]
-    if math.prod(leaf.shape) >= min_elements and all(a is None for a in sharding.spec):
-      whole.append(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)}")
+  whole = [f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)}"
+           for (path, leaf), placed in zip(jax.tree_util.tree_leaves_with_path(params),
+                                           jax.tree.leaves(param_shardings(params, mesh)))
+           if math.prod(leaf.shape) >= min_elements and all(a is None for a in placed.spec)]
   if whole:
     raise MeshUnavailable(f"mesh {dict(mesh.shape)} leaves large weights unsharded (no dimension "
                           f"divisible by its fsdp/tensor axes): {whole[:5]}")

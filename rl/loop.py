@@ -275,15 +275,12 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                      f"{tokenizer.vocab_size}")
   context = 1 if mesh is None else mesh.shape["context"]
-  if context > 1 and cfg.attention not in ("auto", "blockwise"):
-    raise ConfigError(f"attention={cfg.attention!r} cannot run context-parallel (mesh context="
-                      f"{context}); ring attention uses blockwise tiles: use 'auto' or "
-                      "'blockwise'")
   try:
-    kernel = (f"ring over {context} sequence shards" if context > 1
-              else dispatch.resolve(cfg.attention, jax.default_backend()))
+    kernel = dispatch.plan(cfg.attention, context)
   except dispatch.KernelUnavailable as e:
     raise ConfigError(str(e)) from None
+  if kernel == "ring":
+    kernel = f"ring over {context} sequence shards"
   if rl.kl_reward_estimator not in kl_lib.ESTIMATORS:
     raise ConfigError(f"unknown RLConfig.kl_reward_estimator {rl.kl_reward_estimator!r}; "
                       f"valid: {sorted(kl_lib.ESTIMATORS)}")

@@ -150,7 +150,7 @@ def zero_grads(q_blocks, k_blocks, v_blocks):
 # ---- layout: [b, s, heads, d] <-> tiles ----
 
 def to_q_blocks(q, block):
-  """[b, s, h, d] -> [nq, b, kh, g, block, d] for `kv_heads` given by the caller's reshape."""
+  """[b, s, kh, g, d] (query heads grouped under their KV head) -> [nq, b, kh, g, block, d]."""
   b, s, kh, g, d = q.shape
   q = _pad_seq(q, block).reshape(b, -1, block, kh, g, d)
   return q.transpose(1, 0, 3, 4, 2, 5)
@@ -166,11 +166,6 @@ def to_kv_blocks(k, block):
   """[b, s, kh, d] -> [nk, b, kh, block, d]."""
   b, s, kh, d = k.shape
   return _pad_seq(k, block).reshape(b, -1, block, kh, d).transpose(1, 0, 3, 2, 4)
-
-
-def from_kv_blocks(x, seq):
-  nk, b, kh, block, d = x.shape
-  return x.transpose(1, 0, 3, 2, 4).reshape(b, nk * block, kh, d)[:, :seq]
 
 
 def to_meta(segment_ids, index, block) -> Blocks:

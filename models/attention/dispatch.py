@@ -118,6 +118,18 @@ def resolve(kernel: str, backend: str) -> str:
   return chosen
 
 
+def plan(kernel: str, context: int) -> str:
+  """What runs for request `kernel` with the sequence split `context` ways: "ring" (over
+  blockwise tiles) or the kernel `resolve` picks. Raises KernelUnavailable."""
+  if context > 1:
+    if kernel not in ("auto", "blockwise"):
+      raise KernelUnavailable(f"attention={kernel!r} cannot run context-parallel (context="
+                              f"{context}); ring attention uses blockwise tiles: use 'auto' or "
+                              "'blockwise'")
+    return "ring"
+  return resolve(kernel, jax.default_backend())
+
+
 def attention(q, k, v, segment_ids, *, kernel: str = "auto"):
   """Causal attention within segments through the chosen kernel.
 
@@ -125,12 +137,9 @@ def attention(q, k, v, segment_ids, *, kernel: str = "auto"):
   segment_ids: i32[batch, seq], 0 = padding (zero output). Under a mesh whose `context` axis is
   larger than 1 the rows must be in zigzag order (ring.to_zigzag) and ring attention runs.
   """
-  if ring.context_size() > 1:
-    if kernel not in ("auto", "blockwise"):
-      raise KernelUnavailable(f"attention kernel {kernel!r} cannot run context-parallel; ring "
-                              "attention uses blockwise tiles (attention='auto' or 'blockwise')")
+  chosen = plan(kernel, ring.context_size())
+  if chosen == "ring":
     return ring.attention(q, k, v, segment_ids)
-  chosen = resolve(kernel, jax.default_backend())
   if chosen == "blockwise":
     return blockwise.attention(q, k, v, segment_ids)
   if chosen == "dense":

@@ -19,11 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from models import sharding
 from models.attention import blockwise
 
 CONTEXT_AXIS = "context"
-_BATCH_AXES = ("data", "fsdp")
-_HEAD_AXIS = "tensor"
 
 
 def zigzag_order(seq: int, context: int) -> np.ndarray:
@@ -64,15 +63,11 @@ def context_size(mesh=None) -> int:
   return mesh.shape[CONTEXT_AXIS]
 
 
-def _ring_specs(mesh, num_kv_heads):
-  batch = tuple(a for a in _BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1) or None
-  heads = None
-  if _HEAD_AXIS in mesh.axis_names and mesh.shape[_HEAD_AXIS] > 1:
-    if num_kv_heads % mesh.shape[_HEAD_AXIS]:
-      raise ValueError(f"ring attention shards heads over mesh axis {_HEAD_AXIS!r} of size "
-                       f"{mesh.shape[_HEAD_AXIS]}, which must divide num_kv_heads={num_kv_heads}")
-    heads = _HEAD_AXIS
-  return P(batch, CONTEXT_AXIS, heads, None), P(batch, CONTEXT_AXIS), P(CONTEXT_AXIS)
+def _ring_specs(mesh, kv_shape):
+  """(q/k/v, segment ids, causal index) specs from models/sharding.py's rules. Query heads
+  follow the KV heads' split, so each device keeps whole groups."""
+  kv = sharding.spec((sharding.BATCH, sharding.SEQ, sharding.ACT_KV_HEADS, None), kv_shape, mesh)
+  return kv, P(kv[0], kv[1]), P(kv[1])
 
 
 def _shift(tree, axis, size):
@@ -134,8 +129,8 @@ def attention(q, k, v, segment_ids, *, block_q: int = blockwise.DEFAULT_BLOCK,
               block_k: int = blockwise.DEFAULT_BLOCK):
   """Causal attention within segments over rows in zigzag order, sharded over `context`.
 
-  Runs under the mesh set with `jax.set_mesh`; batch is sharded over data/fsdp and heads over
-  tensor where those axes exist. Shapes are global:
+  Runs under the mesh set with `jax.set_mesh`; batch and heads are split as
+  models/sharding.py's rules say (data/fsdp, tensor) where the sizes divide. Shapes are global:
     q: [batch, seq, num_heads, head_dim]; k, v: [batch, seq, num_kv_heads, head_dim];
     segment_ids: i32[batch, seq] (0 = padding), all in `to_zigzag` order, seq divisible by
     2 x context.
@@ -144,8 +139,7 @@ def attention(q, k, v, segment_ids, *, block_q: int = blockwise.DEFAULT_BLOCK,
   mesh = jax.sharding.get_abstract_mesh()
   size = context_size(mesh)
   b, s, h, d = q.shape
-  kh = k.shape[2]
-  qkv_spec, seg_spec, idx_spec = _ring_specs(mesh, kh)
+  qkv_spec, seg_spec, idx_spec = _ring_specs(mesh, k.shape)
   ring = _make_ring(CONTEXT_AXIS, size)
   local = s // size
 
