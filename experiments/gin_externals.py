@@ -9,17 +9,21 @@ import optax
 from models import config
 from models import sharding
 from models import tokenizer
+from rl import eval as eval_lib
 from rl import loop
 from rl import rewards
 from rl import sampling
 from rl.tasks import arithmetic
+from rl.tasks import code as code_task
+from rl.tasks import math as math_task
 
 train = gin.external_configurable(loop.train, module="rl")
+evaluate = gin.external_configurable(eval_lib.evaluate_checkpoint, "evaluate", module="rl")
 
 _REGISTERED = {
-    "rl": [loop.RLConfig],
+    "rl": [loop.RLConfig, eval_lib.SampledEval],
     "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer, sharding.make_mesh],
-    "tasks": [arithmetic.Arithmetic],
+    "tasks": [arithmetic.Arithmetic, math_task.MathTask, code_task.CodeTask],
     "rewards": [rewards.correctness, rewards.format_reward, rewards.named_chain,
                 rewards.k15_length_penalty, rewards.truncation, rewards.laser, rewards.laser_d,
                 rewards.dapo_overlong, rewards.adaptive_target_length, rewards.mask_incorrect,

@@ -169,3 +169,23 @@ class HFTokenizer:
     template = _template_environment().from_string(self.chat_template)
     return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                            **self.special_tokens_map, **kwargs)
+
+
+class ChatPrompts:
+  """An HFTokenizer seen through the task interface (`encode(text, add_bos=...)`,
+  `decode`, `eos_id`, `vocab_size`): a task's prompt text becomes one user message under the
+  checkpoint's chat template (plain text when it has none); decoding drops special tokens."""
+
+  def __init__(self, tokenizer: HFTokenizer):
+    self.tokenizer = tokenizer
+    self.eos_id = tokenizer.eos_id
+    self.vocab_size = tokenizer.vocab_size
+
+  def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+    del add_bos  # the chat template writes its own special tokens
+    if self.tokenizer.chat_template:
+      text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return self.tokenizer.encode(text)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -30,6 +30,14 @@ class Checkpointer:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
+  def restore_params(self, step: int | None = None):
+    """Only the policy params of a saved loop state (for evaluation, no optimizer needed)."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+    tree = self._manager.restore(step, args=ocp.args.StandardRestore())
+    return tree["train"]["params"]
+
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()

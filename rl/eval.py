@@ -60,3 +60,185 @@ def greedy_accuracy(engine: RolloutEngine, task, tokenizer, *, num_records: int,
     correct.append(scored.correct)
     lengths.append(scored.lengths)
   return float(np.concatenate(correct).mean()), float(np.concatenate(lengths).mean())
+
+
+# --------------------------------------------------------------------------- sampled evaluation
+# pass@k, maj@k and mean@k from n samples per prompt, at several token budgets, plus the
+# length distribution of correct and incorrect completions. Generation runs once at the
+# largest budget; at a smaller budget B a completion counts only if it finished within B
+# tokens (a longer one would have been cut off there, and a truncated answer never scores).
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+  """Unbiased pass@k from n samples with c correct (Chen et al. 2021, "Evaluating Large
+  Language Models Trained on Code", eq. 1): 1 - C(n-c, k) / C(n, k), as a stable product."""
+  if not 1 <= k <= num_samples:
+    raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={num_samples}")
+  if num_samples - num_correct < k:
+    return 1.0
+  return float(1.0 - np.prod(1.0 - k / np.arange(num_samples - num_correct + 1,
+                                                   num_samples + 1)))
+
+
+def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> bool:
+  """Majority vote over the first k samples' final answers (None = no answer, no vote).
+  Tie rule: among equally frequent answers the one that appeared first wins. The vote is
+  correct iff the winning answer's first sample is correct; no answers at all is wrong."""
+  votes: dict[str, list[int]] = {}
+  for i in range(min(k, len(answers))):
+    if answers[i] is not None:
+      votes.setdefault(answers[i], []).append(i)
+  if not votes:
+    return False
+  winner = max(votes.values(), key=lambda idx: (len(idx), -idx[0]))
+  return bool(correct[winner[0]])
+
+
+def mean_at_k(correct: Sequence[bool], k: int) -> float:
+  """Mean correctness of the first k samples (expected pass@1 from k samples)."""
+  return float(np.mean(np.asarray(correct[:k], dtype=np.float64)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledEval:
+  """What `sampled_eval` measures: `samples` per prompt, metrics for each k in `ks` at each
+  token budget in `budgets` (the largest is the generation limit)."""
+  samples: int = 8
+  ks: tuple[int, ...] = (1, 2, 4, 8)
+  budgets: tuple[int, ...] = (64,)
+  temperature: float = 1.0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not self.budgets or min(self.budgets) < 1:
+      raise ValueError(f"SampledEval.budgets must be positive token counts, got {self.budgets}")
+    if not self.ks or min(self.ks) < 1 or max(self.ks) > self.samples:
+      raise ValueError(f"SampledEval.ks must lie in [1, samples={self.samples}], got {self.ks}")
+
+
+def sampled_eval(engine: RolloutEngine, task, tokenizer, records: Sequence[dict],
+                 spec: SampledEval, *, seed: int = 0) -> dict[str, Any]:
+  """{"budgets": {B: {"pass@k", "maj@k", "mean@k" for each k, "accuracy"}}, "lengths":
+  {"correct", "incorrect"} (tokens, at the largest budget), "samples", "prompts"}."""
+  max_budget = max(spec.budgets)
+  sampling = SamplingParams(max_new_tokens=max_budget, temperature=spec.temperature,
+                            top_p=spec.top_p, stop_token_ids=(tokenizer.eos_id,))
+  scored = generate_and_verify(engine, task, tokenizer, records, sampling,
+                               samples=spec.samples, seed=seed)
+  n = spec.samples
+  answers = [task.answer(text) for text in scored.texts]
+  report: dict[str, Any] = {"samples": n, "prompts": len(records), "budgets": {}}
+  for budget in sorted(spec.budgets):
+    within = ~scored.truncated & (scored.lengths <= budget)
+    correct = (scored.correct & within).reshape(len(records), n)
+    keys = [a if w else None for a, w in zip(answers, within)]
+    metrics = {"accuracy": float(correct.mean())}
+    for k in spec.ks:
+      metrics[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(row.sum()), k) for row in correct]))
+      metrics[f"maj@{k}"] = float(np.mean([maj_at_k(keys[p * n:(p + 1) * n], row, k)
+                                           for p, row in enumerate(correct)]))
+      metrics[f"mean@{k}"] = float(np.mean([mean_at_k(row, k) for row in correct]))
+    report["budgets"][budget] = metrics
+  report["lengths"] = {"correct": scored.lengths[scored.correct].tolist(),
+                       "incorrect": scored.lengths[~scored.correct].tolist()}
+  return report
+
+
+def write_report(report: dict[str, Any], out_dir: str, *, title: str = "") -> list[str]:
+  """report.json plus three plots in `out_dir`: accuracy vs budget, length histograms by
+  correctness, pass@k / maj@k / mean@k vs k at the largest budget. Returns the paths."""
+  import json
+  import os
+
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  os.makedirs(out_dir, exist_ok=True)
+  paths = [os.path.join(out_dir, name) for name in
+           ("report.json", "accuracy_vs_budget.png", "lengths.png", "pass_at_k.png")]
+  with open(paths[0], "w") as f:
+    json.dump(report, f, indent=2)
+  budgets = sorted(report["budgets"])
+  ks = sorted(int(key.split("@")[1]) for key in report["budgets"][budgets[0]]
+              if key.startswith("pass@"))
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for metric in ("mean@1", f"pass@{ks[-1]}", f"maj@{ks[-1]}"):
+    ax.plot(budgets, [report["budgets"][b][metric] for b in budgets], marker="o", label=metric)
+  ax.set(xlabel="token budget", ylabel="accuracy", ylim=(-0.02, 1.02), title=title or "accuracy vs budget")
+  if len(budgets) > 1 and budgets[-1] / budgets[0] >= 8:
+    ax.set_xscale("log", base=2)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(paths[1], dpi=100)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  lengths = report["lengths"]
+  bins = np.linspace(0, max(budgets), 30)
+  ax.hist([lengths["correct"], lengths["incorrect"]], bins=bins, label=["correct", "incorrect"],
+          color=["tab:green", "tab:red"], alpha=0.8)
+  ax.set(xlabel="completion tokens", ylabel="completions", title=title or "length by correctness")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(paths[2], dpi=100)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  top = report["budgets"][budgets[-1]]
+  for metric in ("pass", "maj", "mean"):
+    ax.plot(ks, [top[f"{metric}@{k}"] for k in ks], marker="o", label=f"{metric}@k")
+  ax.set(xlabel="k", ylabel="accuracy", ylim=(-0.02, 1.02), xscale="log", title=title or
+         f"@k at budget {budgets[-1]}")
+  ax.set_xticks(ks, [str(k) for k in ks])
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(paths[3], dpi=100)
+  plt.close(fig)
+  return paths
+
+
+def evaluate_checkpoint(out_dir: str, *, task, spec: SampledEval = SampledEval(),
+                        run_dir: str | None = None, model=None,
+                        hf_checkpoint: str | None = None, num_records: int = 64,
+                        split: str = "test", seed: int = 0) -> tuple[dict, list[str]]:
+  """`sampled_eval` of a checkpoint on the first `num_records` of `split`, written to
+  `out_dir` (see `write_report`). Give `run_dir` (a longrl run: its latest RL checkpoint,
+  with `model` the same config factory the run used, e.g. models.config.tiny) or
+  `hf_checkpoint` (a Hugging Face checkpoint directory)."""
+  import os
+
+  from models import hf
+  from models.tokenizer import CharTokenizer, ChatPrompts, HFTokenizer
+  from rl.checkpoint import Checkpointer
+  from rollouts.jax_engine import JaxEngine
+
+  if (run_dir is None) == (hf_checkpoint is None):
+    raise ValueError("evaluate_checkpoint: give exactly one of run_dir or hf_checkpoint")
+  if run_dir is not None:
+    if model is None:
+      raise ValueError("evaluate_checkpoint: a run_dir needs `model`, the config factory the "
+                       "run used (e.g. evaluate.model = @tiny)")
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(checkpoints):
+      raise FileNotFoundError(f"evaluate_checkpoint: {run_dir} has no checkpoints/ directory")
+    tokenizer = CharTokenizer()
+    cfg = model(tokenizer.vocab_size)
+    checkpointer = Checkpointer(checkpoints)
+    params = checkpointer.restore_params()
+    checkpointer.close()
+    name = f"{os.path.basename(os.path.normpath(run_dir))}"
+  else:
+    cfg, params = hf.load(hf_checkpoint)
+    tokenizer = ChatPrompts(HFTokenizer(hf_checkpoint))
+    name = os.path.basename(os.path.normpath(hf_checkpoint))
+  source = getattr(task, split)
+  if num_records > len(source):
+    raise ValueError(f"evaluate_checkpoint: {num_records} records asked, the {split} split "
+                     f"has {len(source)}")
+  records = [source[i] for i in range(num_records)]
+  report = sampled_eval(JaxEngine(cfg, params), task, tokenizer, records, spec, seed=seed)
+  report["checkpoint"] = run_dir or hf_checkpoint
+  paths = write_report(report, out_dir, title=f"{name} on {type(task).__name__}")
+  return report, paths

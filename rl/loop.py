@@ -248,7 +248,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           sft_steps: int = 200, sft_batch_size: int = 64,
           sft_learning_rate: float = 3e-3, eval_records: int = 256, eval_every: int = 0,
           checkpoint_every: int = 20, seed: int = 0, progress: bool = True,
-          mesh: Optional[Mesh] = None) -> dict[str, Any]:
+          mesh: Optional[Mesh] = None,
+          sampled_eval: Optional[eval_lib.SampledEval] = None) -> dict[str, Any]:
   """A whole run in `run_dir`: SFT warm start, held-out eval, `num_steps` RL steps, eval.
 
   `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny).
@@ -260,6 +261,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   `mesh` (models.sharding.make_mesh) is where the SFT and RL train steps and the reference
   log-probs run; its `context` axis turns on ring attention. The embedded engine runs on one
   device.
+  `sampled_eval` adds pass@k / maj@k / mean@k at its largest budget on the same
+  `eval_records` to every `eval_every` evaluation (logged as eval_pass@k, ...).
   """
   tokenizer = tokenizer or CharTokenizer()
   reward = reward or rewards_lib.named_chain({"correctness": rewards_lib.correctness()})
@@ -360,6 +363,12 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     state, m = record.state, record.metrics
     if eval_every and record.step % eval_every == 0:
       m["eval_accuracy"], m["eval_length"] = evaluate(engine)
+      if sampled_eval is not None:
+        held_out = [task.test[i] for i in range(eval_records)]
+        report = eval_lib.sampled_eval(engine, task, tokenizer, held_out, sampled_eval,
+                                       seed=seed + record.step)
+        m.update({f"eval_{key}": value
+                  for key, value in report["budgets"][max(report["budgets"])].items()})
     metrics_lib.append(metrics_path, m)
     bar.set_postfix(reward=f"{m['reward']:.2f}", acc=f"{m['accuracy']:.2f}",
                     len=f"{m['completion_length']:.1f}")

@@ -37,7 +37,8 @@ def warm_start(params, cfg: ModelConfig, task, tokenizer, *, steps: int, batch_s
   """`steps` AdamW updates (warm-up, then cosine decay) of the SFT loss on the task's
   reference solutions. Returns (params, final loss)."""
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-      optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), steps),
+      optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20),
+                                         max(steps, 2)),
       weight_decay=0.0))
   step_fn = make_train_step(cfg, optimizer, losses.nll)
   state = init_train_state(params, optimizer)

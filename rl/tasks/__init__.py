@@ -3,8 +3,9 @@
 A Task has `train` and `test` sources (each `__len__` and `__getitem__` returning a dict
 record, which is grain's RandomAccessDataSource protocol), `prompt(record) -> str`,
 `verify(completion_text, record) -> bool`, `well_formed(completion_text) -> bool` (the
-format check of format rewards), and `solution(record) -> str`, the reference completion
-used for the SFT warm start.
+format check of format rewards), `answer(completion_text) -> str | None` (the final answer
+majority voting compares, None when there is none), and `solution(record) -> str`, the
+reference completion used for the SFT warm start.
 """
 
 from typing import Any, Protocol
@@ -23,3 +24,5 @@ class Task(Protocol):
   def verify(self, completion: str, record: dict[str, Any]) -> bool: ...
 
   def well_formed(self, completion: str) -> bool: ...
+
+  def answer(self, completion: str) -> str | None: ...

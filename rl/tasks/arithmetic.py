@@ -127,6 +127,10 @@ class Arithmetic:
     """Column steps ("d+d(+c)=s;" or filler) followed by "#<digits>", nothing else."""
     return _FORMAT.fullmatch(completion.strip()) is not None
 
+  def answer(self, completion: str) -> str | None:
+    match = _ANSWER.search(completion.strip())
+    return match.group(1) if match else None
+
   def verify(self, completion: str, record: dict[str, Any]) -> bool:
     """True iff the completion ends in "#<the right sum>" (a truncated one never does)."""
     match = _ANSWER.search(completion.strip())

@@ -1,0 +1,1 @@
+"""Verifiers that decide correctness: math answers (math.py) and sandboxed code (code.py)."""

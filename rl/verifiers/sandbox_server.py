@@ -1,0 +1,330 @@
+"""The fork server that runs inside the sandbox (its source is passed to `python3 -I -c`).
+
+Owns running one untrusted program at a time: fork a child, give it a fresh working
+directory, rlimits and its own session, run the source in-process (no interpreter start-up
+per program, which is what makes many small programs per second possible), relay stdin,
+stdout/stderr (one byte cap across both) and function calls, enforce the wall clock, then
+kill every process the program left behind and wipe the scratch space. It speaks JSON lines
+on fds 0/1 with rl/verifiers/code.py and imports nothing outside the standard library.
+
+Inside a pid namespace (`--pidns`), clean-up is `kill(-1)`: every process but this one and
+the namespace's init. Without one it only kills the child's process group, so a program
+that calls setsid() can outlive its run: that is the weaker fallback.
+"""
+
+import builtins
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import sys
+import time
+import traceback
+
+EXIT_SYNTAX, EXIT_MEMORY, EXIT_RUNTIME = 3, 4, 1
+SCRATCH = os.environ.get("SANDBOX_SCRATCH", "/tmp")
+PIDNS = "--pidns" in sys.argv
+
+# Warm the modules programs import most, once, so each forked child starts with them.
+import collections, functools, heapq, itertools, math, re, string, bisect, fractions  # noqa
+import random, statistics, decimal, copy, typing, dataclasses, operator  # noqa
+
+
+def encode(value, depth=0):
+  """A JSON tree for plain Python values only; anything else (a subclass included) raises."""
+  if depth > 100:
+    raise TypeError("value nested too deeply")
+  t = type(value)
+  if value is None or t is bool or t is str:
+    return value
+  if t is int:
+    return {"i": str(value)}
+  if t is float:
+    return {"f": repr(value)}
+  if t is complex:
+    return {"c": [repr(value.real), repr(value.imag)]}
+  if t is list:
+    return [encode(v, depth + 1) for v in value]
+  if t is tuple:
+    return {"t": [encode(v, depth + 1) for v in value]}
+  if t is dict:
+    return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+  if t is set or t is frozenset:
+    return {"s" if t is set else "fs": [encode(v, depth + 1) for v in value]}
+  raise TypeError(f"result of type {t.__name__} is not a plain value")
+
+
+def decode(tree):
+  if tree is None or isinstance(tree, (bool, str)):
+    return tree
+  if isinstance(tree, list):
+    return [decode(v) for v in tree]
+  (key, inner), = tree.items()
+  if key == "i":
+    return int(inner)
+  if key == "f":
+    return float(inner)
+  if key == "c":
+    return complex(float(inner[0]), float(inner[1]))
+  if key == "t":
+    return tuple(decode(v) for v in inner)
+  if key == "d":
+    return {decode(k): decode(v) for k, v in inner}
+  if key in ("s", "fs"):
+    items = {decode(v) for v in inner}
+    return items if key == "s" else frozenset(items)
+  raise ValueError(f"cannot decode {key!r}")
+
+
+def send(message):
+  os.write(1, (json.dumps(message) + "\n").encode())
+
+
+_inbox = b""
+
+
+def receive(timeout=None):
+  """The next JSON line from the host; None on end of file or timeout."""
+  global _inbox
+  deadline = None if timeout is None else time.monotonic() + timeout
+  while b"\n" not in _inbox:
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    if not select.select([0], [], [], wait)[0]:
+      return None
+    chunk = os.read(0, 1 << 20)
+    if not chunk:
+      sys.exit(0)
+    _inbox += chunk
+  line, _inbox = _inbox.split(b"\n", 1)
+  return json.loads(line)
+
+
+def child(request, workdir, fds):
+  """Runs in the forked child: never returns."""
+  stdin_r, out_w, err_w, call_r, result_w = fds
+  try:
+    os.setsid()
+    os.chdir(workdir)
+    os.dup2(stdin_r, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    keep = {0, 1, 2} | ({call_r, result_w} if request["mode"] == "call" else set())
+    for fd in range(3, 256):
+      if fd not in keep:
+        try:
+          os.close(fd)
+        except OSError:
+          pass
+    limits = request["limits"]
+    cpu = int(limits["cpu_seconds"]) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if limits.get("nproc"):
+      resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"],) * 2)
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
+    sys.argv = ["solution.py"]
+  except BaseException:
+    os._exit(EXIT_RUNTIME)
+  try:
+    code = compile(request["src"], "solution.py", "exec")
+  except (SyntaxError, ValueError, MemoryError, RecursionError):
+    traceback.print_exc(limit=0)
+    sys.stderr.flush()
+    os._exit(EXIT_SYNTAX)
+  namespace = {"__name__": "__main__" if request["mode"] == "stdio" else "solution",
+               "__builtins__": builtins}
+  status = 0
+  try:
+    exec(code, namespace)
+    if request["mode"] == "call":
+      serve_calls(namespace, call_r, result_w)
+  except SystemExit as e:
+    status = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_RUNTIME)
+  except MemoryError:
+    status = EXIT_MEMORY
+  except BaseException as e:
+    try:  # the program's frames only, not this server's
+      traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+    except BaseException:
+      pass
+    status = EXIT_RUNTIME
+  try:
+    sys.stdout.flush()
+    sys.stderr.flush()
+  except BaseException:
+    pass
+  os._exit(status & 0xFF)
+
+
+def serve_calls(namespace, call_r, result_w):
+  reader = os.fdopen(call_r, "r")
+  for line in reader:
+    call = json.loads(line)
+    function = namespace.get(call["name"])
+    try:
+      if not callable(function):
+        raise NameError(f"the program defines no function {call['name']!r}")
+      reply = {"value": encode(function(*decode(call["args"])))}
+    except MemoryError:
+      raise
+    except Exception as e:
+      reply = {"error": f"{type(e).__name__}: {e}"[:500]}
+    os.write(result_w, (json.dumps(reply) + "\n").encode())
+  sys.exit(0)
+
+
+def clean_up(pid):
+  """Kill what the run left behind and wipe the scratch space."""
+  try:
+    if PIDNS:
+      os.kill(-1, signal.SIGKILL)
+    else:
+      os.killpg(pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+  while True:
+    try:
+      if os.waitpid(-1, 0)[0] == 0:
+        break
+    except ChildProcessError:
+      break
+  for entry in os.listdir(SCRATCH):
+    path = os.path.join(SCRATCH, entry)
+    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+
+
+def run(request):
+  limits = request["limits"]
+  workdir = os.path.join(SCRATCH, "work")
+  os.mkdir(workdir, 0o700)
+  stdin_r, stdin_w = os.pipe()
+  out_r, out_w = os.pipe()
+  err_r, err_w = os.pipe()
+  call_r, call_w = os.pipe()
+  result_r, result_w = os.pipe()
+  pid = os.fork()
+  if pid == 0:
+    child(request, workdir, (stdin_r, out_w, err_w, call_r, result_w))
+  for fd in (stdin_r, out_w, err_w, call_r, result_w):
+    os.close(fd)
+  start = time.monotonic()
+  deadline = start + limits["wall_seconds"]
+  pending_stdin = request.get("stdin", "").encode()
+  if not pending_stdin:
+    os.close(stdin_w)
+    stdin_w = None
+  buffers = {out_r: bytearray(), err_r: bytearray()}
+  open_fds = {out_r, err_r}
+  total, verdict, exit_status = 0, None, None
+  call_mode = request["mode"] == "call"
+  results, in_call = bytearray(), False
+  if call_mode:
+    send({"ready": True})
+
+  def drain(fd):
+    nonlocal total, verdict
+    chunk = os.read(fd, 1 << 16)
+    if not chunk:
+      open_fds.discard(fd)
+      return
+    buffers[fd] += chunk
+    total += len(chunk)
+    if total > limits["output_bytes"]:
+      verdict = "output limit"
+
+  exited = os.pidfd_open(pid)  # readable once the child exits: no polling
+  while verdict is None:
+    waited, status = os.waitpid(pid, os.WNOHANG)
+    if waited:  # drain what is buffered; a daemon holding the pipes must not keep us here
+      exit_status = status
+      while verdict is None and open_fds and select.select(list(open_fds), [], [], 0)[0]:
+        for fd in select.select(list(open_fds), [], [], 0)[0]:
+          drain(fd)
+      break
+    timeout = deadline - time.monotonic()
+    if timeout <= 0:
+      verdict = "timeout"
+      break
+    readers = list(open_fds) + [exited]
+    if call_mode:
+      readers.append(result_r)
+      if not in_call:
+        readers.append(0)
+    writers = [stdin_w] if stdin_w is not None else []
+    ready_r, ready_w, _ = select.select(readers, writers, [], timeout)
+    if ready_w:
+      try:
+        written = os.write(stdin_w, pending_stdin[:1 << 16])
+        pending_stdin = pending_stdin[written:]
+      except BrokenPipeError:
+        pending_stdin = b""
+      if not pending_stdin:
+        os.close(stdin_w)
+        stdin_w = None
+    for fd in ready_r:
+      if fd == exited:
+        continue
+      if fd == 0:
+        message = receive(0)
+        if message is None:
+          continue
+        if message["op"] == "end":
+          verdict = "ended"
+          break
+        os.write(call_w, (json.dumps(message) + "\n").encode())
+        in_call = True
+      elif fd == result_r:
+        chunk = os.read(result_r, 1 << 20)
+        results += chunk
+        while b"\n" in results:
+          line, _, rest = bytes(results).partition(b"\n")
+          results = bytearray(rest)
+          os.write(1, line + b"\n")
+          in_call = False
+      else:
+        drain(fd)
+  if exit_status is None:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    _, exit_status = os.waitpid(pid, 0)
+  seconds = time.monotonic() - start
+  for fd in (out_r, err_r, call_w, result_r, stdin_w, exited):
+    if fd is not None:
+      os.close(fd)
+  clean_up(pid)
+  if verdict == "ended":
+    verdict = "ok"
+  elif verdict is None:
+    if os.WIFSIGNALED(exit_status):
+      verdict = "timeout" if os.WTERMSIG(exit_status) == signal.SIGXCPU else "killed"
+    else:
+      verdict = {0: "ok", EXIT_SYNTAX: "syntax error", EXIT_MEMORY: "memory"}.get(
+          os.WEXITSTATUS(exit_status), "runtime error")
+  cap = limits["output_bytes"]
+  send({"final": True, "status": verdict, "seconds": seconds,
+        "stdout": bytes(buffers[out_r][:cap]).decode("utf-8", "replace"),
+        "stderr": bytes(buffers[err_r][:cap]).decode("utf-8", "replace")})
+
+
+def main():
+  signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+  send({"ready": True, "pid": os.getpid()})
+  while True:
+    request = receive()
+    if request is None:
+      return
+    if request.get("op") == "run":  # a call that raced the program's exit is dropped
+      run(request)
+
+
+if __name__ == "__main__":
+  main()

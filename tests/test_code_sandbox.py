@@ -1,0 +1,242 @@
+"""The code sandbox: every failure mode contained and reported, harness hacks refused,
+HumanEval's canonical solutions accepted. Hostile programs run inside an outer pid
+namespace (tests/sandbox_attacks.py under `unshare`), so a sandbox bug cannot reach the
+machine; the host-side effects are checked from here."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from rl.tasks.code import CodeTask, humaneval, job
+from rl.verifiers.code import (STATUSES, CodeSandbox, Job, Limits, Sandbox, StdioTest,
+                               bwrap_available)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_bubblewrap_is_installed():
+  # scripts/setup.sh installs it where apt is available; without it the sandbox is weak.
+  assert bwrap_available(), "bubblewrap missing: apt-get install bubblewrap"
+
+
+def _outer_namespace() -> list[str]:
+  prefix = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+  if os.geteuid() != 0:
+    prefix.insert(1, "--map-root-user")
+  return prefix
+
+
+def _nobody_processes() -> list[int]:
+  found = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        status = pathlib.Path(f"/proc/{entry}/status").read_text()
+      except OSError:
+        continue
+      uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+      if uid_line.split()[1] == "65534":
+        found.append(int(entry))
+  return found
+
+
+@pytest.fixture(scope="module")
+def attacks(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("attacks")
+  planted = directory / "planted.txt"
+  planted.write_text("planted-host-secret")
+  escape = directory / "escaped.txt"
+  out = directory / "results.json"
+  before = set(_nobody_processes())
+  completed = subprocess.run(
+      _outer_namespace() + [sys.executable, str(ROOT / "tests" / "sandbox_attacks.py"),
+                            str(out), str(planted), str(escape)],
+      capture_output=True, text=True, timeout=300)
+  assert completed.returncode == 0, completed.stderr[-3000:]
+  results = json.loads(out.read_text())
+  results["escape exists"] = escape.exists()
+  results["leftover nobody processes"] = sorted(set(_nobody_processes()) - before)
+  return results
+
+
+EXPECTED = {
+    "busy loop": "timeout",
+    "sleep": "timeout",
+    "memory bomb": "memory",
+    "memory creep": "memory",
+    "fork bomb": "timeout",  # forks fail at the pids limit; the wall clock ends it
+    "thread bomb": "runtime error",  # "can't start new thread" at the pids limit
+    "orphaned daemon": "ok",
+    "kill parent": "killed",
+    "kill everything": "killed",
+    "read host file": "runtime error",
+    "socket": "runtime error",
+    "outside network": "runtime error",
+    "stdout flood": "output limit",
+    "stderr flood": "output limit",
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_hostile_program_is_contained_with_its_status(attacks, case):
+  assert attacks[case]["status"] == EXPECTED[case], attacks[case]
+
+
+def test_nothing_outlives_a_run(attacks):
+  # The daemon forked away and slept; the next program in the same sandbox sees only the
+  # namespace's init, the server and itself.
+  for case in ("after daemon", "after kill everything"):
+    pids = json.loads(attacks[case]["stdout"])
+    assert len(pids) == 3 and pids[:2] == [1, 2], attacks[case]
+  assert attacks["leftover nobody processes"] == []
+
+
+def test_killing_the_server_restarts_the_sandbox(attacks):
+  assert attacks["restarts"] == 2
+  assert attacks["after kill parent"] == {"status": "ok", "stdout": "fresh\n", "stderr": ""}
+
+
+def test_host_files_environment_and_network_are_out_of_reach(attacks):
+  assert not attacks["escape exists"]
+  assert attacks["write outside"]["stdout"].strip() == "[]"
+  assert "planted-host-secret" not in json.dumps(attacks["read host file"])
+  assert "FileNotFoundError" in attacks["read host file"]["stderr"]
+  assert attacks["secret"] not in json.dumps(attacks["environment secrets"])
+  assert "LONGRL_SECRET_TOKEN" not in attacks["environment secrets"]["stdout"]
+  assert attacks["accepted connections"] == 0
+  assert "ConnectionRefusedError" in attacks["socket"]["stderr"]
+
+
+def test_output_cap_is_shared_by_stdout_and_stderr():
+  with Sandbox(Limits(output_bytes=1000)) as sandbox:
+    both = sandbox.run("import sys\nprint('a' * 600)\nsys.stderr.write('b' * 600)")
+    one = sandbox.run("import sys\nprint('a' * 400)\nsys.stderr.write('b' * 400)")
+  assert both["status"] == "output limit"
+  assert one["status"] == "ok" and len(one["stdout"]) == 401
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+  with Sandbox(Limits(wall_seconds=2.0)) as box:
+    yield box
+
+
+def test_stdio_statuses(sandbox):
+  tests = [StdioTest("2 3\n", "5\n"), StdioTest("10 -4\n", "6")]
+  assert [r.status for r in sandbox.run_stdio_tests(
+      "a, b = map(int, input().split())\nprint(a + b)", tests)] == ["accepted"] * 2
+  assert [r.status for r in sandbox.run_stdio_tests(
+      "a, b = map(int, input().split())\nprint(a - b)", tests)] == ["wrong answer"] * 2
+  assert sandbox.run_stdio_tests("print(1/0)", tests[:1])[0].status == "runtime error"
+  assert sandbox.run_stdio_tests("def f(:\n  pass", tests[:1])[0].status == "syntax error"
+  # A printed verdict is just output; sys.exit(0) without output is a wrong answer.
+  assert sandbox.run_stdio_tests("print('passed')", tests[:1])[0].status == "wrong answer"
+  assert sandbox.run_stdio_tests("import sys\nsys.exit(0)", tests[:1])[0].status == \
+      "wrong answer"
+
+
+ADD_TESTS = ("assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4")
+
+HACKS = {
+    "always-equal object": ("class Anything:\n  def __eq__(self, other):\n    return True\n"
+                            "def add(a, b):\n  return Anything()"),
+    "int subclass": ("class Int(int):\n  def __eq__(self, other):\n    return True\n"
+                     "  __hash__ = int.__hash__\ndef add(a, b):\n  return Int(0)"),
+    "sys.exit before the asserts": "import sys\ndef add(a, b):\n  return 0\nsys.exit(0)",
+    "os._exit before the asserts": "import os\ndef add(a, b):\n  return 0\nos._exit(0)",
+    "printed sentinel": "print('passed')\nprint('OK')\ndef add(a, b):\n  return None",
+    "reads the test file": ("import os\nfound = []\nfor root, _, files in os.walk('/'):\n"
+                            "  for name in files:\n    try:\n"
+                            "      if b'assert add' in open(os.path.join(root, name), 'rb')"
+                            ".read(1 << 16):\n        found.append(name)\n"
+                            "    except OSError:\n      pass\n"
+                            "def add(a, b):\n  return found"),
+    "kills the server mid-test": ("import os, signal\ndef add(a, b):\n"
+                                  "  os.kill(os.getppid(), signal.SIGKILL)"),
+}
+
+
+@pytest.mark.parametrize("hack", sorted(HACKS))
+def test_harness_hacks_do_not_pass(sandbox, hack):
+  results = sandbox.run_assert_tests(HACKS[hack], ADD_TESTS, entry_point="add")
+  assert len(results) == 3
+  assert not any(r.passed for r in results), results
+  assert all(r.status in STATUSES for r in results)
+
+
+def test_assert_tests_pass_for_a_correct_program_and_report_each_test(sandbox):
+  src = "def add(a, b):\n  return a + b if a != 2 else 0"
+  results = sandbox.run_assert_tests(src, ADD_TESTS, entry_point="add")
+  assert [r.status for r in results] == ["accepted", "accepted", "wrong answer"]
+  raising = sandbox.run_assert_tests("def add(a, b):\n  raise ValueError('no')", ADD_TESTS[:1],
+                                     entry_point="add")
+  assert raising[0].status == "runtime error" and "ValueError: no" in raising[0].detail
+  looping = sandbox.run_assert_tests("def add(a, b):\n  while True:\n    pass", ADD_TESTS,
+                                     entry_point="add")
+  assert [r.status for r in looping] == ["timeout"] * 3
+  # Plain values of every kind survive the trip both ways.
+  echo = sandbox.run_assert_tests(
+      "def echo(x):\n  return x",
+      ["assert echo({'a': (1, 2.5, None), 'b': {3}, 'c': [True, 'x', 1+2j]}) == "
+       "{'a': (1, 2.5, None), 'b': {3}, 'c': [True, 'x', 1+2j]}", "assert echo(10**30) == 10**30"],
+      entry_point="echo")
+  assert [r.status for r in echo] == ["accepted", "accepted"]
+
+
+def test_fallback_without_bubblewrap_warns_and_still_runs():
+  with pytest.warns(RuntimeWarning, match="without namespace isolation"):
+    box = Sandbox(Limits(wall_seconds=1.0), isolation="none")
+  with box:
+    assert box.run("print(6 * 7)")["stdout"] == "42\n"
+    assert box.run("while True:\n  pass")["status"] == "timeout"
+    assert box.run_assert_tests("def f(x):\n  return x * 2", ["assert f(4) == 8"],
+                                entry_point="f")[0].passed
+
+
+def test_pool_runs_jobs_in_order():
+  jobs = [Job(f"print({i} * {i})", stdio_tests=(StdioTest("", f"{i * i}\n"),))
+          for i in range(12)]
+  jobs[5] = Job("print(-1)", stdio_tests=(StdioTest("", "25\n"),))
+  with CodeSandbox(workers=2) as pool:
+    results = pool.run_batch(jobs)
+  assert [r[0].passed for r in results] == [i != 5 for i in range(12)]
+
+
+def test_code_task_bundled_sample():
+  task = CodeTask()
+  for record in list(task.train.records) + list(task.test.records):
+    assert task.verify(task.solution(record), record), record["prompt"]
+    assert not task.verify("```python\nprint('passed')\n```", record)
+  assert task.well_formed("```python\ndef f():\n  return 1\n```")
+  assert not task.well_formed("def f(:")
+  task.sandbox.close()
+
+
+def test_code_task_rejects_malformed_records(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(json.dumps({"prompt": "p", "tests": ["assert f(1)"]}) + "\n")
+  with pytest.raises(ValueError, match="entry_point"):
+    CodeTask(train_path=str(path), test_path=str(path))
+  path.write_text("{not json}\n")
+  with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
+    CodeTask(train_path=str(path), test_path=str(path))
+
+
+@pytest.mark.slow
+def test_humaneval_canonical_pass_and_broken_bodies_fail_with_their_status():
+  problems = humaneval().records
+  assert len(problems) == 164
+  bodies = {"canonical": None, "return None": "    return None\n",
+            "infinite loop": "    while True:\n        pass\n"}
+  expected = {"canonical": "accepted", "return None": "wrong answer", "infinite loop": "timeout"}
+  with CodeSandbox(workers=2, limits=Limits(wall_seconds=0.3)) as pool:
+    for name, body in bodies.items():
+      jobs = [job(p, p["canonical_solution"] if body is None else body) for p in problems]
+      statuses = [r[0].status for r in pool.run_batch(jobs)]
+      wrong = [(p["task_id"], s) for p, s in zip(problems, statuses) if s != expected[name]]
+      assert not wrong, (name, wrong)
