@@ -677,7 +677,11 @@ def verify(response: str, gold: str) -> Verdict:
 
 
 def _math_verify_check(response: str, gold: str) -> Verdict:
+  import logging
+
   import math_verify  # optional backend: pip install 'math-verify[antlr4_13_2]'
+  # Its own signal-based timeouts are off: the pool's process kill bounds every check.
+  logging.getLogger("math_verify").setLevel(logging.ERROR)
   gold_parsed = math_verify.parse(f"${gold}$" if "$" not in gold else gold,
                                   parsing_timeout=None)
   answer = math_verify.parse(response, parsing_timeout=None)
