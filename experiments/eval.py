@@ -17,8 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin  # noqa: E402
 
-from experiments import gin_externals  # noqa: E402,F401  (registers the configurables)
-from rl import eval as eval_lib  # noqa: E402
+from experiments import gin_externals  # noqa: E402
 
 
 def main(argv=None):

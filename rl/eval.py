@@ -166,7 +166,8 @@ def write_report(report: dict[str, Any], out_dir: str, *, title: str = "") -> li
   fig, ax = plt.subplots(figsize=(6, 4))
   for metric in ("mean@1", f"pass@{ks[-1]}", f"maj@{ks[-1]}"):
     ax.plot(budgets, [report["budgets"][b][metric] for b in budgets], marker="o", label=metric)
-  ax.set(xlabel="token budget", ylabel="accuracy", ylim=(-0.02, 1.02), title=title or "accuracy vs budget")
+  ax.set(xlabel="token budget", ylabel="accuracy", ylim=(-0.02, 1.02),
+         title=title or "accuracy vs budget")
   if len(budgets) > 1 and budgets[-1] / budgets[0] >= 8:
     ax.set_xscale("log", base=2)
   ax.legend()

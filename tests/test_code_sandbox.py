@@ -8,7 +8,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import warnings
 
 import pytest
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 from models import config, transformer

@@ -2,7 +2,6 @@
 device's loss and gradients, and large weights really are split."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

@@ -29,10 +29,11 @@ def extract_code(completion: str) -> str:
 def job(record: dict[str, Any], completion: str) -> code_verifier.Job:
   src = record.get("program_prefix", "") + extract_code(completion)
   if "stdio_tests" in record:
-    tests = tuple(code_verifier.StdioTest(t["stdin"], t["stdout"]) for t in record["stdio_tests"])
+    tests = tuple(code_verifier.StdioTest(t["stdin"], t["stdout"])
+                  for t in record["stdio_tests"])
     return code_verifier.Job(src, stdio_tests=tests)
-  return code_verifier.Job(src, assert_tests=tuple(record["tests"]), entry_point=record["entry_point"],
-                     setup=record.get("setup", ""))
+  return code_verifier.Job(src, assert_tests=tuple(record["tests"]),
+                           entry_point=record["entry_point"], setup=record.get("setup", ""))
 
 
 def _check_record(record, origin):

@@ -43,7 +43,9 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
+
+from rl.verifiers.sandbox_server import decode, encode
 
 STATUSES = ("accepted", "wrong answer", "runtime error", "syntax error", "timeout", "memory",
             "output limit", "killed")
@@ -176,52 +178,6 @@ def _command(isolation: str) -> list[str]:
     command = ["setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups",
                "--inh-caps=-all"] + command
   return command
-
-
-def _decode(tree):
-  if tree is None or isinstance(tree, (bool, str)):
-    return tree
-  if isinstance(tree, list):
-    return [_decode(v) for v in tree]
-  if not isinstance(tree, dict) or len(tree) != 1:
-    raise ValueError("malformed value from the sandbox")
-  (key, inner), = tree.items()
-  if key == "i":
-    return int(inner)
-  if key == "f":
-    return float(inner)
-  if key == "c":
-    return complex(float(inner[0]), float(inner[1]))
-  if key == "t":
-    return tuple(_decode(v) for v in inner)
-  if key == "d":
-    return {_decode(k): _decode(v) for k, v in inner}
-  if key in ("s", "fs"):
-    items = {_decode(v) for v in inner}
-    return items if key == "s" else frozenset(items)
-  raise ValueError(f"unknown value tag {key!r} from the sandbox")
-
-
-def _encode(value):
-  t = type(value)
-  if value is None or t in (bool, str):
-    return value
-  if t is int:
-    return {"i": str(value)}
-  if t is float:
-    return {"f": repr(value)}
-  if t is complex:
-    return {"c": [repr(value.real), repr(value.imag)]}
-  if t is list:
-    return [_encode(v) for v in value]
-  if t is tuple:
-    return {"t": [_encode(v) for v in value]}
-  if t is dict:
-    return {"d": [[_encode(k), _encode(v)] for k, v in value.items()]}
-  if t in (set, frozenset):
-    return {"s" if t is set else "fs": [_encode(v) for v in value]}
-  raise TypeError(f"a test passes a {t.__name__}; only plain values (int, float, complex, "
-                  "str, bool, None and lists, tuples, dicts, sets of them) reach the sandbox")
 
 
 class _CallFailed(Exception):
@@ -389,7 +345,7 @@ class Sandbox:
       return [TestResult(status, outcome["stderr"][-500:])] * len(tests)
 
     def call(*args):
-      if not self._send({"op": "call", "name": entry_point, "args": _encode(list(args))}):
+      if not self._send({"op": "call", "name": entry_point, "args": encode(list(args))}):
         raise _CallFailed("killed", "the sandbox server was killed")
       reply = self._receive(deadline)
       if reply is None or reply.get("final"):
@@ -398,7 +354,7 @@ class Sandbox:
                           outcome["stderr"][-500:] or "the program exited during a test")
       if "error" in reply:
         raise _CallFailed("runtime error", reply["error"])
-      return _decode(reply["value"])
+      return decode(reply["value"])
 
     results, finished = [], None
     for test in tests:

@@ -28,12 +28,15 @@ SCRATCH = os.environ.get("SANDBOX_SCRATCH", "/tmp")
 PIDNS = "--pidns" in sys.argv
 
 # Warm the modules programs import most, once, so each forked child starts with them.
-import collections, functools, heapq, itertools, math, re, string, bisect, fractions  # noqa
-import random, statistics, decimal, copy, typing, dataclasses, operator  # noqa
+for _module in ("collections", "functools", "heapq", "itertools", "math", "re", "string",
+                "bisect", "fractions", "random", "statistics", "decimal", "copy", "typing",
+                "dataclasses", "operator"):
+  __import__(_module)
 
 
 def encode(value, depth=0):
-  """A JSON tree for plain Python values only; anything else (a subclass included) raises."""
+  """A JSON tree for plain Python values only; anything else (a subclass included) raises.
+  The host (rl/verifiers/code.py) imports this and `decode` for the other direction."""
   if depth > 100:
     raise TypeError("value nested too deeply")
   t = type(value)
@@ -61,6 +64,8 @@ def decode(tree):
     return tree
   if isinstance(tree, list):
     return [decode(v) for v in tree]
+  if not isinstance(tree, dict) or len(tree) != 1:
+    raise ValueError("malformed encoded value")
   (key, inner), = tree.items()
   if key == "i":
     return int(inner)
