@@ -16,9 +16,14 @@ from rl import sampling
 from rl.tasks import arithmetic
 from rl.tasks import code as code_task
 from rl.tasks import math as math_task
+from rollouts import server
+from rollouts import sglang
 
 train = gin.external_configurable(loop.train, module="rl")
 evaluate = gin.external_configurable(eval_lib.evaluate_checkpoint, "evaluate", module="rl")
+load_model = gin.external_configurable(server.load_model, module="rollouts")
+local_engine = gin.external_configurable(server.local_engine, module="rollouts")
+remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts")
 
 _REGISTERED = {
     "rl": [loop.RLConfig, eval_lib.SampledEval],

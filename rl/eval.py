@@ -34,14 +34,22 @@ def generate_and_verify(engine: RolloutEngine, task, tokenizer, records: Sequenc
   prompts = [prompt_ids(task, tokenizer, r) for r in records]
   requests = [p for p in prompts for _ in range(samples)]
   completions = engine.generate(requests, sampling, seed=seed)
+  return score(task, tokenizer, [r for r in records for _ in range(samples)], requests,
+               completions)
+
+
+def score(task, tokenizer, records: Sequence[dict], prompts: Sequence[Sequence[int]],
+          completions: Sequence[Completion]) -> Scored:
+  """Verify each completion against its record (one record per completion)."""
   texts = [tokenizer.decode(c.token_ids) for c in completions]
-  truncated = np.array([c.finish_reason != "stop" for c in completions])
-  correct = np.array([(not cut) and task.verify(text, records[i // samples])
-                      for i, (text, cut) in enumerate(zip(texts, truncated))], bool)
+  truncated = np.array([c.finish_reason != "stop" for c in completions], bool)
+  correct = np.array([(not cut) and task.verify(text, record)
+                      for text, cut, record in zip(texts, truncated, records)], bool)
   well_formed = np.array([(not cut) and task.well_formed(text)
                           for text, cut in zip(texts, truncated)], bool)
   lengths = np.array([len(c.token_ids) for c in completions], np.int32)
-  return Scored(requests, completions, texts, correct, lengths, truncated, well_formed)
+  return Scored([list(p) for p in prompts], list(completions), texts, correct, lengths,
+                truncated, well_formed)
 
 
 def greedy_accuracy(engine: RolloutEngine, task, tokenizer, *, num_records: int,

@@ -56,22 +56,28 @@ def unpack(packed: np.ndarray, placements: Sequence[tuple[int, int]],
 
 def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                      completion_logp: Sequence[np.ndarray], advantages: Sequence[float],
-                     train_mask: Sequence[bool], seq_len: int, *, row_multiple: int = 1):
+                     train_mask: Sequence, seq_len: int, *, row_multiple: int = 1,
+                     token_weights: Sequence[np.ndarray] | None = None):
   """A TrainBatch (numpy) of prompt + completion trajectories.
 
   The inputs are trajectory[:-1] and the targets trajectory[1:]; the loss mask covers the
-  completion's targets (all zero when train_mask is False). Returns (batch, placements).
+  completion's targets (all zero when train_mask is False; a train_mask entry may also be a
+  bool[n] per completion token). token_weights (f32[n] per completion, e.g. importance
+  weights) multiply the advantage of each completion token. Returns (batch, placements).
   """
   sequences = []
-  for prompt, completion, logp, adv, keep in zip(prompts, completions, completion_logp,
-                                                 advantages, train_mask):
+  weights = token_weights if token_weights is not None else [1.0] * len(prompts)
+  for prompt, completion, logp, adv, keep, weight in zip(prompts, completions, completion_logp,
+                                                         advantages, train_mask, weights):
     full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(completion, np.int32)])
     n, p = len(full) - 1, len(prompt)
     mask = np.zeros((n,), np.float32)
-    mask[p - 1:] = float(keep)
+    mask[p - 1:] = np.asarray(keep, np.float32)
     old_logp = np.zeros((n,), np.float32)
     old_logp[p - 1:] = logp
+    token_adv = np.full((n,), adv, np.float32)
+    token_adv[p - 1:] *= np.asarray(weight, np.float32)
     sequences.append({"tokens": full[:-1], "targets": full[1:], "loss_mask": mask,
-                      "old_logp": old_logp, "advantages": np.full((n,), adv, np.float32)})
+                      "old_logp": old_logp, "advantages": token_adv})
   fields, placements = pack(sequences, seq_len, row_multiple=row_multiple)
   return TrainBatch(**fields), placements

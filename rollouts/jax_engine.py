@@ -120,9 +120,13 @@ class JaxEngine:
   def params(self):
     return self._params
 
-  def update_weights(self, params, version: int) -> None:
+  def update_weights(self, params, version: int) -> float:
     self._params = params
     self._version = version
+    return 0.0  # in memory: nothing to export or send
+
+  def close(self) -> None:
+    pass
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int) -> list[Completion]:

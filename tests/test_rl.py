@@ -15,6 +15,7 @@ from rl.tasks.arithmetic import Arithmetic
 from rl.packing import trajectory_batch
 from rl.train_step import make_train_step, policy_logprobs
 from rollouts.jax_engine import JaxEngine
+from rollouts.server import local_engine
 
 
 class PickADigit:
@@ -67,6 +68,43 @@ def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer, digit_model
   assert history[0] < 0.5
   assert max(history) == 1.0
   assert np.mean(history[-10:]) >= 0.9, history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollout", ["partial"])
+def test_rl_through_the_server_drives_reward_to_one(rollout, tokenizer, digit_model, tmp_path):
+  """The same learning as in-process, with rollouts from a server process over SGLang's
+  protocol (weights synced from disk every step), whole or as partial rollouts."""
+  cfg, params = digit_model
+  optimizer = loop.rl_optimizer(2e-3)
+  reward = rewards.named_chain({"correctness": rewards.correctness()})
+  sampler = sampling.uniform()
+  rl = loop.RLConfig(prompts_per_step=1, samples_per_prompt=32, max_new_tokens=4, seq_len=16,
+                     partial_rollouts=rollout == "partial", rollout_token_budget=40,
+                     offpolicy_tokens="tis" if rollout == "partial" else "keep")
+  state = loop.init_loop_state(params, optimizer, num_prompts=1, sampler=sampler, reward=reward,
+                               seed=0, config=rl)
+  # 8 requests in flight: once the budget is spent, the ones not yet sent wait for the
+  # next iteration (aborted mid-generation ones are tested in test_sglang.py).
+  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path), max_in_flight=8)
+  try:
+    steps = loop.rl_steps(
+        state, engine=engine, task=PickADigit(1), tokenizer=tokenizer,
+        train_step=make_train_step(cfg, optimizer, losses.bind("k1.5")),
+        advantage=losses.get("k1.5").advantage, reward=reward, sampler=sampler, config=rl,
+        trainer_logprobs=jax.jit(lambda p, b: policy_logprobs(p, cfg, b)[0]))
+    records = [next(steps) for _ in range(60)]
+  finally:
+    engine.close()
+  history = [r.metrics["reward"] for r in records]
+  assert history[0] < 0.5
+  assert np.mean(history[-10:]) >= 0.9, history
+  assert all(r.metrics["weight_sync_s"] > 0 for r in records)
+  assert engine.version == 60
+  assert max(r.metrics["engine_logp_diff_max"] for r in records[:1]) < 1e-4
+  if rollout == "partial":
+    assert sum(r.metrics["partial_aborted"] for r in records) > 0
+    assert max(r.metrics["partial_iterations"] for r in records) > 1
 
 
 def _tiny_run(run_dir, num_steps, **overrides):

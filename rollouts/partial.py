@@ -1,0 +1,163 @@
+"""Kimi k1.5 partial rollouts (arXiv 2501.12599, sec. 2.6.2): long trajectories do not hold
+up an iteration.
+
+Owns the per-iteration output-token budget and the replay buffer. An iteration sends every
+unfinished trajectory (new ones, and ones resumed from the buffer as prompt + partial
+completion with `max_new_tokens` reduced by what they already have); once the completions
+received hold `token_budget` tokens, the rest are aborted on the servers and come back with
+the tokens and log-probs generated so far. Every token keeps the weight version that
+produced it, so the loss can mask or re-weight tokens of older policies (RLConfig
+.offpolicy_tokens). The buffer is a pytree of fixed-size arrays saved with the loop state.
+It does not own the HTTP (rollouts/sglang.py) or what the trainer does with groups.
+"""
+
+import dataclasses
+from typing import Sequence
+
+import flax.struct
+import jax.numpy as jnp
+import numpy as np
+
+from rollouts.engine import Completion, SamplingParams
+from rollouts.sglang import Request, SGLangEngine
+
+UNFINISHED, STOPPED, TRUNCATED = 0, 1, 2
+_FINISH = {"stop": STOPPED, "length": TRUNCATED}
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One sample of a group, possibly unfinished. token_ids, logprobs, versions: [n]."""
+  group: int  # a group id unique within the run
+  record: int  # index of the task record (the prompt)
+  sample: int  # index within its group
+  prompt_ids: tuple[int, ...]
+  token_ids: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  finish: int = UNFINISHED
+
+  @property
+  def finished(self) -> bool:
+    return self.finish != UNFINISHED
+
+  def completion(self) -> Completion:
+    return Completion(self.token_ids, self.logprobs,
+                      "stop" if self.finish == STOPPED else "length", self.versions)
+
+
+def new_group(group: int, record: int, prompt_ids: Sequence[int], size: int
+              ) -> list[Trajectory]:
+  empty = lambda dtype: np.zeros(0, dtype)
+  return [Trajectory(group, record, s, tuple(prompt_ids), empty(np.int32), empty(np.float32),
+                     empty(np.int32)) for s in range(size)]
+
+
+def run_iteration(engine: SGLangEngine, trajectories: Sequence[Trajectory],
+                  sampling: SamplingParams, *, token_budget: int, seed: int) -> dict:
+  """Advance the unfinished `trajectories` (in place) by one iteration; returns
+  {"received_tokens", "finished", "aborted"}. `sampling.max_new_tokens` is the whole
+  trajectory's limit, not the iteration's."""
+  todo = [t for t in trajectories if not t.finished]
+  prefix = f"{engine.rid_prefix}-it{seed}-"
+  requests = [Request(rid=f"{prefix}{t.group}-{t.sample}",
+                      input_ids=t.prompt_ids + tuple(int(x) for x in t.token_ids),
+                      max_new_tokens=sampling.max_new_tokens - len(t.token_ids),
+                      affinity=hash(t.prompt_ids) & 0x7FFFFFFF,
+                      sampling_seed=(seed * 1_000_003 + t.group * 101 + t.sample) % 2**31)
+              for t in todo]
+  received = 0
+
+  def budget_spent(_, completion: Completion) -> bool:
+    nonlocal received
+    received += len(completion.token_ids)
+    return received >= token_budget
+
+  completions = engine.client.generate(requests, sampling, stop_when=budget_spent,
+                                       abort_prefix=prefix)
+  aborted = 0
+  for t, c in zip(todo, completions):
+    t.token_ids = np.concatenate([t.token_ids, c.token_ids])
+    t.logprobs = np.concatenate([t.logprobs, c.logprobs])
+    t.versions = np.concatenate([t.versions, c.versions])
+    if c.finish_reason == "abort":
+      aborted += 1
+    else:
+      t.finish = _FINISH[c.finish_reason]
+  return {"received_tokens": sum(len(c.token_ids) for c in completions),
+          "finished": sum(t.finished for t in todo), "aborted": aborted}
+
+
+def complete_groups(trajectories: Sequence[Trajectory]) -> tuple[list[list[Trajectory]],
+                                                                 list[Trajectory]]:
+  """(groups whose every sample finished, oldest group first; the other trajectories)."""
+  by_group: dict[int, list[Trajectory]] = {}
+  for t in trajectories:
+    by_group.setdefault(t.group, []).append(t)
+  done, rest = [], []
+  for group in sorted(by_group):
+    members = sorted(by_group[group], key=lambda t: t.sample)
+    (done.append(members) if all(t.finished for t in members) else rest.extend(members))
+  return done, rest
+
+
+@flax.struct.dataclass
+class ReplayBuffer:
+  """Trajectories of groups not yet trained on, as fixed-size arrays (`used` marks rows).
+  prompt: i32[capacity, max_prompt]; tokens, versions: i32[capacity, max_new]; logprobs:
+  f32[capacity, max_new]; the rest [capacity]."""
+  used: jnp.ndarray
+  group: jnp.ndarray
+  record: jnp.ndarray
+  sample: jnp.ndarray
+  finish: jnp.ndarray
+  prompt_len: jnp.ndarray
+  length: jnp.ndarray
+  prompt: jnp.ndarray
+  tokens: jnp.ndarray
+  logprobs: jnp.ndarray
+  versions: jnp.ndarray
+
+  @classmethod
+  def empty(cls, capacity: int, max_prompt: int, max_new: int) -> "ReplayBuffer":
+    zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)
+    return cls(zeros(capacity, dtype=bool), zeros(capacity), zeros(capacity), zeros(capacity),
+               zeros(capacity), zeros(capacity), zeros(capacity), zeros(capacity, max_prompt),
+               zeros(capacity, max_new), zeros(capacity, max_new, dtype=np.float32),
+               zeros(capacity, max_new))
+
+  def trajectories(self) -> list[Trajectory]:
+    arrays = {k: np.asarray(v) for k, v in vars(self).items()}
+    out = []
+    for i in np.flatnonzero(arrays["used"]):
+      n, p = int(arrays["length"][i]), int(arrays["prompt_len"][i])
+      out.append(Trajectory(int(arrays["group"][i]), int(arrays["record"][i]),
+                            int(arrays["sample"][i]),
+                            tuple(int(x) for x in arrays["prompt"][i, :p]),
+                            arrays["tokens"][i, :n].copy(), arrays["logprobs"][i, :n].copy(),
+                            arrays["versions"][i, :n].copy(), int(arrays["finish"][i])))
+    return out
+
+  def store(self, trajectories: Sequence[Trajectory]) -> "ReplayBuffer":
+    """A buffer holding exactly `trajectories`; raises if they do not fit."""
+    capacity, max_prompt = np.asarray(self.prompt).shape
+    max_new = np.asarray(self.tokens).shape[1]
+    if len(trajectories) > capacity:
+      raise ValueError(f"replay buffer: {len(trajectories)} trajectories waiting, capacity "
+                       f"{capacity}; raise RLConfig.replay_capacity or the token budget")
+    out = {k: np.array(v) for k, v in vars(ReplayBuffer.empty(capacity, max_prompt,
+                                                               max_new)).items()}
+    for i, t in enumerate(trajectories):
+      n, p = len(t.token_ids), len(t.prompt_ids)
+      if p > max_prompt or n > max_new:
+        raise ValueError(f"replay buffer: a trajectory of {p} prompt + {n} completion tokens "
+                         f"does not fit [{max_prompt}, {max_new}]")
+      out["used"][i] = True
+      for key, value in (("group", t.group), ("record", t.record), ("sample", t.sample),
+                         ("finish", t.finish), ("prompt_len", p), ("length", n)):
+        out[key][i] = value
+      out["prompt"][i, :p] = t.prompt_ids
+      out["tokens"][i, :n] = t.token_ids
+      out["logprobs"][i, :n] = t.logprobs
+      out["versions"][i, :n] = t.versions
+    return ReplayBuffer(**out)

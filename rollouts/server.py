@@ -1,0 +1,696 @@
+"""The embedded JAX engine served over HTTP with SGLang's native protocol (sglang 0.5.23).
+
+Owns a step-wise scheduler (requests are decoded one token at a time in batches, so abort,
+pause and weight updates take effect between tokens) and the subset of SGLang's endpoints a
+trainer uses, with SGLang's request checks and response shapes (../shared/reference/sglang.md
+sections 1-2): /generate (single and batch, n, stream, return_logprob), /abort_request (rid
+prefix or all, partial output), /pause_generation (abort, retract, in_place),
+/continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache,
+/model_info, /server_info, /health, /health_generate, /ready, /v1/loads. It lets the SGLang
+client (rollouts/sglang.py) run for real in CI, where SGLang itself cannot.
+
+Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabulary
+(raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
+
+  python -m rollouts.server --gin FILE [--gin_param B] [--host 127.0.0.1] [--port 0]
+
+prints "listening on http://HOST:PORT" once it serves. `launch(...)` starts it as a
+subprocess and waits for /health.
+"""
+
+import argparse
+import dataclasses
+import functools
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import hf, transformer
+from models.config import ModelConfig
+from rollouts.jax_engine import _bucket, _nucleus
+
+SAMPLING_KEYS = {  # api_types.SamplingParams: anything else is a 400, as in SGLang
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "beam_width", "watermark", "choice"}
+UNSUPPORTED = {"stop", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag",
+               "logit_bias", "choice", "beam_width", "watermark", "frequency_penalty",
+               "presence_penalty", "repetition_penalty", "min_p", "top_k", "min_new_tokens"}
+GREEDY_BELOW = 1e-6
+GATHER_SECONDS = 0.01
+
+
+class BadRequest(ValueError):
+  """Answered with HTTP 400 and {"error": message}."""
+
+
+@dataclasses.dataclass
+class Request:
+  rid: str
+  input_ids: list[int]
+  max_new_tokens: int
+  temperature: float
+  top_p: float
+  stop_token_ids: tuple[int, ...]
+  seed: int
+  return_logprob: bool
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[str] = dataclasses.field(default_factory=list)
+  finish_reason: dict | None = None
+  aborted: str | None = None  # the abort message once aborted
+  started: float = dataclasses.field(default_factory=time.monotonic)
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def _parse_sampling(params: dict) -> dict:
+  if not isinstance(params, dict):
+    raise BadRequest("sampling_params must be an object")
+  unknown = sorted(set(params) - SAMPLING_KEYS)
+  if unknown:
+    raise BadRequest(f"unknown field `{unknown[0]}` in SamplingParams")
+  for key in ("max_new_tokens", "n", "sampling_seed"):
+    if params.get(key) is not None and (type(params[key]) is not int):
+      raise BadRequest(f"invalid type for `{key}`, expected an integer")
+  used = [k for k in UNSUPPORTED if params.get(k) not in (None, [], {}, 0, 0.0, 1.0, -1,
+                                                         1073741824)]
+  if used:
+    raise BadRequest(f"this server does not implement sampling_params {sorted(used)}")
+  top_p = float(params.get("top_p", 1.0))
+  if not 0 < top_p <= 1:
+    raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
+  if params.get("max_new_tokens", 128) < 0:
+    raise BadRequest("max_new_tokens must be >= 0")
+  return params
+
+
+def expand_request(body: dict) -> tuple[list[Request], bool]:
+  """The Requests of a /generate body (a batch and n > 1 expanded, prompt-major) and
+  whether the response is a list."""
+  if "text" in body or "input_embeds" in body:
+    raise BadRequest("this server is token-in, token-out: send input_ids (it runs as with "
+                     "--skip-tokenizer-init)")
+  ids = body.get("input_ids")
+  if not isinstance(ids, list) or not ids:
+    raise BadRequest("input_ids must be a non-empty list of token ids or a list of lists")
+  batched = isinstance(ids[0], list)
+  prompts = ids if batched else [ids]
+  for prompt in prompts:
+    if not prompt or not all(type(t) is int for t in prompt):
+      raise BadRequest("every prompt in input_ids must be a non-empty list of integers")
+  sampling = body.get("sampling_params") or {}
+  per_item = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+  if len(per_item) != len(prompts):
+    raise BadRequest("sampling_params list length must match the batch size")
+  per_item = [_parse_sampling(s) for s in per_item]
+  n = per_item[0].get("n", 1) or 1
+  if any((s.get("n", 1) or 1) != n for s in per_item):
+    raise BadRequest("n must be the same in every sampling_params")
+  rid = body.get("rid")
+  if batched and isinstance(rid, list):
+    if len(rid) != len(prompts):
+      raise BadRequest("rid list length must match the batch size")
+    rids = rid
+  elif batched:
+    rids = [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(len(prompts))]
+  else:
+    rids = [rid or uuid.uuid4().hex]
+  if len(set(rids)) != len(rids):
+    raise BadRequest("duplicate rids in one request")
+  return_logprob = body.get("return_logprob", False)
+  if isinstance(return_logprob, list):
+    if n > 1:
+      raise BadRequest("list-valued return_logprob is not allowed with n > 1")
+  else:
+    return_logprob = [bool(return_logprob)] * len(prompts)
+  requests = []
+  for prompt, params, item_rid, want_logprob in zip(prompts, per_item, rids, return_logprob):
+    for _ in range(n):
+      temperature = float(params.get("temperature", 1.0))
+      seed = params.get("sampling_seed")
+      requests.append(Request(
+          rid=item_rid if n == 1 else uuid.uuid4().hex, input_ids=list(prompt),
+          max_new_tokens=int(params.get("max_new_tokens", 128)),
+          temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+          top_p=float(params.get("top_p", 1.0)),
+          stop_token_ids=() if params.get("ignore_eos") else tuple(
+              params.get("stop_token_ids") or ()),
+          seed=int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little"),
+          return_logprob=bool(want_logprob)))
+  return requests, batched or n > 1
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _prefill(params, prompts, positions, kv_valid, cache, *, cfg):
+  hidden, cache = transformer.prefill(params, cfg, prompts, positions,
+                                      kv_valid[:, :prompts.shape[1]].astype(jnp.int32), cache)
+  return hidden[:, -1] @ transformer.output_projection(params, cfg), cache
+
+
+@jax.jit
+def _request_keys(seeds):
+  return jax.vmap(jax.random.PRNGKey)(seeds)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, slot, active,
+          i, *, cfg):
+  """Choose token i of each row (per-row temperature, top-p and PRNG key), score it as
+  SGLang does, and run the decode step that feeds it back."""
+  keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+  greedy = temperature < GREEDY_BELOW
+  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+  cut = _nucleus(scaled, top_p[:, None])
+  cut = jnp.where((top_p < 1.0)[:, None], cut, scaled)
+  sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, cut)
+  token = jnp.where(greedy, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
+  logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], -1)[:, 0]
+  kv_valid = kv_valid.at[:, slot].set(active)
+  hidden, cache = transformer.decode(params, cfg, token[:, None], positions[:, None], kv_valid,
+                                     cache, slot)
+  return token, logp, hidden[:, 0] @ transformer.output_projection(params, cfg), cache, kv_valid
+
+
+class Scheduler:
+  """Runs waiting requests in batches on a background thread, one token per step."""
+
+  def __init__(self, cfg: ModelConfig, params, *, weight_version: str = "default",
+               model_path: str = "", max_batch: int = 64):
+    self.cfg, self.params = cfg, params
+    self.weight_version, self.model_path = weight_version, model_path
+    self.max_batch = max_batch
+    self.lock = threading.Condition()
+    self.waiting: list[Request] = []
+    self.running: list[Request] = []
+    self.paused: str | None = None  # None, "in_place" or "retract" (abort unpauses nothing)
+    self.stopped = False
+    self.thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
+    self.thread.start()
+
+  # --- control, from HTTP threads
+
+  def submit(self, requests: list[Request]):
+    with self.lock:
+      for r in requests:
+        if r.max_new_tokens == 0:
+          self._finish(r, {"type": "length", "length": 0})
+        else:
+          self.waiting.append(r)
+      self.lock.notify_all()
+
+  def abort(self, rid: str | None, message: str = "Aborted"):
+    with self.lock:
+      for r in list(self.waiting):
+        if rid is None or r.rid.startswith(rid):
+          self.waiting.remove(r)
+          self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
+      for r in self.running:
+        if rid is None or r.rid.startswith(rid):
+          r.aborted = message
+      self.lock.notify_all()
+
+  def pause(self, mode: str):
+    if mode == "abort":
+      self.abort(None)
+      with self.lock:  # "abort" pauses too: nothing new starts until continue
+        self.paused = "abort"
+        while self.running:
+          self.lock.wait(0.01)
+    else:
+      with self.lock:
+        self.paused = mode
+
+  def resume(self):
+    with self.lock:
+      self.paused = None
+      self.lock.notify_all()
+
+  def update_weights(self, params, version: str | None, model_path: str | None,
+                     flush_cache: bool) -> tuple[bool, str]:
+    with self.lock:
+      while self.running and self.paused is None:  # the writer lock waits for in-flight work
+        self.lock.wait(0.01)
+      self.params = params
+      if version is not None:
+        self.weight_version = str(version)
+      if model_path is not None:
+        self.model_path = model_path
+      if flush_cache and self.waiting and self.paused is None:
+        return False, ("Weights were updated, but the cache was not flushed because "
+                       "requests are queued")
+      return True, "Succeeded to update model weights."
+
+  def loads(self) -> dict:
+    with self.lock:
+      return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+              "num_used_tokens": sum(len(r.input_ids) + len(r.tokens) for r in self.running)}
+
+  # --- the loop
+
+  def _finish(self, r: Request, reason: dict):
+    r.finish_reason = reason
+    r.done.set()
+
+  def _loop(self):
+    while True:
+      with self.lock:
+        while not self.stopped and (not self.waiting or self.paused):
+          self.lock.wait()
+        if self.stopped:
+          return
+        # A client fans a group out as separate requests: wait until they stop arriving
+        # (GATHER_SECONDS without a new one) so that they share a batch.
+        while len(self.waiting) < self.max_batch:
+          count = len(self.waiting)
+          self.lock.wait(GATHER_SECONDS)
+          if len(self.waiting) == count:
+            break
+        batch, self.waiting = self.waiting[:self.max_batch], self.waiting[self.max_batch:]
+        if os.environ.get("LONGRL_SERVER_DEBUG"):
+          print(f"batch of {len(batch)}, {len(self.waiting)} waiting", file=sys.stderr)
+        self.running = batch
+      try:
+        self._run(batch)
+      except Exception as e:  # never leave a client waiting forever
+        for r in batch:
+          if not r.done.is_set():
+            self._finish(r, {"type": "abort", "message": f"server error: {e}",
+                             "status_code": 500, "err_type": type(e).__name__})
+      with self.lock:
+        self.running = []
+        self.lock.notify_all()
+
+  def _run(self, batch: list[Request]):
+    rows = _bucket(len(batch), 8)
+    plen = _bucket(max(len(r.input_ids) for r in batch), 16)
+    max_new = _bucket(max(r.max_new_tokens for r in batch), 16)
+    prompts = np.zeros((rows, plen), np.int32)
+    lens = np.ones(rows, np.int32)
+    for i, r in enumerate(batch):
+      prompts[i, plen - len(r.input_ids):] = r.input_ids
+      lens[i] = len(r.input_ids)
+    slots = np.arange(plen)
+    kv_valid = np.zeros((rows, plen + max_new), bool)
+    kv_valid[:, :plen] = slots[None, :] >= (plen - lens)[:, None]
+    positions = np.maximum(slots[None, :] - (plen - lens)[:, None], 0)
+    with self.lock:
+      params = self.params
+    logits, cache = _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
+                             jnp.asarray(kv_valid), transformer.init_cache(self.cfg, rows,
+                                                                           plen + max_new),
+                             cfg=self.cfg)
+    kv_valid = jnp.asarray(kv_valid)
+    temperature = np.ones(rows, np.float32)
+    top_p = np.ones(rows, np.float32)
+    seeds = np.zeros(rows, np.uint32)
+    for i, r in enumerate(batch):
+      temperature[i], top_p[i], seeds[i] = r.temperature, r.top_p, r.seed
+    keys = _request_keys(jnp.asarray(seeds))
+    temperature, top_p = jnp.asarray(temperature), jnp.asarray(top_p)
+    active = np.zeros(rows, bool)
+    active[:len(batch)] = True
+    for i in range(max_new):
+      with self.lock:
+        while self.paused in ("in_place", "retract") and not any(r.aborted for r in batch):
+          self.lock.wait(0.05)  # frozen: the KV stays, weights may change meanwhile
+        params, version = self.params, self.weight_version
+        for row, r in enumerate(batch):
+          if active[row] and r.aborted:
+            active[row] = False
+            self._finish(r, {"type": "abort", "message": r.aborted, "status_code": None,
+                             "err_type": None})
+      if not active.any():
+        return
+      token, logp, logits, cache, kv_valid = _step(
+          params, logits, cache, kv_valid, keys, temperature, top_p, jnp.asarray(lens + i),
+          plen + i, jnp.asarray(active), i, cfg=self.cfg)
+      token, logp = np.asarray(token), np.asarray(logp)
+      with self.lock:
+        for row, r in enumerate(batch):
+          if not active[row]:
+            continue
+          r.tokens.append(int(token[row]))
+          r.logprobs.append(float(logp[row]))
+          r.versions.append(version)
+          if token[row] in r.stop_token_ids:
+            active[row] = False
+            self._finish(r, {"type": "stop", "matched": int(token[row])})
+          elif len(r.tokens) >= r.max_new_tokens:
+            active[row] = False
+            self._finish(r, {"type": "length", "length": r.max_new_tokens})
+        self.lock.notify_all()
+
+
+def response(r: Request, weight_version: str) -> dict:
+  """A finished (or, streaming, a running) request in SGLang's GenerateResponse shape."""
+  spans, start = [], 0
+  for i in range(1, len(r.versions) + 1):
+    if i == len(r.versions) or r.versions[i] != r.versions[start]:
+      spans.append({"version": r.versions[start], "start": start, "end": i})
+      start = i
+  meta = {"id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.input_ids),
+          "completion_tokens": len(r.tokens), "cached_tokens": 0, "reasoning_tokens": 0,
+          "num_retractions": 0,
+          "weight_version": r.versions[-1] if r.versions else weight_version,
+          "weight_versions": spans, "e2e_latency": time.monotonic() - r.started}
+  if r.finish_reason and r.finish_reason["type"] == "abort" \
+      and r.finish_reason.get("message") == "Abort in waiting queue":
+    del meta["prompt_tokens"], meta["cached_tokens"]
+  if r.return_logprob:
+    meta["input_token_logprobs"] = []
+    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.tokens)]
+    meta["output_token_logprobs_length"] = len(r.tokens)
+  return {"output_ids": list(r.tokens), "meta_info": meta}
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+  protocol_version = "HTTP/1.1"
+  server: "Server"
+
+  def log_message(self, *args):  # quiet: a trainer makes thousands of calls
+    pass
+
+  def setup(self):
+    super().setup()
+    # Headers and body go out in separate writes: without this, Nagle's algorithm and the
+    # client's delayed ACK add ~40 ms to every call.
+    self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+  def _body(self) -> dict:
+    if not self._raw:
+      return {}
+    try:
+      body = json.loads(self._raw)
+    except json.JSONDecodeError as e:
+      raise BadRequest(f"invalid JSON: {e}") from None
+    if not isinstance(body, dict):
+      raise BadRequest("the request body must be a JSON object")
+    return body
+
+  def _send(self, status: int, value: Any = None, *, text: str | None = None):
+    payload = (text if text is not None else json.dumps(value) if value is not None
+               else "").encode()
+    self.send_response(status)
+    self.send_header("Content-Type", "text/plain" if text is not None else "application/json")
+    self.send_header("Content-Length", str(len(payload)))
+    self.end_headers()
+    self.wfile.write(payload)
+
+  def do_GET(self):
+    self._dispatch("GET")
+
+  def do_POST(self):
+    self._dispatch("POST")
+
+  def do_PUT(self):
+    self._dispatch("POST")
+
+  def _dispatch(self, method: str):
+    # Read the whole body first, used or not: leftover bytes would corrupt the next request
+    # on this keep-alive connection.
+    self._raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    path = self.path.split("?", 1)[0]
+    routes = self.server.routes(method)
+    if path not in routes:
+      self._send(404, {"detail": "Not Found"})
+      return
+    try:
+      routes[path](self)
+    except BadRequest as e:
+      self._send(400, {"error": str(e)})
+    except (BrokenPipeError, ConnectionResetError):
+      pass
+
+
+class Server(http.server.ThreadingHTTPServer):
+  daemon_threads = True
+  request_queue_size = 1024  # a trainer opens hundreds of connections at once; the default
+  # backlog of 5 drops their SYNs and each retry costs a second
+
+  def __init__(self, address, scheduler: Scheduler, *, served_model_name: str = "longrl"):
+    super().__init__(address, Handler)
+    self.scheduler = scheduler
+    self.served_model_name = served_model_name
+
+  def routes(self, method: str):
+    get = {"/health": self.health, "/health_generate": self.health, "/ready": self.health,
+           "/model_info": self.model_info, "/get_model_info": self.model_info,
+           "/server_info": self.server_info, "/get_server_info": self.server_info,
+           "/v1/loads": self.v1_loads, "/flush_cache": self.flush_cache}
+    post = {"/generate": self.generate, "/abort_request": self.abort_request,
+            "/pause_generation": self.pause_generation,
+            "/continue_generation": self.continue_generation,
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/update_weight_version": self.update_weight_version,
+            "/flush_cache": self.flush_cache}
+    return get if method == "GET" else post
+
+  def health(self, h: Handler):
+    h._send(200 if self.scheduler.thread.is_alive() else 503, text="")
+
+  def model_info(self, h: Handler):
+    s = self.scheduler
+    h._send(200, {"model_path": s.model_path, "served_model_name": self.served_model_name,
+                  "tokenizer_path": s.model_path, "is_generation": True,
+                  "preferred_sampling_params": None, "weight_version": s.weight_version,
+                  "load_format": None, "reasoning_parser": None, "tool_call_parser": None})
+
+  def server_info(self, h: Handler):
+    s = self.scheduler
+    h._send(200, {"model_path": s.model_path, "max_running_requests": s.max_batch,
+                  "skip_tokenizer_init": True, "weight_version": s.weight_version,
+                  "internal_states": [s.loads()], "version": "0.5.23 (longrl embedded)"})
+
+  def v1_loads(self, h: Handler):
+    h._send(200, {"timestamp": time.time(), "dp_rank_count": 1,
+                  "loads": [{"dp_rank": 0, **self.scheduler.loads()}]})
+
+  def flush_cache(self, h: Handler):
+    loads = self.scheduler.loads()
+    if (loads["num_running_reqs"] or loads["num_waiting_reqs"]) and not self.scheduler.paused:
+      h._send(400, text="Cache not flushed: requests are running or queued.")
+    else:
+      h._send(200, text="Cache flushed.\nPlease check backend logs for more details.")
+
+  def generate(self, h: Handler):
+    body = h._body()
+    requests, as_list = expand_request(body)
+    self.scheduler.submit(requests)
+    if body.get("stream"):
+      self._stream(h, requests, as_list)
+      return
+    for r in requests:
+      r.done.wait()
+    errors = [r.finish_reason for r in requests if r.finish_reason["type"] == "abort"
+              and (r.finish_reason.get("status_code") or 0) >= 400]
+    if errors:
+      h._send(errors[0]["status_code"], {"error": {"message": errors[0]["message"]}})
+      return
+    outputs = [response(r, self.scheduler.weight_version) for r in requests]
+    h._send(200, outputs if as_list else outputs[0])
+
+  def _stream(self, h: Handler, requests: list[Request], as_list: bool):
+    """Server-sent events with cumulative chunks, then [DONE] (SGLang's default)."""
+    h.send_response(200)
+    h.send_header("Content-Type", "text/event-stream")
+    h.send_header("Connection", "close")
+    h.end_headers()
+    h.close_connection = True
+    sent = [-1] * len(requests)
+    while True:
+      finished = all(r.done.is_set() for r in requests)
+      for i, r in enumerate(requests):
+        if len(r.tokens) != sent[i] or (r.done.is_set() and sent[i] != -2):
+          chunk = response(r, self.scheduler.weight_version)
+          if as_list:
+            chunk["index"] = i
+          h.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+          sent[i] = -2 if r.done.is_set() else len(r.tokens)
+      h.wfile.flush()
+      if finished:
+        break
+      time.sleep(0.01)
+    h.wfile.write(b"data: [DONE]\n\n")
+    h.wfile.flush()
+
+  def abort_request(self, h: Handler):
+    body = h._body()
+    if body.get("abort_all"):
+      self.scheduler.abort(None)
+    elif body.get("rid"):
+      self.scheduler.abort(str(body["rid"]))
+    h._send(200, text="")
+
+  def pause_generation(self, h: Handler):
+    mode = h._body().get("mode", "abort")
+    if mode not in ("abort", "retract", "in_place"):
+      raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r}")
+    self.scheduler.pause(mode)
+    h._send(200, {"message": "Generation paused successfully.", "status": "ok"})
+
+  def continue_generation(self, h: Handler):
+    self.scheduler.resume()
+    h._send(200, {"message": "Generation continued successfully.", "status": "ok"})
+
+  def update_weights_from_disk(self, h: Handler):
+    body = h._body()
+    path = body.get("model_path")
+    if not isinstance(path, str):
+      raise BadRequest("model_path (a checkpoint directory) is required")
+    s = self.scheduler
+    try:
+      _, params = hf.load(path, s.cfg)
+    except (hf.CheckpointError, FileNotFoundError, OSError, ValueError) as e:
+      h._send(400, {"success": False, "message": f"Failed to update weights: {e}",
+                    "num_paused_requests": 0})
+      return
+    if body.get("abort_all_requests"):
+      s.abort(None)
+    ok, message = s.update_weights(params, body.get("weight_version"), path,
+                                   body.get("flush_cache", True))
+    h._send(200 if ok else 400, {"success": ok, "message": message,
+                                 "num_paused_requests": 0})
+
+  def update_weight_version(self, h: Handler):
+    body = h._body()
+    if body.get("abort_all_requests", True):
+      self.scheduler.abort(None)
+    with self.scheduler.lock:
+      self.scheduler.weight_version = str(body.get("new_version"))
+    h._send(200, {"success": True, "message": "Weight version updated.",
+                  "new_version": self.scheduler.weight_version})
+
+
+def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
+          weight_version: str = "default", model_path: str = "", max_batch: int = 64
+          ) -> Server:
+  """A running server (on a background thread); `server.server_address` has the port."""
+  scheduler = Scheduler(cfg, params, weight_version=weight_version, model_path=model_path,
+                        max_batch=max_batch)
+  server = Server((host, port), scheduler)
+  threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
+  return server
+
+
+def load_model(*, model=None, hf_checkpoint: str | None = None, seed: int = 0
+               ) -> tuple[ModelConfig, Any, str]:
+  """(cfg, params, model_path) to serve: a Hugging Face checkpoint directory, or `model` (a
+  config factory such as models.config.tiny, called with the character tokenizer's
+  vocabulary) with random weights from `seed`."""
+  if hf_checkpoint:
+    cfg, params = hf.load(hf_checkpoint)
+    return cfg, params, hf_checkpoint
+  if model is None:
+    raise ValueError("load_model: give hf_checkpoint or model")
+  from models.tokenizer import CharTokenizer
+  cfg = model(CharTokenizer().vocab_size)
+  return cfg, transformer.init_params(cfg, jax.random.PRNGKey(seed)), ""
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description="Serve the embedded JAX engine over SGLang's "
+                                   "HTTP protocol.")
+  parser.add_argument("--hf_checkpoint", help="a Hugging Face checkpoint directory to serve")
+  parser.add_argument("--gin", action="append", default=[], metavar="FILE",
+                      help="gin files binding load_model (e.g. load_model.model = @tiny)")
+  parser.add_argument("--gin_param", action="append", default=[], metavar="BINDING")
+  parser.add_argument("--host", default="127.0.0.1")
+  parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+  parser.add_argument("--weight_version", default="default")
+  parser.add_argument("--max_batch", type=int, default=64)
+  args = parser.parse_args(argv)
+  if args.hf_checkpoint:
+    cfg, params, path = load_model(hf_checkpoint=args.hf_checkpoint)
+  elif args.gin:
+    import gin  # the entry point's business; the library does not import gin
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from experiments import gin_externals
+    gin.parse_config_files_and_bindings(args.gin, args.gin_param)
+    cfg, params, path = gin_externals.load_model()
+  else:
+    parser.error("give --hf_checkpoint DIR or --gin FILE")
+  server = serve(cfg, params, host=args.host, port=args.port,
+                 weight_version=args.weight_version, model_path=path, max_batch=args.max_batch)
+  host, port = server.server_address[:2]
+  print(f"listening on http://{host}:{port}", flush=True)
+  try:
+    threading.Event().wait()
+  except KeyboardInterrupt:
+    pass
+
+
+def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None
+           ) -> tuple[subprocess.Popen, str]:
+  """Start `python -m rollouts.server ARGS` and return (process, base URL) once /health
+  answers; the server's stderr goes to ours."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  process = subprocess.Popen([sys.executable, "-m", "rollouts.server", *args], cwd=root,
+                             stdout=subprocess.PIPE, text=True, env=env)
+  deadline = time.monotonic() + timeout
+  url = None
+  while url is None:
+    line = process.stdout.readline()
+    if not line:
+      raise RuntimeError(f"rollouts.server exited with code {process.wait()} before serving "
+                         f"(args {args})")
+    if line.startswith("listening on "):
+      url = line.split()[-1]
+    if time.monotonic() > deadline:
+      process.kill()
+      raise TimeoutError(f"rollouts.server did not start within {timeout} s")
+  host, port = url.split("//")[1].split(":")
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=1):
+        return process, url
+    except OSError:
+      if time.monotonic() > deadline:
+        process.kill()
+        raise TimeoutError(f"rollouts.server at {url} does not accept connections") from None
+      time.sleep(0.05)
+
+
+def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: str = "",
+                 max_in_flight: int = 64, max_batch: int = 64):
+  """train.rollout_engine that serves the policy from `servers` subprocesses of this module
+  on 127.0.0.1 and talks to them with the SGLang client (rollouts/sglang.py): the production
+  path, minus the GPUs. Weights travel through `weights_dir` (default: a temporary
+  directory) as Hugging Face checkpoints."""
+  from rollouts.sglang import SGLangClient, SGLangEngine
+  weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
+  os.makedirs(weights_dir, exist_ok=True)
+  start = os.path.join(weights_dir, f"v{version:06d}")
+  hf.save(params, cfg, start)
+  processes, urls = [], []
+  try:
+    for _ in range(servers):
+      process, url = launch(["--hf_checkpoint", start, "--weight_version", str(version),
+                             "--max_batch", str(max_batch)])
+      processes.append(process)
+      urls.append(url)
+  except BaseException:
+    for process in processes:
+      process.kill()
+    raise
+  engine = SGLangEngine(SGLangClient(urls, max_in_flight=max_in_flight), cfg,
+                        weights_dir=weights_dir, version=version)
+  engine.processes = processes
+  return engine
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,382 @@
+"""Rollouts from external SGLang servers over plain HTTP (never `import sglang`).
+
+Owns the client side of SGLang's native protocol (sglang 0.5.23; ../shared/reference/
+sglang.md): token-in/token-out /generate with our own rids and n=1 per request (groups are
+fanned out here), tokens and log-probs from meta_info.output_token_logprobs, finish reasons,
+a bounded number of requests in flight per server, trajectory-to-server affinity (prefix-cache
+reuse) or one sglang-router URL, long read timeouts, bounded retries with the same rid, and
+weight sync from disk with the version checked through /model_info. `SGLangEngine` puts it
+behind the RolloutEngine protocol. It does not own partial-rollout policy
+(rollouts/partial.py) or the server (an SGLang deployment, or rollouts/server.py in tests).
+
+Log-probs are SGLang's: log_softmax(logits / temperature) over the whole vocabulary, before
+top-p; at temperature 1 that is what the trainer recomputes.
+"""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import httpx
+import numpy as np
+
+from rollouts.engine import Completion, SamplingParams
+
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+class ServerError(RuntimeError):
+  """A server is down, answered an HTTP error, or answered JSON of the wrong shape. Names the
+  server and what it said; `completed` holds the completions received before the failure
+  (request index -> Completion) so that no finished work is lost."""
+
+  def __init__(self, message: str, *, completed: dict[int, Completion] | None = None):
+    super().__init__(message)
+    self.completed = completed or {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One trajectory's /generate call. `affinity` picks the server (same key, same server);
+  `input_ids` may be prompt + an earlier partial completion (partial rollouts)."""
+  rid: str
+  input_ids: tuple[int, ...]
+  max_new_tokens: int
+  affinity: int = 0
+  sampling_seed: int | None = None
+
+
+def request_body(request: Request, sampling: SamplingParams) -> dict[str, Any]:
+  """The /generate body: only keys SGLang's contract accepts (an unknown sampling key is a
+  400 there), the shape slime and AReaL send."""
+  params = {"max_new_tokens": request.max_new_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_k": -1, "min_p": 0.0,
+            "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
+            "no_stop_trim": True, "n": 1}
+  if request.sampling_seed is not None:
+    params["sampling_seed"] = request.sampling_seed
+  return {"rid": request.rid, "input_ids": list(request.input_ids), "sampling_params": params,
+          "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 0,
+          "return_text_in_logprobs": False, "stream": False}
+
+
+def _version(text: str | None) -> int:
+  try:
+    return int(text)
+  except (TypeError, ValueError):
+    return -1  # "default" (a server started without --weight-version)
+
+
+def parse_response(server: str, body: Any) -> Completion:
+  """A Completion from a /generate response; ServerError if the shape is wrong."""
+  def wrong(what):
+    return ServerError(f"{server}/generate answered JSON of the wrong shape ({what}): "
+                       f"{str(body)[:300]}")
+  if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+    raise wrong("no meta_info object")
+  meta = body["meta_info"]
+  reason = meta.get("finish_reason")
+  if not isinstance(reason, dict) or reason.get("type") not in FINISH_TYPES:
+    raise wrong("finish_reason.type is not stop, length or abort")
+  entries = meta.get("output_token_logprobs")
+  if entries is None and not body.get("output_ids"):
+    entries = []  # aborted in the waiting queue: nothing generated
+  if not isinstance(entries, list) or not all(
+      isinstance(e, list) and len(e) == 3 and isinstance(e[1], int) for e in entries):
+    raise wrong("output_token_logprobs is not a list of [logprob, token_id, text]")
+  tokens = np.array([e[1] for e in entries], np.int32)
+  output_ids = body.get("output_ids")
+  if output_ids is not None and list(output_ids) != tokens.tolist():
+    raise wrong("output_ids disagree with output_token_logprobs")
+  logprobs = np.array([0.0 if e[0] is None else e[0] for e in entries], np.float32)
+  versions = np.full(len(tokens), _version(meta.get("weight_version")), np.int32)
+  for span in meta.get("weight_versions") or []:
+    versions[span["start"]:span["end"]] = _version(span["version"])
+  return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason["type"],
+                    versions=versions)
+
+
+def _run(coroutine):
+  """Run a coroutine to completion from sync code, also inside a notebook's event loop."""
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(coroutine)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(asyncio.run, coroutine).result()
+
+
+class SGLangClient:
+  """Talks to SGLang workers `urls` (each a base URL such as http://10.0.0.5:30000).
+
+  /generate goes to `router` when given (an sglang-router / Model Gateway URL), else to the
+  worker chosen by the request's affinity key; control calls (health, pause, weight updates,
+  aborts) always go to every worker. A worker that cannot be reached, or that answers a 5xx,
+  is retried `retries` times with the same rid, then marked down and its requests move to
+  the next live worker; results already received are kept.
+  """
+
+  def __init__(self, urls: Sequence[str], *, router: str | None = None,
+               max_in_flight: int = 64, read_timeout: float = 3600.0,
+               connect_timeout: float = 10.0, retries: int = 2, retry_backoff: float = 0.5,
+               api_key: str | None = None):
+    if not urls:
+      raise ValueError("SGLangClient needs at least one server URL")
+    self.urls = [u.rstrip("/") for u in urls]
+    self.router = router.rstrip("/") if router else None
+    self.max_in_flight, self.retries, self.retry_backoff = max_in_flight, retries, retry_backoff
+    self.timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=60.0,
+                                 pool=None)
+    self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    self.down: set[str] = set()
+
+  # --- plumbing
+
+  async def _call(self, http: httpx.AsyncClient, server: str, method: str, path: str,
+                  body: dict | None = None) -> Any:
+    """JSON (or None for an empty body) of a call, retried on connection errors and 5xx."""
+    last = ""
+    for attempt in range(self.retries + 1):
+      if attempt:
+        await asyncio.sleep(self.retry_backoff * 2 ** (attempt - 1))
+      try:
+        reply = await http.request(method, server + path, json=body, headers=self.headers)
+      except httpx.HTTPError as e:
+        last = f"{type(e).__name__}: {e}"
+        continue
+      if reply.status_code >= 500:
+        last = f"HTTP {reply.status_code}: {reply.text[:300]}"
+        continue
+      if reply.status_code >= 400:
+        raise ServerError(f"{server}{path} answered HTTP {reply.status_code}: "
+                          f"{reply.text[:300]}")
+      if not reply.content:
+        return None
+      try:
+        return reply.json()
+      except ValueError:
+        return reply.text
+    raise ConnectionError(f"{server}{path} failed after {self.retries + 1} attempts: {last}")
+
+  def _live(self) -> list[str]:
+    return [u for u in self.urls if u not in self.down]
+
+  # --- generation
+
+  async def _generate(self, requests: Sequence[Request], sampling: SamplingParams,
+                      stop_when: Callable[[int, Completion], bool] | None, abort_prefix: str):
+    results: dict[int, Completion] = {}
+    stopping = False
+    limits = {u: asyncio.Semaphore(self.max_in_flight) for u in self.urls}
+    router_limit = asyncio.Semaphore(self.max_in_flight * len(self.urls))
+    async with httpx.AsyncClient(timeout=self.timeout,
+                                 limits=httpx.Limits(max_connections=None)) as http:
+
+      async def one(index: int, request: Request):
+        nonlocal stopping
+        body = request_body(request, sampling)
+        while True:
+          if stopping:  # the iteration ended before this request was sent
+            results[index] = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32),
+                                        "abort", np.zeros(0, np.int32))
+            return
+          if self.router:
+            server, limit = self.router, router_limit
+          else:
+            live = self._live()
+            if not live:
+              raise ServerError(f"every server is down ({', '.join(self.urls)}); "
+                                f"{len(results)} of {len(requests)} completions were "
+                                "received and are kept", completed=results)
+            server = live[request.affinity % len(live)]
+            limit = limits[server]
+          async with limit:
+            try:
+              reply = await self._call(http, server, "POST", "/generate", body)
+            except ConnectionError as e:
+              if self.router:
+                raise ServerError(f"router {server} failed: {e}", completed=results) from None
+              self.down.add(server)  # the same rid goes to the next live server
+              continue
+          completion = parse_response(server, reply)
+          results[index] = completion
+          if stop_when is not None and not stopping and stop_when(index, completion):
+            stopping = True  # the rest come back aborted, with what they generated so far
+            await self._each_async(http, "POST", "/abort_request", {"rid": abort_prefix})
+          return
+
+      tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
+      try:
+        await asyncio.gather(*tasks)
+      except ServerError as e:
+        for t in tasks:
+          t.cancel()
+        e.completed = results
+        raise
+    return [results[i] for i in range(len(requests))]
+
+  def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
+               stop_when: Callable[[int, Completion], bool] | None = None,
+               abort_prefix: str = "") -> list[Completion]:
+    """Completions in request order. `stop_when(index, completion)` is asked as each one
+    arrives; once it says True, requests not yet sent are not sent and those whose rid
+    starts with `abort_prefix` are aborted on every worker: they return "abort" with the
+    tokens generated so far (partial rollouts)."""
+    if stop_when is not None and not abort_prefix:
+      raise ValueError("SGLangClient.generate: stop_when needs the abort_prefix of the rids")
+    return _run(self._generate(requests, sampling, stop_when, abort_prefix))
+
+  # --- control, sent to every worker
+
+  async def _each(self, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=self.timeout) as http:
+      return await self._each_async(http, method, path, body)
+
+  async def _each_async(self, http, method: str, path: str, body: dict | None = None
+                        ) -> dict[str, Any]:
+    replies = await asyncio.gather(*(self._call(http, u, method, path, body)
+                                     for u in self._live()), return_exceptions=True)
+    out = {}
+    for url, reply in zip(self._live(), replies):
+      if isinstance(reply, BaseException):
+        raise ServerError(f"{url}{path}: {reply}") from reply
+      out[url] = reply
+    return out
+
+  def check_health(self) -> None:
+    """GET /health on every worker; ServerError naming each one that does not answer 200."""
+    async def probe():
+      async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http:
+        async def one(url):
+          try:
+            reply = await http.get(url + "/health", headers=self.headers)
+            return None if reply.status_code == 200 else f"HTTP {reply.status_code}"
+          except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+        return await asyncio.gather(*(one(u) for u in self.urls))
+    failures = [f"{u} ({why})" for u, why in zip(self.urls, _run(probe())) if why]
+    if failures:
+      raise ServerError("SGLang server(s) not healthy: " + "; ".join(failures))
+    self.down.clear()
+
+  def abort(self, rid: str | None = None) -> None:
+    """Abort requests whose rid starts with `rid` (all when None); they return partial
+    output to their callers."""
+    _run(self._each("POST", "/abort_request", {"abort_all": True} if rid is None
+                    else {"rid": rid}))
+
+  def model_info(self) -> dict[str, dict]:
+    return _run(self._each("GET", "/model_info"))
+
+  def loads(self) -> dict[str, dict]:
+    return _run(self._each("GET", "/v1/loads"))
+
+  def sync_weights(self, model_path: str, version: int) -> float:
+    """Per worker: pause (abort), /update_weights_from_disk with `weight_version`, check
+    success, continue; then check /model_info reports the version. Returns the seconds."""
+    started = time.perf_counter()
+
+    async def sync():
+      async with httpx.AsyncClient(timeout=self.timeout) as http:
+        async def one(url):
+          await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
+          reply = await self._call(http, url, "POST", "/update_weights_from_disk",
+                                   {"model_path": model_path, "weight_version": str(version),
+                                    "flush_cache": True, "abort_all_requests": False})
+          if not isinstance(reply, dict) or not reply.get("success"):
+            raise ServerError(f"{url}/update_weights_from_disk failed: {reply}")
+          await self._call(http, url, "POST", "/continue_generation", {})
+          info = await self._call(http, url, "GET", "/model_info")
+          if not isinstance(info, dict) or info.get("weight_version") != str(version):
+            raise ServerError(f"{url} reports weight_version "
+                              f"{info.get('weight_version') if isinstance(info, dict) else info!r}"
+                              f" after the update to {version}")
+        await asyncio.gather(*(one(u) for u in self._live()))
+    _run(sync())
+    return time.perf_counter() - started
+
+
+class SGLangEngine:
+  """The RolloutEngine over SGLang servers. `update_weights` writes a Hugging Face
+  checkpoint to `weights_dir/v<version>` (a directory the servers can read; config and,
+  from `copy_from`, tokenizer files included) and syncs every server to it."""
+
+  def __init__(self, client: SGLangClient, cfg, *, weights_dir: str,
+               copy_from: str | None = None, version: int = 0, rid_prefix: str = "longrl",
+               keep_versions: int = 2):
+    self.client, self.cfg = client, cfg
+    self.weights_dir, self.copy_from = weights_dir, copy_from
+    self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
+    self._version = version
+    self.sync_seconds: list[float] = []
+    self.processes: list[subprocess.Popen] = []  # servers this engine started (closed with it)
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  def requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
+               tag: str = "") -> list[Request]:
+    return [Request(rid=f"{self.rid_prefix}-{tag}s{seed}-{i}", input_ids=tuple(p),
+                    max_new_tokens=max_new_tokens, affinity=hash(tuple(p)) & 0x7FFFFFFF,
+                    sampling_seed=(seed * 1_000_003 + i) % 2**31)
+            for i, p in enumerate(prompts)]
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+               seed: int) -> list[Completion]:
+    if not prompts:
+      return []
+    return self.client.generate(self.requests(prompts, sampling.max_new_tokens, seed),
+                                sampling)
+
+  def export(self, params, version: int) -> str:
+    from models import hf
+    path = os.path.join(self.weights_dir, f"v{version:06d}")
+    hf.save(params, self.cfg, path, copy_from=self.copy_from)
+    old = sorted(d for d in os.listdir(self.weights_dir) if d.startswith("v"))
+    for name in old[:-self.keep_versions]:
+      shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
+    return path
+
+  def close(self) -> None:
+    for process in self.processes:
+      process.terminate()
+    for process in self.processes:
+      try:
+        process.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        process.kill()
+    self.processes = []
+
+  def update_weights(self, params, version: int) -> float:
+    """Export, sync every server, and return the seconds the whole update took."""
+    started = time.perf_counter()
+    self.client.sync_weights(self.export(params, version), version)
+    self._version = version
+    seconds = time.perf_counter() - started
+    self.sync_seconds.append(seconds)
+    return seconds
+
+
+def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
+                  router: str | None = None, weights_dir: str = "", copy_from: str | None = None,
+                  max_in_flight: int = 64, read_timeout: float = 3600.0) -> SGLangEngine:
+  """train.rollout_engine for running SGLang servers: checks /health, then loads the
+  starting weights into every server (written under `weights_dir`, which the servers must
+  be able to read at the same path; `copy_from` supplies the tokenizer files)."""
+  if not urls or not weights_dir:
+    raise ValueError("remote_engine needs urls (the SGLang workers) and weights_dir (a "
+                     "directory they share with the trainer)")
+  client = SGLangClient(urls, router=router, max_in_flight=max_in_flight,
+                        read_timeout=read_timeout)
+  client.check_health()
+  engine = SGLangEngine(client, cfg, weights_dir=weights_dir, copy_from=copy_from,
+                        version=version)
+  engine.update_weights(params, version)
+  return engine

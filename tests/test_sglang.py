@@ -1,0 +1,389 @@
+"""The SGLang client against a real server process on 127.0.0.1 (rollouts/server.py), and
+both against SGLang's own generated JSON contract (sglang/api/v1/api_types.py from the pinned
+sglang 0.5.23 wheel, fetched with pip download and cached; it needs only msgspec)."""
+
+import http.server
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import config, hf, transformer
+from rl import loop, rewards, sampling
+from rl.checkpoint import Checkpointer
+from rl.packing import trajectory_batch
+from rl.train_step import policy_logprobs
+from rollouts import partial
+from rollouts.engine import SamplingParams
+from rollouts.jax_engine import JaxEngine
+from rollouts.server import launch
+from rollouts.sglang import (Request, SGLangClient, SGLangEngine, ServerError, parse_response,
+                             request_body)
+
+SGLANG = "0.5.23"
+REFERENCE_RESPONSE = {  # ../shared/reference/sglang.md section 1.2
+    "text": " 4", "output_ids": [220, 19, 151645],
+    "meta_info": {"id": "traj-00042-seg1", "finish_reason": {"type": "stop", "matched": 151645},
+                  "prompt_tokens": 10, "completion_tokens": 3, "cached_tokens": 0,
+                  "reasoning_tokens": 0, "num_retractions": 0, "weight_version": "7",
+                  "weight_versions": [{"version": "7", "start": 0, "end": 3}],
+                  "input_token_logprobs": [],
+                  "output_token_logprobs": [[-0.0121, 220, None], [-0.2034, 19, None],
+                                            [-0.0003, 151645, None]],
+                  "output_token_logprobs_length": 3, "e2e_latency": 0.042}}
+REFERENCE_REQUEST_KEYS = {"rid", "input_ids", "sampling_params", "return_logprob",
+                          "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                          "stream"}
+REFERENCE_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                           "stop_token_ids", "skip_special_tokens", "no_stop_trim", "n"}
+PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
+CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@pytest.fixture(scope="session")
+def api_types():
+  """SGLang's generated contract module, loaded by file path from the pinned wheel."""
+  cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
+  path = cache / "longrl" / f"sglang-{SGLANG}" / "api_types.py"
+  if not path.exists():
+    with tempfile.TemporaryDirectory() as tmp:
+      got = subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={SGLANG}",
+                            "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
+                            "-d", tmp, "-q"], capture_output=True, text=True, timeout=600)
+      assert got.returncode == 0, f"pip download sglang=={SGLANG} failed: {got.stderr[-2000:]}"
+      wheel = next(pathlib.Path(tmp).glob("sglang-*.whl"))
+      path.parent.mkdir(parents=True, exist_ok=True)
+      with zipfile.ZipFile(wheel) as z:
+        path.write_bytes(z.read("sglang/api/v1/api_types.py"))
+  spec = importlib.util.spec_from_file_location("sglang_api_types", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer, tmp_path_factory):
+  """A tiny Qwen2 checkpoint on disk (v0) and a second set of weights (v1)."""
+  cfg = config.tiny(tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=4,
+                    num_kv_heads=2, intermediate_size=64)
+  root = tmp_path_factory.mktemp("weights")
+  params = [transformer.init_params(cfg, jax.random.PRNGKey(seed)) for seed in (0, 1)]
+  paths = [hf.save(p, cfg, str(root / f"v{i:06d}")) for i, p in enumerate(params)]
+  return cfg, params, paths, str(root)
+
+
+@pytest.fixture(scope="module")
+def servers(model):
+  """Two server processes serving v0."""
+  _, _, paths, _ = model
+  started = [launch(["--hf_checkpoint", paths[0], "--weight_version", "0"]) for _ in range(2)]
+  yield [url for _, url in started], [process for process, _ in started]
+  for process, _ in started:
+    process.kill()
+    process.wait()
+
+
+def greedy(max_new, stop=()):
+  return SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=stop)
+
+
+PROMPTS = [[3, 17, 22, 9], [40, 41], [5] * 9]  # ids < the tiny vocabulary (55)
+
+
+# --- the contract
+
+
+def test_requests_validate_against_sglangs_contract(api_types):
+  body = request_body(Request("traj-1-seg0", (1, 2, 3), 64, sampling_seed=7),
+                      SamplingParams(64, temperature=0.7, top_p=0.9, stop_token_ids=(2,)))
+  api_types.GenerateRequest.from_json_value(body)
+  api_types.SamplingParams.from_json_value(body["sampling_params"])  # unknown keys rejected
+  assert set(body) == REFERENCE_REQUEST_KEYS
+  assert set(body["sampling_params"]) - {"sampling_seed"} == REFERENCE_SAMPLING_KEYS
+  with pytest.raises(api_types.JsonContractError):  # the strictness we rely on
+    api_types.SamplingParams.from_json_value({**body["sampling_params"], "max_tokens": 5})
+  api_types.AbortRequest.from_json_value({"rid": "traj-1"})
+  api_types.AbortRequest.from_json_value({"abort_all": True})
+
+
+def test_reference_response_parses(api_types):
+  api_types.GenerateResponse.from_json_value(REFERENCE_RESPONSE)
+  completion = parse_response("golden", REFERENCE_RESPONSE)
+  assert completion.token_ids.tolist() == [220, 19, 151645]
+  np.testing.assert_allclose(completion.logprobs, [-0.0121, -0.2034, -0.0003], rtol=1e-6)
+  assert completion.finish_reason == "stop" and completion.versions.tolist() == [7, 7, 7]
+
+
+def test_server_responses_validate_against_sglangs_contract(api_types, servers):
+  urls, _ = servers
+  http = httpx.Client(timeout=60)
+  body = request_body(Request("c-1", tuple(PROMPTS[0]), 6), greedy(6))
+  single = http.post(urls[0] + "/generate", json=body).json()
+  api_types.GenerateResponse.from_json_value(single)
+  batch = http.post(urls[0] + "/generate", json={**body, "rid": ["b-1", "b-2"],
+                                                 "input_ids": PROMPTS[:2]}).json()
+  assert [r["meta_info"]["id"] for r in batch] == ["b-1", "b-2"]
+  for r in batch:
+    api_types.GenerateResponse.from_json_value(r)
+  n2 = http.post(urls[0] + "/generate", json={**body, "sampling_params": {
+      **body["sampling_params"], "n": 2}}).json()
+  assert len(n2) == 2 and n2[0]["meta_info"]["id"] != "c-1"  # n > 1: fresh rids, as SGLang
+  stream = http.post(urls[0] + "/generate", json={**body, "stream": True}).text
+  chunks = [json.loads(line[6:]) for line in stream.split("\n\n") if line.startswith("data: {")]
+  assert stream.rstrip().endswith("data: [DONE]")
+  assert chunks[-1]["output_ids"] == single["output_ids"]  # cumulative chunks
+  for chunk in chunks:
+    api_types.GenerateResponse.from_json_value(chunk)
+  api_types.GetModelInfoResponse.from_json_value(http.get(urls[0] + "/model_info").json())
+  bad = http.post(urls[0] + "/generate", json={**body, "sampling_params": {"max_tokens": 3}})
+  assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]
+  api_types.ErrorBody.from_json_value({"message": bad.json()["error"]})
+
+
+# --- the client against server processes
+
+
+def test_generate_and_logprobs_equal_the_in_process_engine(model, servers):
+  cfg, params, _, _ = model
+  urls, _ = servers
+  client = SGLangClient(urls)
+  client.check_health()
+  engine = SGLangEngine(client, cfg, weights_dir="unused")
+  local = JaxEngine(cfg, params[0])
+  sampling = greedy(24, stop=(1,))
+  remote = engine.generate(PROMPTS, sampling, seed=0)
+  for r, l in zip(remote, local.generate(PROMPTS, sampling, seed=0)):
+    assert r.token_ids.tolist() == l.token_ids.tolist()
+    np.testing.assert_allclose(r.logprobs, l.logprobs, atol=1e-5)
+    assert r.finish_reason == l.finish_reason and set(r.versions.tolist()) == {0}
+  # Sampled at temperature 1, the server's log-probs are the trainer's on the same tokens.
+  sampled = engine.generate(PROMPTS * 2, SamplingParams(24, temperature=1.0), seed=3)
+  batch, _ = trajectory_batch(PROMPTS * 2, [c.token_ids for c in sampled],
+                              [c.logprobs for c in sampled], [0.0] * 6, [True] * 6, 64)
+  trainer = np.asarray(jax.jit(policy_logprobs, static_argnums=1)(
+      params[0], cfg, jax.tree.map(jnp.asarray, batch))[0])
+  mask = batch.loss_mask > 0
+  assert np.abs(trainer - batch.old_logp)[mask].max() < 1e-5
+
+
+def test_weight_update_changes_outputs_and_version(model, servers):
+  cfg, params, paths, _ = model
+  urls, _ = servers
+  client = SGLangClient(urls)
+  before = client.generate([Request(f"w-{i}", tuple(p), 16) for i, p in enumerate(PROMPTS)],
+                           greedy(16))
+  seconds = client.sync_weights(paths[1], 1)
+  assert seconds > 0
+  assert {info["weight_version"] for info in client.model_info().values()} == {"1"}
+  after = client.generate([Request(f"w2-{i}", tuple(p), 16) for i, p in enumerate(PROMPTS)],
+                          greedy(16))
+  expected = JaxEngine(cfg, params[1]).generate(PROMPTS, greedy(16), seed=0)
+  assert [a.token_ids.tolist() for a in after] == [e.token_ids.tolist() for e in expected]
+  assert [a.token_ids.tolist() for a in after] != [b.token_ids.tolist() for b in before]
+  assert all(set(a.versions.tolist()) == {1} for a in after)
+  failed = httpx.post(urls[0] + "/update_weights_from_disk",
+                      json={"model_path": "/nonexistent", "weight_version": "9"}, timeout=60)
+  assert failed.status_code == 400 and failed.json()["success"] is False
+  client.sync_weights(paths[0], 0)  # back to v0 for the other tests
+  assert httpx.post(urls[0] + "/pause_generation", json={"mode": "abort"}).json() == PAUSED
+  assert httpx.post(urls[0] + "/continue_generation", json={}).json() == CONTINUED
+
+
+def _generate_in_background(client, requests, sampling):
+  out = {}
+
+  def run():
+    try:
+      out["result"] = client.generate(requests, sampling)
+    except ServerError as e:
+      out["error"] = e
+
+  thread = threading.Thread(target=run)
+  thread.start()
+  return thread, out
+
+
+def _wait_for_tokens(url, at_least):
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline:
+    loads = httpx.get(url + "/v1/loads").json()["loads"][0]
+    if loads["num_running_reqs"] and loads["num_used_tokens"] >= at_least:
+      return
+    time.sleep(0.02)
+  raise TimeoutError("the server generated nothing")
+
+
+def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, servers):
+  urls, _ = servers
+  client = SGLangClient(urls[:1])
+  prompt = tuple(PROMPTS[0])
+  sampling = greedy(160)
+  whole = client.generate([Request("whole", prompt, 160)], sampling)[0]
+  thread, out = _generate_in_background(client, [Request("cut-1", prompt, 160)], sampling)
+  _wait_for_tokens(urls[0], len(prompt) + 10)
+  client.abort("cut-")
+  thread.join()
+  first = out["result"][0]
+  assert first.finish_reason == "abort" and 0 < len(first.token_ids) < 160
+  assert len(first.logprobs) == len(first.versions) == len(first.token_ids)
+  rest = client.generate([Request("cut-2", prompt + tuple(first.token_ids.tolist()),
+                                  160 - len(first.token_ids))], sampling)[0]
+  joined = np.concatenate([first.token_ids, rest.token_ids])
+  assert joined.tolist() == whole.token_ids.tolist()
+  np.testing.assert_allclose(np.concatenate([first.logprobs, rest.logprobs]), whole.logprobs,
+                             atol=1e-5)
+
+
+def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
+  _, _, paths, _ = model
+  started = [launch(["--hf_checkpoint", paths[0], "--max_batch", "4"]) for _ in range(2)]
+  urls = [url for _, url in started]
+  try:
+    client = SGLangClient(urls, max_in_flight=2, retries=1, retry_backoff=0.05)
+    requests = [Request(f"k-{i}", (7, i % 40 + 3), 120, affinity=i) for i in range(16)]
+    thread, out = _generate_in_background(client, requests, greedy(120))
+    _wait_for_tokens(urls[0], 20)
+    started[0][0].kill()  # mid-iteration
+    thread.join()
+    completions = out["result"]
+    assert len(completions) == 16 and all(len(c.token_ids) == 120 for c in completions)
+    assert client.down == {urls[0]}
+    # Every server down: a clear error that keeps the completions already received (two
+    # short requests finish on the live server before a long one is cut by the kill).
+    client2 = SGLangClient(urls[1:], max_in_flight=1, retries=0)
+    last = [Request(f"s-{i}", (9, i + 3), 8) for i in range(2)] + [Request("l-0", (9, 30), 400)]
+    thread, out = _generate_in_background(client2, last, greedy(400))
+    _wait_for_tokens(urls[1], 60)
+    started[1][0].kill()
+    thread.join()
+  finally:
+    for process, _ in started:
+      process.kill()
+      process.wait()
+  error = out["error"]
+  assert f"every server is down ({urls[1]})" in str(error)
+  assert sorted(error.completed) == [0, 1]
+  assert all(len(c.token_ids) == 8 for c in error.completed.values())
+
+
+def test_clear_errors_for_down_error_and_wrong_shape(servers):
+  urls, _ = servers
+  with pytest.raises(ServerError, match=r"127\.0\.0\.1:1 \(ConnectError"):
+    SGLangClient(["http://127.0.0.1:1"]).check_health()
+  bad = SamplingParams(4, top_p=1.0)
+  with pytest.raises(ServerError, match=r"/generate answered HTTP 400: .*input_ids"):
+    SGLangClient(urls[:1]).generate([Request("e-1", (), 4)], bad)
+
+  class WrongShape(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+      payload = json.dumps({"output_ids": [1], "meta_info": {"finish_reason": "done"}}).encode()
+      self.send_response(200)
+      self.send_header("Content-Length", str(len(payload)))
+      self.end_headers()
+      self.wfile.write(payload)
+
+    def log_message(self, *args):
+      pass
+
+  fake = http.server.HTTPServer(("127.0.0.1", 0), WrongShape)
+  threading.Thread(target=fake.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{fake.server_address[1]}"
+  with pytest.raises(ServerError, match=rf"{url}/generate answered JSON of the wrong shape"):
+    SGLangClient([url]).generate([Request("e-2", (1,), 4)], bad)
+  fake.shutdown()
+
+
+def test_partial_rollouts_abort_resume_and_keep_versions(model, servers):
+  cfg, params, paths, root = model
+  urls, _ = servers
+  engine = SGLangEngine(SGLangClient(urls), cfg, weights_dir=root)
+  sampling = SamplingParams(120, temperature=1.0)  # no stop token: every sample runs 120
+  trajectories = [t for g in range(2) for t in partial.new_group(g, g, PROMPTS[g], 3)]
+  first = partial.run_iteration(engine, trajectories, sampling, token_budget=1, seed=0)
+  assert first["aborted"] >= 1 and any(0 < len(t.token_ids) < 120 for t in trajectories)
+  engine.client.sync_weights(paths[1], 1)
+  while not all(t.finished for t in trajectories):
+    partial.run_iteration(engine, trajectories, sampling, token_budget=10**6, seed=1)
+  for t in trajectories:
+    assert len(t.token_ids) == len(t.logprobs) == len(t.versions) == 120
+    assert t.finish == partial.TRUNCATED
+    assert np.all(np.diff(t.versions) >= 0) and set(t.versions.tolist()) <= {0, 1}
+  assert any(set(t.versions.tolist()) == {0, 1} for t in trajectories)
+  done, rest = partial.complete_groups(trajectories)
+  assert [g[0].group for g in done] == [0, 1] and rest == []
+  engine.client.sync_weights(paths[0], 0)
+
+
+def test_replay_buffer_round_trip():
+  trajectories = [t for g in range(3) for t in partial.new_group(g, 10 + g, [1, 2, g + 3], 2)]
+  for i, t in enumerate(trajectories):
+    t.token_ids = np.arange(i, dtype=np.int32)
+    t.logprobs = -np.arange(i, dtype=np.float32)
+    t.versions = np.full(i, i % 2, np.int32)
+    t.finish = partial.STOPPED if i % 3 == 0 else partial.UNFINISHED
+  buffer = partial.ReplayBuffer.empty(8, 4, 8).store(trajectories)
+  back = buffer.trajectories()
+  assert [(t.group, t.record, t.sample, t.prompt_ids, t.finish) for t in back] == \
+      [(t.group, t.record, t.sample, t.prompt_ids, t.finish) for t in trajectories]
+  for a, b in zip(back, trajectories):
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    np.testing.assert_array_equal(a.versions, b.versions)
+  with pytest.raises(ValueError, match="capacity 4"):
+    partial.ReplayBuffer.empty(4, 4, 8).store(trajectories)
+
+
+def test_replay_buffer_is_part_of_the_checkpoint(tiny_cfg, tiny_params, tmp_path):
+  rl = loop.RLConfig(partial_rollouts=True, rollout_token_budget=8, prompts_per_step=2,
+                     samples_per_prompt=2, max_new_tokens=8, seq_len=16)
+  make = lambda: loop.init_loop_state(tiny_params, loop.rl_optimizer(1e-4), num_prompts=4,
+                                      sampler=sampling.uniform(), reward=rewards.correctness(),
+                                      seed=0, config=rl)
+  waiting = partial.new_group(5, 3, [1, 2, 3], 2)
+  waiting[0].token_ids, waiting[0].logprobs = np.array([7, 8], np.int32), np.array([-1., -2.],
+                                                                                      np.float32)
+  waiting[0].versions = np.array([4, 4], np.int32)
+  state = make().replace(replay=make().replay.store(waiting), next_group=np.int32(6))
+  checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+  checkpointer.save(1, state)
+  restored = checkpointer.restore(make())
+  checkpointer.close()
+  back = restored.replay.trajectories()
+  assert int(restored.next_group) == 6 and len(back) == 2
+  assert back[0].token_ids.tolist() == [7, 8] and back[0].versions.tolist() == [4, 4]
+  assert back[1].prompt_ids == (1, 2, 3) and not back[1].finished
+
+
+def test_offpolicy_tokens_masked_or_importance_weighted():
+  from rollouts.engine import Completion
+  versions = [np.array([3, 3, 4, 4], np.int32), np.array([4, 4], np.int32)]
+  completions = [Completion(np.arange(len(v), dtype=np.int32), np.zeros(len(v), np.float32),
+                            "stop", v) for v in versions]
+  masks = loop.offpolicy_mask(np.array([True, False]), completions, 4, "mask")
+  assert masks[0].tolist() == [False, False, True, True] and not masks[1].any()
+  assert loop.offpolicy_mask(np.array([True, False]), completions, 4, "keep") == [True, False]
+  batch, _ = trajectory_batch([[1, 2], [1]], [[5, 6, 7, 8], [5, 6]],
+                              [np.log([0.5, 0.5, 0.5, 0.5]), np.log([0.5, 0.5])], [2.0, 2.0],
+                              masks, 16)
+  assert batch.loss_mask[0].tolist()[:7] == [0, 0, 0, 1, 1, 0, 0]
+  # TIS: old log-probs become the trainer's; advantages times min(pi_trainer / pi_engine, cap).
+  trainer = np.where(batch.loss_mask > 0, np.log(0.9), 0.0).astype(np.float32)
+  tis, (mean, worst) = loop.truncated_importance(batch, trainer, cap=1.5)
+  np.testing.assert_allclose(tis.old_logp, trainer)
+  weighted = tis.advantages[batch.loss_mask > 0]
+  np.testing.assert_allclose(weighted, 2.0 * 1.5)  # 0.9 / 0.5 = 1.8, capped at 1.5
+  np.testing.assert_allclose([mean, worst], [np.log(1.8)] * 2, rtol=1e-5)
+  untouched = (batch.loss_mask == 0)
+  np.testing.assert_array_equal(tis.advantages[untouched], batch.advantages[untouched])
