@@ -17,12 +17,12 @@ from models.config import ModelConfig
 from rollouts.engine import Completion, SamplingParams
 
 
-def _bucket(n: int, minimum: int) -> int:
+def bucket(n: int, minimum: int) -> int:
   """The next power of two >= max(n, minimum)."""
   return max(minimum, 1 << (n - 1).bit_length())
 
 
-def _nucleus(scaled, top_p):
+def nucleus(scaled, top_p):
   """Logits outside the smallest set of tokens whose probability mass reaches top_p -> -inf."""
   sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
   sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -42,7 +42,7 @@ def choose_tokens(key, logits, temperature, top_p):
 
   def sample(_):
     scaled = logits / temperature
-    scaled = jax.lax.cond(top_p < 1.0, _nucleus, lambda s, _: s, scaled, top_p)
+    scaled = jax.lax.cond(top_p < 1.0, nucleus, lambda s, _: s, scaled, top_p)
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
   def greedy(_):
@@ -135,8 +135,8 @@ class JaxEngine:
     if any(len(p) == 0 for p in prompts):
       raise ValueError("JaxEngine.generate: every prompt needs at least one token")
     n = len(prompts)
-    batch = _bucket(n, self._min_batch)
-    plen = _bucket(max(len(p) for p in prompts), self._min_prompt_len)
+    batch = bucket(n, self._min_batch)
+    plen = bucket(max(len(p) for p in prompts), self._min_prompt_len)
     tokens = np.full((batch, plen), self._pad_id, np.int32)
     lens = np.ones((batch,), np.int32)
     for row, p in enumerate(prompts):

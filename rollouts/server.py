@@ -15,7 +15,7 @@ Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabu
   python -m rollouts.server --gin FILE [--gin_param B] [--host 127.0.0.1] [--port 0]
 
 prints "listening on http://HOST:PORT" once it serves. `launch(...)` starts it as a
-subprocess and waits for /health.
+subprocess and waits for /health. LONGRL_SERVER_DEBUG=1 logs each batch's size to stderr.
 """
 
 import argparse
@@ -39,7 +39,7 @@ import numpy as np
 
 from models import hf, transformer
 from models.config import ModelConfig
-from rollouts.jax_engine import _bucket, _nucleus
+from rollouts.jax_engine import bucket, nucleus
 
 SAMPLING_KEYS = {  # api_types.SamplingParams: anything else is a 400, as in SGLang
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -47,9 +47,13 @@ SAMPLING_KEYS = {  # api_types.SamplingParams: anything else is a 400, as in SGL
     "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
     "sampling_seed", "custom_params", "beam_width", "watermark", "choice"}
-UNSUPPORTED = {"stop", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag",
-               "logit_bias", "choice", "beam_width", "watermark", "frequency_penalty",
-               "presence_penalty", "repetition_penalty", "min_p", "top_k", "min_new_tokens"}
+# Keys this server accepts only at their neutral values (anything else is a 400 naming them).
+NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "json_schema": (None,),
+           "regex": (None,), "ebnf": (None,), "structural_tag": (None,), "logit_bias": ({},),
+           "choice": ([],), "beam_width": (None, 1), "watermark": (None,),
+           "frequency_penalty": (0.0,), "presence_penalty": (0.0,),
+           "repetition_penalty": (1.0,), "min_p": (0.0,), "top_k": (-1, 1073741824),
+           "min_new_tokens": (0,)}
 GREEDY_BELOW = 1e-6
 GATHER_SECONDS = 0.01
 
@@ -86,8 +90,7 @@ def _parse_sampling(params: dict) -> dict:
   for key in ("max_new_tokens", "n", "sampling_seed"):
     if params.get(key) is not None and (type(params[key]) is not int):
       raise BadRequest(f"invalid type for `{key}`, expected an integer")
-  used = [k for k in UNSUPPORTED if params.get(k) not in (None, [], {}, 0, 0.0, 1.0, -1,
-                                                         1073741824)]
+  used = [k for k, neutral in NEUTRAL.items() if k in params and params[k] not in neutral]
   if used:
     raise BadRequest(f"this server does not implement sampling_params {sorted(used)}")
   top_p = float(params.get("top_p", 1.0))
@@ -174,7 +177,7 @@ def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, 
   keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
   greedy = temperature < GREEDY_BELOW
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-  cut = _nucleus(scaled, top_p[:, None])
+  cut = nucleus(scaled, top_p[:, None])
   cut = jnp.where((top_p < 1.0)[:, None], cut, scaled)
   sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, cut)
   token = jnp.where(greedy, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
@@ -295,9 +298,9 @@ class Scheduler:
         self.lock.notify_all()
 
   def _run(self, batch: list[Request]):
-    rows = _bucket(len(batch), 8)
-    plen = _bucket(max(len(r.input_ids) for r in batch), 16)
-    max_new = _bucket(max(r.max_new_tokens for r in batch), 16)
+    rows = bucket(len(batch), 8)
+    plen = bucket(max(len(r.input_ids) for r in batch), 16)
+    max_new = bucket(max(r.max_new_tokens for r in batch), 16)
     prompts = np.zeros((rows, plen), np.int32)
     lens = np.ones(rows, np.int32)
     for i, r in enumerate(batch):

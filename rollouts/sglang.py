@@ -19,7 +19,6 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 

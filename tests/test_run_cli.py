@@ -13,6 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "experiments/configs/quickstart.gin")
 TINY = os.path.join(ROOT, "experiments/configs/tiny.gin")
 CONTEXT_PARALLEL = os.path.join(ROOT, "experiments/configs/context_parallel.gin")
+SERVER = os.path.join(ROOT, "experiments/configs/quickstart_server.gin")
+PARTIAL = os.path.join(ROOT, "experiments/configs/partial_rollouts.gin")
 
 
 def run(*args, env_extra=None):
@@ -36,6 +38,9 @@ def run(*args, env_extra=None):
      "needs 32 devices"),
     (["--gin", QUICKSTART, "--gin", CONTEXT_PARALLEL, "--gin_param", "tiny.attention = 'dense'"],
      "attention='dense' cannot run context-parallel"),
+    (["--gin", QUICKSTART, "--gin", PARTIAL], "an engine that can abort requests"),
+    (["--gin", QUICKSTART, "--gin_param", "RLConfig.offpolicy_tokens = 'drop'"],
+     "RLConfig.offpolicy_tokens='drop'"),
 ])
 def test_bad_configuration_fails_before_any_compile(tmp_path, args, message):
   run_dir = str(tmp_path / "run")
@@ -83,3 +88,17 @@ def test_context_parallel_config_runs_ring_attention(tmp_path):
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert [r["step"] for r in records] == [0, 1, 2]
   assert all(np.isfinite(r["loss"]) for r in records[1:])
+
+
+@pytest.mark.slow
+def test_partial_rollouts_through_a_server_process(tmp_path):
+  run_dir = str(tmp_path / "run")
+  result = run("--gin", QUICKSTART, "--gin", TINY, "--gin", SERVER, "--gin", PARTIAL,
+               "--run_dir", run_dir, "--gin_param", "train.progress = False",
+               "--gin_param", "RLConfig.rollout_token_budget = 64")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
+  assert [r["step"] for r in records] == [1, 2, 3]
+  for r in records:
+    assert r["weight_sync_s"] > 0 and r["engine_logp_diff_max"] < 1e-3
+    assert {"partial_aborted", "replay_size", "stale_token_fraction"} <= set(r)

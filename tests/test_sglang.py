@@ -252,19 +252,19 @@ def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
   urls = [url for _, url in started]
   try:
     client = SGLangClient(urls, max_in_flight=2, retries=1, retry_backoff=0.05)
-    requests = [Request(f"k-{i}", (7, i % 40 + 3), 120, affinity=i) for i in range(16)]
-    thread, out = _generate_in_background(client, requests, greedy(120))
+    requests = [Request(f"k-{i}", (7, i % 40 + 3), 60, affinity=i) for i in range(16)]
+    thread, out = _generate_in_background(client, requests, greedy(60))
     _wait_for_tokens(urls[0], 20)
     started[0][0].kill()  # mid-iteration
     thread.join()
     completions = out["result"]
-    assert len(completions) == 16 and all(len(c.token_ids) == 120 for c in completions)
+    assert len(completions) == 16 and all(len(c.token_ids) == 60 for c in completions)
     assert client.down == {urls[0]}
     # Every server down: a clear error that keeps the completions already received (two
     # short requests finish on the live server before a long one is cut by the kill).
     client2 = SGLangClient(urls[1:], max_in_flight=1, retries=0)
-    last = [Request(f"s-{i}", (9, i + 3), 8) for i in range(2)] + [Request("l-0", (9, 30), 400)]
-    thread, out = _generate_in_background(client2, last, greedy(400))
+    last = [Request(f"s-{i}", (9, i + 3), 8) for i in range(2)] + [Request("l-0", (9, 30), 200)]
+    thread, out = _generate_in_background(client2, last, greedy(200))
     _wait_for_tokens(urls[1], 60)
     started[1][0].kill()
     thread.join()
@@ -311,7 +311,12 @@ def test_partial_rollouts_abort_resume_and_keep_versions(model, servers):
   engine = SGLangEngine(SGLangClient(urls), cfg, weights_dir=root)
   sampling = SamplingParams(120, temperature=1.0)  # no stop token: every sample runs 120
   trajectories = [t for g in range(2) for t in partial.new_group(g, g, PROMPTS[g], 3)]
+  # One was resumed with 100 tokens already: it finishes first and spends the budget.
+  head = trajectories[0]
+  head.token_ids, head.logprobs = np.full(100, 9, np.int32), np.zeros(100, np.float32)
+  head.versions = np.zeros(100, np.int32)
   first = partial.run_iteration(engine, trajectories, sampling, token_budget=1, seed=0)
+  assert head.finish == partial.TRUNCATED
   assert first["aborted"] >= 1 and any(0 < len(t.token_ids) < 120 for t in trajectories)
   engine.client.sync_weights(paths[1], 1)
   while not all(t.finished for t in trajectories):

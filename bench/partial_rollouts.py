@@ -1,0 +1,138 @@
+"""Partial rollouts vs waiting for the longest completion, not a test: completed tokens per
+second of RL iterations on a skewed length distribution, measured in the same run.
+
+  python bench/partial_rollouts.py [--out bench/results]
+
+A tiny model is fine-tuned to answer with a short completion (6 tokens) 85% of the time and a
+8x longer one (48 tokens) otherwise, then served by a `rollouts.server` process (the embedded
+engine behind SGLang's protocol, as in CI). Each RL iteration asks for 4 groups x 8 samples.
+"wait" generates every trajectory to the end; "partial" (rollouts/partial.py) ends the
+iteration once the completions received hold about the short answers' tokens, aborts the rest
+and resumes them in later iterations. Both run the same number of iterations after a warm-up
+iteration; completed tokens are the lengths of trajectories that finished in the measured
+iterations.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+
+from models import config, hf, transformer  # noqa: E402
+from models.tokenizer import CharTokenizer  # noqa: E402
+from rl import sft  # noqa: E402
+from rollouts import partial  # noqa: E402
+from rollouts.engine import SamplingParams  # noqa: E402
+from rollouts.server import launch  # noqa: E402
+from rollouts.sglang import Request, SGLangClient, SGLangEngine  # noqa: E402
+
+SHORT, LONG, LONG_SHARE = 6, 48, 0.15
+GROUPS, SAMPLES, ITERATIONS = 4, 8, 8
+
+
+class SkewedLengths:
+  """Prompt "go:"; the demonstration is SHORT or LONG letters."""
+
+  def __init__(self, n=400, seed=0):
+    rng = random.Random(seed)
+    self.train = [{"length": LONG if rng.random() < LONG_SHARE else SHORT} for _ in range(n)]
+    self.test = self.train
+
+  def prompt(self, record):
+    return "go:"
+
+  def solution(self, record):
+    return "a" * record["length"]
+
+
+def trained_model(tokenizer):
+  cfg = config.tiny(tokenizer.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, intermediate_size=128)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  params, _ = sft.warm_start(params, cfg, SkewedLengths(), tokenizer, steps=300, batch_size=32,
+                             seq_len=64, learning_rate=3e-3, progress=False)
+  return cfg, params
+
+
+def run(engine, prompt, sampling, mode, budget):
+  """(completed tokens, generated tokens, seconds, lengths of finished) over ITERATIONS."""
+  pending, completed, generated, finished_lengths = [], 0, 0, []
+  seconds = 0.0
+  for it in range(ITERATIONS + 1):
+    fresh = [t for g in range(GROUPS) for t in partial.new_group(it * GROUPS + g, 0, prompt,
+                                                                 SAMPLES)]
+    started = time.perf_counter()
+    if mode == "wait":
+      completions = engine.client.generate(
+          [Request(f"w{it}-{i}", tuple(prompt), sampling.max_new_tokens, sampling_seed=it * 97 + i)
+           for i in range(len(fresh))], sampling)
+      done = [len(c.token_ids) for c in completions]
+      made = sum(done)
+    else:
+      before = sum(len(t.token_ids) for t in pending)
+      pending += fresh
+      partial.run_iteration(engine, pending, sampling, token_budget=budget, seed=it)
+      made = sum(len(t.token_ids) for t in pending) - before
+      done = [len(t.token_ids) for t in pending if t.finished]
+      pending = [t for t in pending if not t.finished]
+    elapsed = time.perf_counter() - started
+    if it:  # the first iteration compiles and fills the pipeline
+      seconds += elapsed
+      completed += sum(done)
+      generated += made
+      finished_lengths += done
+  return completed, generated, seconds, finished_lengths
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+  args = parser.parse_args()
+  tokenizer = CharTokenizer()
+  cfg, params = trained_model(tokenizer)
+  weights = tempfile.mkdtemp(prefix="bench-partial-")
+  process, url = launch(["--hf_checkpoint", hf.save(params, cfg, os.path.join(weights, "v0")),
+                         "--max_batch", "256"])
+  try:
+    engine = SGLangEngine(SGLangClient([url]), cfg, weights_dir=weights)
+    prompt = tokenizer.encode("go:", add_bos=True)
+    sampling = SamplingParams(max_new_tokens=LONG + 8, temperature=1.0,
+                              stop_token_ids=(tokenizer.eos_id,))
+    budget = int(GROUPS * SAMPLES * (1 - LONG_SHARE) * (SHORT + 1))
+    results = {}
+    for mode in ("wait", "partial", "wait", "partial"):  # interleaved against drift
+      completed, generated, seconds, lengths = run(engine, prompt, sampling, mode, budget)
+      r = results.setdefault(mode, {"completed_tokens": 0, "generated_tokens": 0, "seconds": 0.0,
+                                    "finished": 0, "long_finished": 0})
+      r["completed_tokens"] += completed
+      r["generated_tokens"] += generated
+      r["seconds"] += seconds
+      r["finished"] += len(lengths)
+      r["long_finished"] += sum(n > 2 * SHORT for n in lengths)
+  finally:
+    process.kill()
+  for mode, r in results.items():
+    r["completed_tokens_per_second"] = r["completed_tokens"] / r["seconds"]
+    print(f"{mode:>8}: {r['completed_tokens']} completed tokens ({r['finished']} trajectories, "
+          f"{r['long_finished']} long) in {r['seconds']:.2f} s = "
+          f"{r['completed_tokens_per_second']:.1f} tokens/s; generated {r['generated_tokens']}")
+  ratio = (results["partial"]["completed_tokens_per_second"]
+           / results["wait"]["completed_tokens_per_second"])
+  print(f"partial / wait = {ratio:.2f} (target >= 1.5); token budget per iteration {budget}")
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "partial_rollouts.json"), "w") as f:
+    json.dump({"results": results, "ratio": ratio, "budget": budget, "short": SHORT,
+               "long": LONG, "long_share": LONG_SHARE, "groups": GROUPS, "samples": SAMPLES,
+               "iterations": 2 * ITERATIONS}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
