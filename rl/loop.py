@@ -501,31 +501,33 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   start_step = int(state.step)
   bar = tqdm(total=num_steps, initial=start_step, desc=f"RL ({loss})", disable=not progress,
              dynamic_ncols=True)
-  for _ in range(max(0, num_steps - start_step)):
-    record = next(steps)
-    state, m = record.state, record.metrics
-    if eval_every and record.step % eval_every == 0:
-      evaluation_engine.update_weights(state.train.params, record.step)
-      m["eval_accuracy"], m["eval_length"] = evaluate(evaluation_engine)
-      if sampled_eval is not None:
-        held_out = [task.test[i] for i in range(eval_records)]
-        report = eval_lib.sampled_eval(evaluation_engine, task, tokenizer, held_out,
-                                       sampled_eval,
-                                       seed=seed + record.step)
-        m.update({f"eval_{key}": value
-                  for key, value in report["budgets"][max(report["budgets"])].items()})
-    metrics_lib.append(metrics_path, m)
-    bar.set_postfix(reward=f"{m['reward']:.2f}", acc=f"{m['accuracy']:.2f}",
-                    len=f"{m['completion_length']:.1f}")
-    bar.update(1)
-    if record.step % checkpoint_every == 0 or record.step == num_steps:
-      checkpointer.save(record.step, state)
+  try:
+    for _ in range(max(0, num_steps - start_step)):
+      record = next(steps)
+      state, m = record.state, record.metrics
+      if eval_every and record.step % eval_every == 0:
+        evaluation_engine.update_weights(state.train.params, record.step)
+        m["eval_accuracy"], m["eval_length"] = evaluate(evaluation_engine)
+        if sampled_eval is not None:
+          held_out = [task.test[i] for i in range(eval_records)]
+          report = eval_lib.sampled_eval(evaluation_engine, task, tokenizer, held_out,
+                                         sampled_eval,
+                                         seed=seed + record.step)
+          m.update({f"eval_{key}": value
+                    for key, value in report["budgets"][max(report["budgets"])].items()})
+      metrics_lib.append(metrics_path, m)
+      bar.set_postfix(reward=f"{m['reward']:.2f}", acc=f"{m['accuracy']:.2f}",
+                      len=f"{m['completion_length']:.1f}")
+      bar.update(1)
+      if record.step % checkpoint_every == 0 or record.step == num_steps:
+        checkpointer.save(record.step, state)
+  finally:  # server processes end with the loop, also when it fails
+    engine.close()
   bar.close()
   checkpointer.close()
 
   evaluation_engine.update_weights(state.train.params, int(state.step))
   rl_accuracy, rl_length = evaluate(evaluation_engine)
-  engine.close()
   summary.update(rl_accuracy=rl_accuracy, rl_length=rl_length, steps=int(state.step))
   _write_json(summary_path, summary)
   metrics_lib.plot(metrics_lib.read(metrics_path), os.path.join(run_dir, "metrics.png"),

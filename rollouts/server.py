@@ -615,7 +615,18 @@ def main(argv=None):
   parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
   parser.add_argument("--weight_version", default="default")
   parser.add_argument("--max_batch", type=int, default=64)
+  parser.add_argument("--exit_with_parent", action="store_true",
+                      help="stop when the process that started this one exits (launch sets it)")
   args = parser.parse_args(argv)
+  if args.exit_with_parent:
+    parent = os.getppid()
+
+    def watch():
+      while os.getppid() == parent:
+        time.sleep(1.0)
+      os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
   if args.hf_checkpoint:
     cfg, params, path = load_model(hf_checkpoint=args.hf_checkpoint)
   elif args.gin:
@@ -641,8 +652,9 @@ def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None
   """Start `python -m rollouts.server ARGS` and return (process, base URL) once /health
   answers; the server's stderr goes to ours."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  process = subprocess.Popen([sys.executable, "-m", "rollouts.server", *args], cwd=root,
-                             stdout=subprocess.PIPE, text=True, env=env)
+  process = subprocess.Popen([sys.executable, "-m", "rollouts.server", *args,
+                              "--exit_with_parent"], cwd=root, stdout=subprocess.PIPE,
+                             text=True, env=env)
   deadline = time.monotonic() + timeout
   url = None
   while url is None:
@@ -692,6 +704,7 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   engine = SGLangEngine(SGLangClient(urls, max_in_flight=max_in_flight), cfg,
                         weights_dir=weights_dir, version=version)
   engine.processes = processes
+  engine.client.check_health()
   return engine
 
 

@@ -6,6 +6,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
+# Many tests compile the same tiny programs (SFT step, sampler, train step), in this process
+# and in the subprocesses they start: share compiled executables through JAX's persistent
+# cache, in a directory of this session only.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="longrl-jax-cache-")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import jax
 import pytest
 

@@ -241,3 +241,23 @@ def test_humaneval_canonical_pass_and_broken_bodies_fail_with_their_status():
       statuses = [r[0].status for r in pool.run_batch(jobs)]
     wrong = [(p["task_id"], s) for p, s in zip(problems, statuses) if s != expected[name]]
     assert not wrong, (name, wrong)
+
+
+def test_whole_tree_limits_sit_in_a_cgroup_where_the_host_allows_one():
+  limits = Limits(pids=12, memory_bytes=200 << 20)
+  with Sandbox(limits) as box:
+    assert box.run("print(1)")["status"] == "ok"
+    dirs = box._cgroup.dirs
+    writable = os.geteuid() == 0 and os.access("/sys/fs/cgroup", os.W_OK)
+    if not writable:  # then the rlimits are the only limit, and that must still work
+      assert dirs == []
+      return
+    assert dirs, "root with a writable /sys/fs/cgroup but no cgroup was made"
+    values = {p.name: p.read_text().strip() for d in dirs
+              for p in d.iterdir() if p.name in ("pids.max", "memory.limit_in_bytes",
+                                                 "memory.max")}
+    assert values["pids.max"] == "14"
+    assert int(values.get("memory.limit_in_bytes", values.get("memory.max"))) == 200 << 20
+    for d in dirs:  # the sandbox's tree lives there (the shell that exec'd bubblewrap)
+      assert str(box._process.pid) in (d / "cgroup.procs").read_text().split()
+  assert all(not d.exists() for d in dirs)  # removed with the sandbox

@@ -392,3 +392,19 @@ def test_offpolicy_tokens_masked_or_importance_weighted():
   np.testing.assert_allclose([mean, worst], [np.log(1.8)] * 2, rtol=1e-5)
   untouched = (batch.loss_mask == 0)
   np.testing.assert_array_equal(tis.advantages[untouched], batch.advantages[untouched])
+
+
+def test_server_from_a_gin_file(tmp_path):
+  config_file = tmp_path / "server.gin"
+  config_file.write_text("load_model.model = @tiny\ntiny.hidden_size = 32\n"
+                         "tiny.intermediate_size = 64\nload_model.seed = 3\n")
+  process, url = launch(["--gin", str(config_file), "--weight_version", "5"])
+  try:
+    client = SGLangClient([url])
+    client.check_health()
+    assert client.model_info()[url]["weight_version"] == "5"
+    out = client.generate([Request("g-1", (4, 5, 6), 5)], greedy(5))[0]
+    assert len(out.token_ids) == 5 and out.versions.tolist() == [5] * 5
+  finally:
+    process.kill()
+    process.wait()
