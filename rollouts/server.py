@@ -77,7 +77,7 @@ class Request:
   versions: list[str] = dataclasses.field(default_factory=list)
   finish_reason: dict | None = None
   aborted: str | None = None  # the abort message once aborted
-  started: float = dataclasses.field(default_factory=time.monotonic)
+  started: float = dataclasses.field(default_factory=time.time)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -164,6 +164,14 @@ def _prefill(params, prompts, positions, kv_valid, cache, *, cfg):
   return hidden[:, -1] @ transformer.output_projection(params, cfg), cache
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _grow(cache, kv_valid, extra: int):
+  """The cache and its validity mask with `extra` more (empty) slots at the end."""
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, extra)] + [(0, 0)] * (x.ndim - 3))
+  return (transformer.KVCache(pad(cache.k), pad(cache.v)),
+          jnp.pad(kv_valid, [(0, 0), (0, extra)]))
+
+
 @jax.jit
 def _request_keys(seeds):
   return jax.vmap(jax.random.PRNGKey)(seeds)
@@ -216,6 +224,8 @@ class Scheduler:
       self.lock.notify_all()
 
   def abort(self, rid: str | None, message: str = "Aborted"):
+    if os.environ.get("LONGRL_SERVER_DEBUG"):
+      print(f"abort {rid!r} at {time.time():.3f}", file=sys.stderr)
     with self.lock:
       for r in list(self.waiting):
         if rid is None or r.rid.startswith(rid):
@@ -284,10 +294,15 @@ class Scheduler:
             break
         batch, self.waiting = self.waiting[:self.max_batch], self.waiting[self.max_batch:]
         if os.environ.get("LONGRL_SERVER_DEBUG"):
-          print(f"batch of {len(batch)}, {len(self.waiting)} waiting", file=sys.stderr)
+          print(f"batch of {len(batch)}, {len(self.waiting)} waiting at {time.time():.3f}, "
+                f"first arrived {min(r.started for r in batch):.3f}", file=sys.stderr)
         self.running = batch
       try:
-        self._run(batch)
+        started = time.perf_counter()
+        steps = self._run(batch)
+        if os.environ.get("LONGRL_SERVER_DEBUG"):
+          print(f"  {steps} steps in {time.perf_counter() - started:.3f} s, done at "
+                f"{time.time():.3f}", file=sys.stderr)
       except Exception as e:  # never leave a client waiting forever
         for r in batch:
           if not r.done.is_set():
@@ -298,23 +313,26 @@ class Scheduler:
         self.lock.notify_all()
 
   def _run(self, batch: list[Request]):
-    rows = bucket(len(batch), 8)
+    rows = -(-len(batch) // 8) * 8  # multiples of 8: padding rows cost every step
     plen = bucket(max(len(r.input_ids) for r in batch), 16)
     max_new = bucket(max(r.max_new_tokens for r in batch), 16)
+    # The cache starts with room for 32 new tokens and doubles when full: decode attention
+    # spans the whole cache, and most batches (aborted, or short answers) end early.
+    room = min(max_new, 32)
     prompts = np.zeros((rows, plen), np.int32)
     lens = np.ones(rows, np.int32)
     for i, r in enumerate(batch):
       prompts[i, plen - len(r.input_ids):] = r.input_ids
       lens[i] = len(r.input_ids)
     slots = np.arange(plen)
-    kv_valid = np.zeros((rows, plen + max_new), bool)
+    kv_valid = np.zeros((rows, plen + room), bool)
     kv_valid[:, :plen] = slots[None, :] >= (plen - lens)[:, None]
     positions = np.maximum(slots[None, :] - (plen - lens)[:, None], 0)
     with self.lock:
       params = self.params
     logits, cache = _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
                              jnp.asarray(kv_valid), transformer.init_cache(self.cfg, rows,
-                                                                           plen + max_new),
+                                                                           plen + room),
                              cfg=self.cfg)
     kv_valid = jnp.asarray(kv_valid)
     temperature = np.ones(rows, np.float32)
@@ -337,7 +355,10 @@ class Scheduler:
             self._finish(r, {"type": "abort", "message": r.aborted, "status_code": None,
                              "err_type": None})
       if not active.any():
-        return
+        return i
+      if i == room:
+        cache, kv_valid = _grow(cache, kv_valid, room)
+        room *= 2
       token, logp, logits, cache, kv_valid = _step(
           params, logits, cache, kv_valid, keys, temperature, top_p, jnp.asarray(lens + i),
           plen + i, jnp.asarray(active), i, cfg=self.cfg)
@@ -356,6 +377,7 @@ class Scheduler:
             active[row] = False
             self._finish(r, {"type": "length", "length": r.max_new_tokens})
         self.lock.notify_all()
+    return max_new
 
 
 def response(r: Request, weight_version: str) -> dict:
@@ -369,7 +391,7 @@ def response(r: Request, weight_version: str) -> dict:
           "completion_tokens": len(r.tokens), "cached_tokens": 0, "reasoning_tokens": 0,
           "num_retractions": 0,
           "weight_version": r.versions[-1] if r.versions else weight_version,
-          "weight_versions": spans, "e2e_latency": time.monotonic() - r.started}
+          "weight_versions": spans, "e2e_latency": time.time() - r.started}
   if r.finish_reason and r.finish_reason["type"] == "abort" \
       and r.finish_reason.get("message") == "Abort in waiting queue":
     del meta["prompt_tokens"], meta["cached_tokens"]
@@ -637,6 +659,9 @@ def main(argv=None):
     cfg, params, path = gin_externals.load_model()
   else:
     parser.error("give --hf_checkpoint DIR or --gin FILE")
+  # The scheduler thread holds the GIL between decode steps; hand it over sooner so that the
+  # HTTP threads answer finished and aborted requests within a step or two, not ~5 ms each.
+  sys.setswitchinterval(0.0005)
   server = serve(cfg, params, host=args.host, port=args.port,
                  weight_version=args.weight_version, model_path=path, max_batch=args.max_batch)
   host, port = server.server_address[:2]

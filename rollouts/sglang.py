@@ -14,15 +14,16 @@ top-p; at temperature 1 that is what the trainer recomputes.
 """
 
 import asyncio
-import concurrent.futures
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from typing import Any, Callable, Sequence
 
-import httpx
+import aiohttp
 import numpy as np
 
 from rollouts.engine import Completion, SamplingParams
@@ -101,16 +102,6 @@ def parse_response(server: str, body: Any) -> Completion:
                     versions=versions)
 
 
-def _run(coroutine):
-  """Run a coroutine to completion from sync code, also inside a notebook's event loop."""
-  try:
-    asyncio.get_running_loop()
-  except RuntimeError:
-    return asyncio.run(coroutine)
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    return pool.submit(asyncio.run, coroutine).result()
-
-
 class SGLangClient:
   """Talks to SGLang workers `urls` (each a base URL such as http://10.0.0.5:30000).
 
@@ -130,14 +121,36 @@ class SGLangClient:
     self.urls = [u.rstrip("/") for u in urls]
     self.router = router.rstrip("/") if router else None
     self.max_in_flight, self.retries, self.retry_backoff = max_in_flight, retries, retry_backoff
-    self.timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=60.0,
-                                 pool=None)
+    self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
+                                         sock_read=read_timeout)
     self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     self.down: set[str] = set()
+    # One event loop on a thread of its own, with one connection pool: connections are kept
+    # alive between calls (a fresh TCP connection per request costs more than a short
+    # completion), and sync callers work inside a notebook's running loop too.
+    self._loop = asyncio.new_event_loop()
+    threading.Thread(target=self._loop.run_forever, daemon=True, name="sglang-client").start()
+    self._http = self._run(self._open())
+    # Control calls (aborts above all) get connections of their own: behind a pool whose
+    # connections all carry long /generate calls they would wait for a new one.
+    self._control = self._run(self._open())
+
+  async def _open(self) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=self.timeout,
+                                 connector=aiohttp.TCPConnector(limit=0, force_close=False))
+
+  def _run(self, coroutine):
+    return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+  def close(self) -> None:
+    if not self._loop.is_closed():
+      self._run(self._http.close())
+      self._run(self._control.close())
+      self._loop.call_soon_threadsafe(self._loop.stop)
 
   # --- plumbing
 
-  async def _call(self, http: httpx.AsyncClient, server: str, method: str, path: str,
+  async def _call(self, http: aiohttp.ClientSession, server: str, method: str, path: str,
                   body: dict | None = None) -> Any:
     """JSON (or None for an empty body) of a call, retried on connection errors and 5xx."""
     last = ""
@@ -145,22 +158,23 @@ class SGLangClient:
       if attempt:
         await asyncio.sleep(self.retry_backoff * 2 ** (attempt - 1))
       try:
-        reply = await http.request(method, server + path, json=body, headers=self.headers)
-      except httpx.HTTPError as e:
+        async with http.request(method, server + path, json=body,
+                                headers=self.headers) as reply:
+          status, text = reply.status, await reply.text()
+      except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         last = f"{type(e).__name__}: {e}"
         continue
-      if reply.status_code >= 500:
-        last = f"HTTP {reply.status_code}: {reply.text[:300]}"
+      if status >= 500:
+        last = f"HTTP {status}: {text[:300]}"
         continue
-      if reply.status_code >= 400:
-        raise ServerError(f"{server}{path} answered HTTP {reply.status_code}: "
-                          f"{reply.text[:300]}")
-      if not reply.content:
+      if status >= 400:
+        raise ServerError(f"{server}{path} answered HTTP {status}: {text[:300]}")
+      if not text:
         return None
       try:
-        return reply.json()
+        return json.loads(text)
       except ValueError:
-        return reply.text
+        return text
     raise ConnectionError(f"{server}{path} failed after {self.retries + 1} attempts: {last}")
 
   def _live(self) -> list[str]:
@@ -174,50 +188,50 @@ class SGLangClient:
     stopping = False
     limits = {u: asyncio.Semaphore(self.max_in_flight) for u in self.urls}
     router_limit = asyncio.Semaphore(self.max_in_flight * len(self.urls))
-    async with httpx.AsyncClient(timeout=self.timeout,
-                                 limits=httpx.Limits(max_connections=None)) as http:
+    http = self._http
 
-      async def one(index: int, request: Request):
-        nonlocal stopping
-        body = request_body(request, sampling)
-        while True:
-          if stopping:  # the iteration ended before this request was sent
-            results[index] = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32),
-                                        "abort", np.zeros(0, np.int32))
-            return
-          if self.router:
-            server, limit = self.router, router_limit
-          else:
-            live = self._live()
-            if not live:
-              raise ServerError(f"every server is down ({', '.join(self.urls)}); "
-                                f"{len(results)} of {len(requests)} completions were "
-                                "received and are kept", completed=results)
-            server = live[request.affinity % len(live)]
-            limit = limits[server]
-          async with limit:
-            try:
-              reply = await self._call(http, server, "POST", "/generate", body)
-            except ConnectionError as e:
-              if self.router:
-                raise ServerError(f"router {server} failed: {e}", completed=results) from None
-              self.down.add(server)  # the same rid goes to the next live server
-              continue
-          completion = parse_response(server, reply)
-          results[index] = completion
-          if stop_when is not None and not stopping and stop_when(index, completion):
-            stopping = True  # the rest come back aborted, with what they generated so far
-            await self._each_async(http, "POST", "/abort_request", {"rid": abort_prefix})
+    async def one(index: int, request: Request):
+      nonlocal stopping
+      body = request_body(request, sampling)
+      while True:
+        if stopping:  # the iteration ended before this request was sent
+          results[index] = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32),
+                                      "abort", np.zeros(0, np.int32))
           return
+        if self.router:
+          server, limit = self.router, router_limit
+        else:
+          live = self._live()
+          if not live:
+            raise ServerError(f"every server is down ({', '.join(self.urls)}); "
+                              f"{len(results)} of {len(requests)} completions were "
+                              "received and are kept", completed=results)
+          server = live[request.affinity % len(live)]
+          limit = limits[server]
+        async with limit:
+          try:
+            reply = await self._call(http, server, "POST", "/generate", body)
+          except ConnectionError as e:
+            if self.router:
+              raise ServerError(f"router {server} failed: {e}", completed=results) from None
+            self.down.add(server)  # the same rid goes to the next live server
+            continue
+        completion = parse_response(server, reply)
+        results[index] = completion
+        if stop_when is not None and not stopping and stop_when(index, completion):
+          stopping = True  # the rest come back aborted, with what they generated so far
+          await self._each_async(self._control, "POST", "/abort_request",
+                                 {"rid": abort_prefix})
+        return
 
-      tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
-      try:
-        await asyncio.gather(*tasks)
-      except ServerError as e:
-        for t in tasks:
-          t.cancel()
-        e.completed = results
-        raise
+    tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
+    try:
+      await asyncio.gather(*tasks)
+    except ServerError as e:
+      for t in tasks:
+        t.cancel()
+      e.completed = results
+      raise
     return [results[i] for i in range(len(requests))]
 
   def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
@@ -229,13 +243,12 @@ class SGLangClient:
     tokens generated so far (partial rollouts)."""
     if stop_when is not None and not abort_prefix:
       raise ValueError("SGLangClient.generate: stop_when needs the abort_prefix of the rids")
-    return _run(self._generate(requests, sampling, stop_when, abort_prefix))
+    return self._run(self._generate(requests, sampling, stop_when, abort_prefix))
 
   # --- control, sent to every worker
 
   async def _each(self, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=self.timeout) as http:
-      return await self._each_async(http, method, path, body)
+    return await self._each_async(self._control, method, path, body)
 
   async def _each_async(self, http, method: str, path: str, body: dict | None = None
                         ) -> dict[str, Any]:
@@ -251,15 +264,15 @@ class SGLangClient:
   def check_health(self) -> None:
     """GET /health on every worker; ServerError naming each one that does not answer 200."""
     async def probe():
-      async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http:
-        async def one(url):
-          try:
-            reply = await http.get(url + "/health", headers=self.headers)
-            return None if reply.status_code == 200 else f"HTTP {reply.status_code}"
-          except httpx.HTTPError as e:
-            return f"{type(e).__name__}: {e}"
-        return await asyncio.gather(*(one(u) for u in self.urls))
-    failures = [f"{u} ({why})" for u, why in zip(self.urls, _run(probe())) if why]
+      async def one(url):
+        try:
+          async with self._control.get(url + "/health", headers=self.headers,
+                                    timeout=aiohttp.ClientTimeout(total=30)) as reply:
+            return None if reply.status == 200 else f"HTTP {reply.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+          return f"{type(e).__name__}: {e}"
+      return await asyncio.gather(*(one(u) for u in self.urls))
+    failures = [f"{u} ({why})" for u, why in zip(self.urls, self._run(probe())) if why]
     if failures:
       raise ServerError("SGLang server(s) not healthy: " + "; ".join(failures))
     self.down.clear()
@@ -267,14 +280,14 @@ class SGLangClient:
   def abort(self, rid: str | None = None) -> None:
     """Abort requests whose rid starts with `rid` (all when None); they return partial
     output to their callers."""
-    _run(self._each("POST", "/abort_request", {"abort_all": True} if rid is None
-                    else {"rid": rid}))
+    self._run(self._each("POST", "/abort_request", {"abort_all": True} if rid is None
+                         else {"rid": rid}))
 
   def model_info(self) -> dict[str, dict]:
-    return _run(self._each("GET", "/model_info"))
+    return self._run(self._each("GET", "/model_info"))
 
   def loads(self) -> dict[str, dict]:
-    return _run(self._each("GET", "/v1/loads"))
+    return self._run(self._each("GET", "/v1/loads"))
 
   def sync_weights(self, model_path: str, version: int) -> float:
     """Per worker: pause (abort), /update_weights_from_disk with `weight_version`, check
@@ -282,22 +295,23 @@ class SGLangClient:
     started = time.perf_counter()
 
     async def sync():
-      async with httpx.AsyncClient(timeout=self.timeout) as http:
-        async def one(url):
-          await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
-          reply = await self._call(http, url, "POST", "/update_weights_from_disk",
-                                   {"model_path": model_path, "weight_version": str(version),
-                                    "flush_cache": True, "abort_all_requests": False})
-          if not isinstance(reply, dict) or not reply.get("success"):
-            raise ServerError(f"{url}/update_weights_from_disk failed: {reply}")
-          await self._call(http, url, "POST", "/continue_generation", {})
-          info = await self._call(http, url, "GET", "/model_info")
-          if not isinstance(info, dict) or info.get("weight_version") != str(version):
-            raise ServerError(f"{url} reports weight_version "
-                              f"{info.get('weight_version') if isinstance(info, dict) else info!r}"
-                              f" after the update to {version}")
-        await asyncio.gather(*(one(u) for u in self._live()))
-    _run(sync())
+      http = self._control
+
+      async def one(url):
+        await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
+        reply = await self._call(http, url, "POST", "/update_weights_from_disk",
+                                 {"model_path": model_path, "weight_version": str(version),
+                                  "flush_cache": True, "abort_all_requests": False})
+        if not isinstance(reply, dict) or not reply.get("success"):
+          raise ServerError(f"{url}/update_weights_from_disk failed: {reply}")
+        await self._call(http, url, "POST", "/continue_generation", {})
+        info = await self._call(http, url, "GET", "/model_info")
+        if not isinstance(info, dict) or info.get("weight_version") != str(version):
+          raise ServerError(f"{url} reports weight_version "
+                            f"{info.get('weight_version') if isinstance(info, dict) else info!r}"
+                            f" after the update to {version}")
+      await asyncio.gather(*(one(u) for u in self._live()))
+    self._run(sync())
     return time.perf_counter() - started
 
 
@@ -344,6 +358,7 @@ class SGLangEngine:
     return path
 
   def close(self) -> None:
+    self.client.close()
     for process in self.processes:
       process.terminate()
     for process in self.processes:

@@ -280,7 +280,7 @@ def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
 
 def test_clear_errors_for_down_error_and_wrong_shape(servers):
   urls, _ = servers
-  with pytest.raises(ServerError, match=r"127\.0\.0\.1:1 \(ConnectError"):
+  with pytest.raises(ServerError, match=r"127\.0\.0\.1:1 \(ClientConnectorError"):
     SGLangClient(["http://127.0.0.1:1"]).check_health()
   bad = SamplingParams(4, top_p=1.0)
   with pytest.raises(ServerError, match=r"/generate answered HTTP 400: .*input_ids"):
