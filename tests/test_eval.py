@@ -1,6 +1,6 @@
 """pass@k, maj@k and mean@k against exact and hand-made cases; the sampled evaluation and
-its report on a tiny real model; experiments/eval.py on a saved run; the loop's periodic
-sampled evaluation."""
+its report on a tiny real model; experiments/eval.py on a saved run. (The loop's periodic
+sampled evaluation is tested in test_run_cli.py's resume test.)"""
 
 import itertools
 import json
@@ -15,7 +15,6 @@ from models import config, transformer
 from rl import eval as eval_lib
 from rl import loop, rewards, sampling, sft
 from rl.checkpoint import Checkpointer
-from rl.tasks.arithmetic import Arithmetic
 from rollouts.jax_engine import JaxEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,16 +142,3 @@ def test_eval_cli_on_a_saved_run(tokenizer, tmp_path):
        "--gin_param", f"evaluate.run_dir = '{tmp_path / 'nowhere'}'"],
       capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert missing.returncode != 0 and "has no checkpoints/ directory" in missing.stderr
-
-
-def test_loop_logs_sampled_eval(tmp_path):
-  loop.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=50, num_test=8),
-             model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
-             rl=loop.RLConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=8,
-                              seq_len=24),
-             num_steps=1, sft_steps=1, sft_batch_size=4, eval_records=4, eval_every=1,
-             checkpoint_every=1, progress=False,
-             sampled_eval=eval_lib.SampledEval(samples=2, ks=(1, 2), budgets=(8,)))
-  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-  assert {"eval_pass@2", "eval_maj@2", "eval_mean@1"} <= set(records[-1])
-  assert 0 <= records[-1]["eval_pass@2"] <= 1

@@ -14,9 +14,12 @@ from rl.tasks.arithmetic import Arithmetic
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# tests/test_rl.py runs every registered loss through the loop until it solves a task; here
+# the whole quickstart path (SFT, KL reference, eval, checkpoints) runs for one loss of each
+# kind: k1.5 (its own advantage), grpo (KL to the SFT reference), cispo (token weights).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(losses.LOSSES))
-def test_three_quickstart_steps_for_every_loss(name, tmp_path):
+@pytest.mark.parametrize("name", ["cispo", "grpo", "k1.5"])
+def test_three_quickstart_steps_per_kind_of_loss(name, tmp_path):
   summary = loop.train(
       str(tmp_path / name), task=Arithmetic(digits=1, num_train=200, num_test=20),
       model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),

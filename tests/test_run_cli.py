@@ -64,8 +64,12 @@ def test_run_writes_the_run_dir_and_resumes(tmp_path):
     assert os.path.exists(os.path.join(run_dir, name)), name
   assert "train.num_steps = 3" in open(os.path.join(run_dir, "config.gin")).read()
 
+  # The resumed part also runs the sampled evaluation (pass@k, maj@k, mean@k) at each eval.
   again = run("--gin", QUICKSTART, "--gin", TINY, "--run_dir", run_dir,
-              "--gin_param", "train.progress = False", "--gin_param", "train.num_steps = 5")
+              "--gin_param", "train.progress = False", "--gin_param", "train.num_steps = 5",
+              "--gin_param", "train.sampled_eval = @SampledEval()",
+              "--gin_param", "SampledEval.samples = 2", "--gin_param", "SampledEval.ks = (1, 2)",
+              "--gin_param", "SampledEval.budgets = (16,)")
   assert again.returncode == 0, again.stderr[-3000:]
   assert "resuming from" in again.stdout and "at RL step 3" in again.stdout
   assert "after SFT" not in again.stdout
@@ -74,6 +78,8 @@ def test_run_writes_the_run_dir_and_resumes(tmp_path):
   assert {"reward", "accuracy", "completion_length", "entropy", "loss",
           "logp_diff_mean", "logp_diff_max"} <= set(records[-1])
   assert all("eval_accuracy" in records[i] for i in (0, 2, 4))
+  assert {"eval_pass@2", "eval_maj@2", "eval_mean@1"} <= set(records[4])
+  assert 0 <= records[4]["eval_pass@2"] <= 1
 
 
 @pytest.mark.slow
@@ -95,10 +101,11 @@ def test_partial_rollouts_through_a_server_process(tmp_path):
   run_dir = str(tmp_path / "run")
   result = run("--gin", QUICKSTART, "--gin", TINY, "--gin", SERVER, "--gin", PARTIAL,
                "--run_dir", run_dir, "--gin_param", "train.progress = False",
-               "--gin_param", "RLConfig.rollout_token_budget = 64")
+               "--gin_param", "RLConfig.rollout_token_budget = 64",
+               "--gin_param", "train.num_steps = 2")
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
-  assert [r["step"] for r in records] == [1, 2, 3]
+  assert [r["step"] for r in records] == [1, 2]
   for r in records:
     assert r["weight_sync_s"] > 0 and r["engine_logp_diff_max"] < 1e-3
     assert {"partial_aborted", "replay_size", "stale_token_fraction"} <= set(r)
