@@ -10,6 +10,7 @@ from models import config
 from models import sharding
 from models import tokenizer
 from rl import eval as eval_lib
+from rl import long2short as long2short_lib
 from rl import loop
 from rl import rewards
 from rl import sampling
@@ -21,6 +22,7 @@ from rollouts import sglang
 
 train = gin.external_configurable(loop.train, module="rl")
 evaluate = gin.external_configurable(eval_lib.evaluate_checkpoint, "evaluate", module="rl")
+long2short = gin.external_configurable(long2short_lib.run, "long2short", module="rl")
 load_model = gin.external_configurable(server.load_model, module="rollouts")
 local_engine = gin.external_configurable(server.local_engine, module="rollouts")
 remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts")

@@ -41,3 +41,31 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def save_policy(run_dir: str, params, *, step: int = 0) -> None:
+  """Save `params` alone as `run_dir`'s checkpoint (a model made outside the RL loop, e.g. by
+  long2short), readable by `load_policy`, rl.eval.evaluate_checkpoint and
+  `train(init_from=run_dir)`."""
+  checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=1)
+  checkpointer.save(step, {"train": {"params": params}})
+  checkpointer.close()
+
+
+def load_policy(run_dir: str, like=None):
+  """The policy params of `run_dir`'s latest checkpoint (an RL run or a `save_policy`).
+  With `like` (params of the model config to be used), the tree and every shape must match."""
+  directory = os.path.join(run_dir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"{run_dir} has no checkpoints/ directory")
+  checkpointer = Checkpointer(directory)
+  params = checkpointer.restore_params()
+  checkpointer.close()
+  if like is not None:
+    want = jax.tree.map(lambda x: tuple(x.shape), like)
+    got = jax.tree.map(lambda x: tuple(x.shape), params)
+    if want != got:
+      raise ValueError(f"the params in {run_dir} do not fit this model config (saved shapes "
+                       f"{got}, expected {want})")
+    params = jax.tree.map(lambda x, ref: jax.numpy.asarray(x, ref.dtype), params, like)
+  return params

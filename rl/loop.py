@@ -33,6 +33,7 @@ from rl import metrics as metrics_lib
 from rl import rewards as rewards_lib
 from rl import sampling as sampling_lib
 from rl import sft
+from rl import checkpoint
 from rl.checkpoint import Checkpointer
 from rl import kl as kl_lib
 from rl.packing import trajectory_batch, unpack
@@ -236,7 +237,8 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     metrics = {"step": step + 1, "reward": float(rewards.mean()),
                "accuracy": float(scored.correct.mean()),
                "completion_length": float(scored.lengths.mean()),
-               "truncated": float(scored.truncated.mean()), "rows": rows,
+               "truncated": float(scored.truncated.mean()),
+               "well_formed": float(scored.well_formed.mean()), "rows": rows,
                "groups_trained": num_groups, "generation_rounds": len(kept),
                "generate_s": generate_s, "train_s": train_s, "weight_sync_s": sync_s,
                **partial_metrics, **train_metrics}
@@ -368,7 +370,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           checkpoint_every: int = 20, seed: int = 0, progress: bool = True,
           mesh: Optional[Mesh] = None,
           sampled_eval: Optional[eval_lib.SampledEval] = None,
-          rollout_engine: Optional[Callable[..., RolloutEngine]] = None) -> dict[str, Any]:
+          rollout_engine: Optional[Callable[..., RolloutEngine]] = None,
+          init_from: Optional[str] = None) -> dict[str, Any]:
   """A whole run in `run_dir`: SFT warm start, held-out eval, `num_steps` RL steps, eval.
 
   `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny).
@@ -386,12 +389,19 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   JaxEngine); e.g. rollouts.server.local_engine serves the policy from a subprocess over
   SGLang's protocol, rollouts.sglang.remote_engine uses SGLang servers. Evaluations stay
   in-process.
+  `init_from` (a run directory: an RL run, or a model saved by rl.checkpoint.save_policy)
+  replaces the SFT warm start: RL starts from that run's latest params, which also become
+  this run's reference policy (long2short RL, or several runs from one warm start).
   """
   tokenizer = tokenizer or CharTokenizer()
   reward = reward or rewards_lib.named_chain({"correctness": rewards_lib.correctness()})
   sampler = sampler or sampling_lib.uniform()
   # Everything that can be wrong with the configuration fails here, before any compile.
   loss_fn = losses.bind(loss, loss_hparams)
+  if losses.get(loss).advantage is None:
+    raise ConfigError(f"loss {loss!r} does not train on rollouts (e.g. DPO trains on "
+                      f"preference pairs: rl.long2short.dpo); RL losses: "
+                      f"{', '.join(losses.rollout_losses())}")
   advantage = advantage or losses.get(loss).advantage
   if advantage not in advantages_lib.ESTIMATORS:
     raise ConfigError(f"unknown advantage estimator {advantage!r}; valid: "
@@ -421,6 +431,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if rl.offpolicy_tokens not in ("keep", "mask", "tis"):
     raise ConfigError(f"RLConfig.offpolicy_tokens={rl.offpolicy_tokens!r}; valid: 'keep', "
                       "'mask', 'tis'")
+  if init_from and not os.path.isdir(os.path.join(init_from, "checkpoints")):
+    raise ConfigError(f"train.init_from={init_from!r}: no checkpoints/ directory there")
   if rl.partial_rollouts and (rl.rollout_token_budget < 1 or rollout_engine is None):
     raise ConfigError("RLConfig.partial_rollouts needs rollout_token_budget > 0 and an engine "
                       "that can abort requests (train.rollout_engine = @local_engine or "
@@ -449,21 +461,28 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
       print(f"{moved} metrics records after the checkpoint moved to {metrics_path}.discarded")
   else:
     started = time.perf_counter()
-    with sharding.use(mesh):
-      params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
-                                        batch_size=sft_batch_size,
-                                        learning_rate=sft_learning_rate, seq_len=rl.seq_len,
-                                        seed=seed, progress=progress)
+    if init_from:
+      try:
+        params, sft_loss = checkpoint.load_policy(init_from, like=params), float("nan")
+      except ValueError as e:
+        raise ConfigError(f"train.init_from: {e}") from None
+      print(f"starting from the params of {init_from} (no SFT warm start)")
+    else:
+      with sharding.use(mesh):
+        params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
+                                          batch_size=sft_batch_size,
+                                          learning_rate=sft_learning_rate, seq_len=rl.seq_len,
+                                          seed=seed, progress=progress)
     state = state.replace(train=init_train_state(params, optimizer))
     sft_checkpointer.save(0, params)
     sft_accuracy, sft_length = evaluate(JaxEngine(cfg, params))
     summary = {"sft_accuracy": sft_accuracy, "sft_length": sft_length, "sft_loss": sft_loss,
-               "sft_seconds": time.perf_counter() - started}
+               "sft_seconds": time.perf_counter() - started, "init_from": init_from}
     _write_json(summary_path, summary)
     metrics_lib.append(metrics_path, {"step": 0, "eval_accuracy": sft_accuracy,
                                       "eval_length": sft_length})
     checkpointer.save(0, state)
-    print(f"after SFT: held-out accuracy {sft_accuracy:.3f}, mean length {sft_length:.1f}")
+    print(f"{'at the start' if init_from else 'after SFT'}: held-out accuracy {sft_accuracy:.3f}, mean length {sft_length:.1f}")
 
   ref_params = reference_logprobs = None
   if losses.uses_reference(loss, loss_hparams) or rl.kl_reward_coef:

@@ -14,7 +14,9 @@ are `Weighted` too. Each loss is registered with the advantage estimator it is d
 A loss with a KL term to a reference policy names its weight `kl_coef`; whenever that is
 non-zero the loop keeps the SFT model as the reference and fills `batch.ref_logp`.
 
-Adding a loss: write the function, decorate it with `@register(name, advantage=...)`.
+Adding a loss: write the function, decorate it with `@register(name, advantage=...)`. A loss
+registered with `advantage=None` trains on something other than rollouts (DPO: preference
+pairs, rl/long2short.py) and is refused by the RL loop.
 """
 
 import dataclasses
@@ -94,14 +96,14 @@ def masked_mean(values, batch: TrainBatch) -> Weighted:
 @dataclasses.dataclass(frozen=True)
 class LossDef:
   fn: Callable[..., tuple[Weighted, dict[str, Weighted]]]
-  advantage: str  # a key of rl.advantages.ESTIMATORS
+  advantage: str | None  # a key of rl.advantages.ESTIMATORS; None: not a rollout loss
 
 
 LOSSES: dict[str, LossDef] = {}
 
 
-def register(name: str, *, advantage: str):
-  if advantage not in advantages_lib.ESTIMATORS:
+def register(name: str, *, advantage: str | None):
+  if advantage is not None and advantage not in advantages_lib.ESTIMATORS:
     raise ValueError(f"loss {name!r}: unknown advantage estimator {advantage!r}; valid: "
                      f"{sorted(advantages_lib.ESTIMATORS)}")
 
@@ -117,6 +119,11 @@ def get(name: str) -> LossDef:
   if name not in LOSSES:
     raise ConfigError(f"unknown loss {name!r}; registered losses: {', '.join(sorted(LOSSES))}")
   return LOSSES[name]
+
+
+def rollout_losses() -> list[str]:
+  """The names of the losses the RL loop can train with (those with an advantage), sorted."""
+  return sorted(name for name, loss in LOSSES.items() if loss.advantage is not None)
 
 
 def hyperparameters(name: str) -> dict[str, Any]:
@@ -352,3 +359,35 @@ def kimi_k25(logp, batch: TrainBatch, *, alpha: float = -1.0, beta: float = 1.0,
   token_loss = -policy_term + tau * jnp.square(log_ratio)
   metrics = {"clip_fraction": masked_mean((~inside).astype(jnp.float32), batch)}
   return aggregate(token_loss, batch, "token-mean"), metrics
+
+
+@register("dpo", advantage=None)
+def dpo(logp, batch: TrainBatch, *, beta: float = 0.1):
+  """DPO (Rafailov et al. 2023, arXiv 2305.18290), k1.5's long2short preference step, on
+  pairs laid out by rl.packing.pair_batch (segment 2k+1 of a row is the chosen completion,
+  2k+2 the rejected one for the same prompt). With D(y) = sum_t m (logp - ref_logp):
+
+      l = -log sigmoid(beta * (D(y_chosen) - D(y_rejected)))
+
+  averaged over pairs; the reference is the frozen policy DPO starts from (ref_logp, filled
+  by the train step from its ref_params). beta 0.1 as in the paper's experiments and TRL.
+  """
+  if batch.ref_logp is None:
+    raise ValueError("loss 'dpo' needs reference log-probs: give the train step ref_params "
+                     "(the frozen policy before DPO)")
+  rows, seq = batch.tokens.shape
+  mask = batch.loss_mask
+  reward = sequence_sum((logp - batch.ref_logp) * mask, batch).reshape(rows, seq)
+  tokens = sequence_sum(mask, batch).reshape(rows, seq)
+  pairs = (seq - 1) // 2  # segment ids run 1..seq-1 at most
+  chosen, rejected = reward[:, 1:2 * pairs:2], reward[:, 2:2 * pairs + 1:2]
+  valid = ((tokens[:, 1:2 * pairs:2] > 0) & (tokens[:, 2:2 * pairs + 1:2] > 0)
+           ).astype(jnp.float32)
+  margin = beta * (chosen - rejected)
+  num_pairs = jnp.sum(valid)
+  per_pair = lambda x: Weighted(jnp.sum(valid * x), num_pairs)
+  metrics = {"reward_accuracy": per_pair((margin > 0).astype(jnp.float32)),
+             "reward_margin": per_pair(margin),
+             "chosen_reward": per_pair(beta * chosen),
+             "rejected_reward": per_pair(beta * rejected)}
+  return per_pair(-jax.nn.log_sigmoid(margin)), metrics

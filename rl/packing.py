@@ -2,7 +2,8 @@
 
 Owns the layout of a `TrainBatch`: first-fit-decreasing placement into rows of `seq_len`,
 segment ids (1, 2, ... per row; 0 = padding), positions restarting per segment, and a row
-count rounded up to `row_multiple` so that a run compiles a handful of shapes.
+count rounded up to `row_multiple` so that a run compiles a handful of shapes. Preference
+pairs (DPO) keep both halves of a pair in one row: segments 2k+1 and 2k+2.
 """
 
 from typing import Sequence
@@ -81,3 +82,30 @@ def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
                       "old_logp": old_logp, "advantages": token_adv})
   fields, placements = pack(sequences, seq_len, row_multiple=row_multiple)
   return TrainBatch(**fields), placements
+
+
+def pair_batch(prompts: Sequence[Sequence[int]], chosen: Sequence[Sequence[int]],
+               rejected: Sequence[Sequence[int]], seq_len: int, *, row_multiple: int = 1):
+  """A TrainBatch (numpy) of preference pairs for rl.losses `dpo`: pair i is prompt i +
+  chosen i and prompt i + rejected i, placed next to each other in one row as segments 2k+1
+  (chosen) and 2k+2 (rejected). The loss mask covers both completions' targets; old_logp and
+  advantages are zero (DPO reads only ref_logp). Returns (batch, placements of the pairs)."""
+  pairs = []
+  for prompt, good, bad in zip(prompts, chosen, rejected):
+    halves = []
+    for half, completion in enumerate((good, bad)):
+      full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(completion, np.int32)])
+      n = len(full) - 1
+      mask = np.zeros((n,), np.float32)
+      mask[len(prompt) - 1:] = 1.0
+      halves.append({"tokens": full[:-1], "targets": full[1:], "loss_mask": mask,
+                     "half": np.full((n,), half, np.int32),
+                     "position": np.arange(n, dtype=np.int32)})
+    pairs.append({k: np.concatenate([h[k] for h in halves]) for k in halves[0]})
+  fields, placements = pack(pairs, seq_len, row_multiple=row_multiple)
+  placed = fields["segment_ids"] > 0
+  fields["segment_ids"] = np.where(placed, 2 * fields["segment_ids"] - 1 + fields.pop("half"),
+                                   0).astype(np.int32)
+  fields["positions"] = fields.pop("position")
+  zeros = np.zeros_like(fields["loss_mask"])
+  return TrainBatch(old_logp=zeros, advantages=zeros, **fields), placements

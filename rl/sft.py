@@ -1,10 +1,12 @@
-"""Supervised warm start on a task's reference solutions, so RL starts from non-zero reward.
+"""Supervised fine-tuning: the warm start on a task's reference solutions (so RL starts from
+non-zero reward) and SFT on any list of (prompt, completion) token ids (long2short's shortest
+rejection sampling).
 
-Owns the SFT batches (prompt + solution + <eos>, loss on the solution) and the short loop
-over them; the update itself is rl/train_step.py with the `nll` loss.
+Owns the SFT batches (prompt + completion, loss on the completion) and the short loop over
+them; the update itself is rl/train_step.py with the `nll` loss.
 """
 
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import optax
@@ -16,35 +18,41 @@ from rl.eval import prompt_ids
 from rl.packing import trajectory_batch
 from rl.train_step import init_train_state, make_train_step
 
+# An SFT example: (prompt token ids, target token ids with <eos> where the model should stop).
+Example = tuple[Sequence[int], Sequence[int]]
 
-def sft_batches(task, tokenizer, *, batch_size: int, seq_len: int, seed: int,
-                row_multiple: int = 8) -> Iterator:
-  """Endless packed TrainBatches of reference solutions drawn uniformly from task.train."""
+
+def sft_batches(example: Callable[[int], Example], num_examples: int, *, batch_size: int,
+                seq_len: int, seed: int, row_multiple: int = 8) -> Iterator:
+  """Endless packed TrainBatches of examples `example(i)`, i drawn uniformly from
+  [0, num_examples)."""
   rng = np.random.default_rng(seed)
   while True:
-    records = [task.train[int(i)] for i in rng.integers(0, len(task.train), batch_size)]
-    prompts = [prompt_ids(task, tokenizer, r) for r in records]
-    solutions = [tokenizer.encode(task.solution(r), add_eos=True) for r in records]
-    zeros = [np.zeros(len(s), np.float32) for s in solutions]
-    batch, _ = trajectory_batch(prompts, solutions, zeros, [0.0] * batch_size,
+    prompts, targets = zip(*(example(int(i)) for i in rng.integers(0, num_examples,
+                                                                   batch_size)))
+    zeros = [np.zeros(len(t), np.float32) for t in targets]
+    batch, _ = trajectory_batch(prompts, targets, zeros, [0.0] * batch_size,
                                 [True] * batch_size, seq_len, row_multiple=row_multiple)
     yield batch
 
 
-def warm_start(params, cfg: ModelConfig, task, tokenizer, *, steps: int, batch_size: int = 64,
-               learning_rate: float = 3e-3, seq_len: int = 128, seed: int = 0,
-               progress: bool = True):
-  """`steps` AdamW updates (warm-up, then cosine decay) of the SFT loss on the task's
-  reference solutions. Returns (params, final loss)."""
+def fit(params, cfg: ModelConfig, example: Callable[[int], Example], num_examples: int, *,
+        steps: int, batch_size: int = 64, learning_rate: float = 3e-3, seq_len: int = 128,
+        seed: int = 0, progress: bool = True, desc: str = "SFT"):
+  """`steps` AdamW updates (warm-up, then cosine decay) of the NLL of examples `example(i)`.
+  Returns (params, final loss)."""
+  if num_examples < 1:
+    raise ValueError(f"{desc}: no examples to fit")
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
       optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20),
                                          max(steps, 2)),
       weight_decay=0.0))
   step_fn = make_train_step(cfg, optimizer, losses.nll)
   state = init_train_state(params, optimizer)
-  batches = sft_batches(task, tokenizer, batch_size=batch_size, seq_len=seq_len, seed=seed)
+  batches = sft_batches(example, num_examples, batch_size=batch_size, seq_len=seq_len,
+                        seed=seed)
   loss = float("nan")
-  bar = tqdm(total=steps, desc="SFT warm start", disable=not progress, dynamic_ncols=True)
+  bar = tqdm(total=steps, desc=desc, disable=not progress, dynamic_ncols=True)
   for _ in range(steps):
     state, metrics = step_fn(state, next(batches))
     loss = float(metrics["loss"])
@@ -53,3 +61,17 @@ def warm_start(params, cfg: ModelConfig, task, tokenizer, *, steps: int, batch_s
   bar.close()
   return state.params, loss
 
+
+def warm_start(params, cfg: ModelConfig, task, tokenizer, *, steps: int, batch_size: int = 64,
+               learning_rate: float = 3e-3, seq_len: int = 128, seed: int = 0,
+               progress: bool = True):
+  """`fit` on the task's reference solutions (task.train). Returns (params, final loss)."""
+
+  def example(i: int) -> Example:
+    record = task.train[i]
+    return (prompt_ids(task, tokenizer, record),
+            tokenizer.encode(task.solution(record), add_eos=True))
+
+  return fit(params, cfg, example, len(task.train), steps=steps, batch_size=batch_size,
+             learning_rate=learning_rate, seq_len=seq_len, seed=seed, progress=progress,
+             desc="SFT warm start")

@@ -14,6 +14,8 @@ With `sloppy` > 0 the reference solutions are an imperfect demonstrator: with th
 probability a solution whose last column carries drops the carry from its final answer
 (`...;3+9+1=13;#32` for 47+85... written as `#32` instead of `#132`). The verifier still
 checks the true sum, so SFT on these demonstrations learns the mistake and RL can unlearn it.
+Records carry `final_carry` (1 when the last column carries): with `sloppy` > 0 those are the
+hard prompts, a difficulty field for rl.sampling.field_difficulty.
 
 Train and test problems are disjoint: a problem belongs to the test split iff a stable hash
 of its text falls in one bucket of ten.
@@ -84,8 +86,9 @@ class ArithmeticSource:
         break
     steps = column_solution(numbers, drop_final_carry=rng.random() < self.sloppy)
     steps = [_FILLER] * rng.randint(0, self.filler) + steps
+    width = max(len(str(x)) for x in numbers)
     return {"question": question, "answer": str(sum(numbers)), "solution": "".join(steps),
-            "digits": max(len(str(x)) for x in numbers)}
+            "digits": width, "final_carry": int(sum(numbers) >= 10 ** width)}
 
 
 @dataclasses.dataclass(frozen=True)
