@@ -110,8 +110,27 @@ def _train(config: str, run_dir: str, bindings=()) -> dict:
       summary = gin_externals.train()
     finally:
       os.chdir(cwd)
-    print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
+    seconds = time.perf_counter() - started
+    print(f"  done in {seconds:.0f} s", flush=True)
+    _record_time(os.path.basename(run_dir), seconds)
   return summary
+
+
+def _record_time(name: str, seconds: float) -> None:
+  """Wall-clock seconds per arm (and long2short method), kept in REPORT_DIR/timings.json."""
+  path = os.path.join(report_dir(), "timings.json")
+  timings = json.load(open(path)) if os.path.exists(path) else {}
+  timings[name] = seconds
+  with open(path, "w") as f:
+    json.dump(timings, f, indent=2)
+
+
+def minutes(names) -> float | None:
+  """Minutes the named arms took when they ran (None if one was never timed here)."""
+  path = os.path.join(report_dir(), "timings.json")
+  timings = json.load(open(path)) if os.path.exists(path) else {}
+  return (sum(timings[n] for n in names) / 60 if all(n in timings for n in names)
+          else None)
 
 
 def arm(name: str) -> dict:
@@ -167,6 +186,7 @@ class Result:
   why: str  # the numbers the verdict rests on
   table: list[dict]
   figure: plt.Figure
+  minutes: float | None = None  # the warm start and the arms, as run on this machine
 
   def markdown_table(self) -> str:
     columns = list(self.table[0])
@@ -181,7 +201,7 @@ class Result:
     with open(os.path.join(out_dir, "result.json"), "w") as f:
       json.dump({"key": self.key, "title": self.title, "seed": self.seed,
                  "verdict": self.verdict, "why": self.why, "table": self.table,
-                 "tiny": tiny()}, f, indent=2)
+                 "minutes": self.minutes, "tiny": tiny()}, f, indent=2)
 
   def _repr_markdown_(self) -> str:
     return (f"**{self.title}: {self.verdict}.** {self.why}\n\n" + self.markdown_table())
@@ -423,6 +443,7 @@ def long2short_methods(arms):
     out = os.path.join(l2s_dir, method)
     if _finished_l2s(out) is None:
       print(f"running long2short {method}", flush=True)
+      started = time.perf_counter()
       cwd = os.getcwd()
       os.chdir(ROOT)
       try:
@@ -431,6 +452,7 @@ def long2short_methods(arms):
         gin_externals.long2short(out, method=method, progress=False, **extra)
       finally:
         os.chdir(cwd)
+      _record_time(f"long2short_{method}", time.perf_counter() - started)
     summary = _finished_l2s(out)
     points[method.replace("_", " ")] = (summary["length"], summary["accuracy"])
   rl = arms["long2short_rl"]["summary"]
@@ -517,7 +539,11 @@ def run(key: str) -> Result:
   finding = FINDINGS[key]
   arms = {name: arm(name) for name in finding.arms}
   verdict, why, table, figure = finding.analyse(arms)
-  result = Result(key, finding.title, finding.seed, verdict, why, table, figure)
+  needed = {WARM_START, *finding.arms, *(ARMS[a].init_from for a in finding.arms)}
+  if key == "h_long2short":
+    needed |= {f"long2short_{m}" for m in ("shortest_rejection", "dpo", "merge")}
+  result = Result(key, finding.title, finding.seed, verdict, why, table, figure,
+                  minutes(needed))
   result.save(os.path.join(report_dir(), key))
   return result
 
@@ -550,9 +576,9 @@ def write_report(keys, out_dir: str) -> str:
            "Each finding: the published result, what our small run shows, and the verdict. "
            "Reproduce with `python experiments/findings.py --all`" +
            (" (this report: --tiny, a smoke test; its numbers mean nothing)" if tiny() else "")
-           + ".", "", "| finding | verdict |", "|---|---|"]
+           + ".", "", "| finding | verdict | minutes on this machine (alone) |", "|---|---|---|"]
   results = [json.load(open(os.path.join(out_dir, key, "result.json"))) for key in keys]
-  lines += [f"| {r['title']} | {r['verdict']} |" for r in results]
+  lines += [f"| {r['title']} | {r['verdict']} | {_minutes(r['minutes'])} |" for r in results]
   for r in results:
     columns = list(r["table"][0])
     lines += ["", f"## {r['title']}", "", f"Seed result: {r['seed']}", "",
@@ -564,6 +590,10 @@ def write_report(keys, out_dir: str) -> str:
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
   return path
+
+
+def _minutes(value) -> str:
+  return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv=None):

@@ -463,7 +463,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     started = time.perf_counter()
     if init_from:
       try:
-        params, sft_loss = checkpoint.load_policy(init_from, like=params), float("nan")
+        params, sft_loss = checkpoint.load_policy(init_from, like=params), None
       except ValueError as e:
         raise ConfigError(f"train.init_from: {e}") from None
       print(f"starting from the params of {init_from} (no SFT warm start)")
@@ -532,8 +532,10 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           report = eval_lib.sampled_eval(evaluation_engine, task, tokenizer, held_out,
                                          sampled_eval,
                                          seed=seed + record.step)
+          # Its sampled "accuracy" is mean@n: kept apart from the greedy eval_accuracy.
           m.update({f"eval_{key}": value
-                    for key, value in report["budgets"][max(report["budgets"])].items()})
+                    for key, value in report["budgets"][max(report["budgets"])].items()
+                    if key != "accuracy"})
       metrics_lib.append(metrics_path, m)
       bar.set_postfix(reward=f"{m['reward']:.2f}", acc=f"{m['accuracy']:.2f}",
                       len=f"{m['completion_length']:.1f}")

@@ -183,3 +183,19 @@ def test_each_method_end_to_end(long_run, tmp_path):
   with pytest.raises(ValueError, match="merge_with"):
     long2short.run(str(tmp_path / "x"), method="merge", **common)
   assert not os.path.exists(tmp_path / "x")
+
+
+def test_init_from_errors_name_the_problem(long_run, tmp_path, tokenizer):
+  from rl import ConfigError, loop
+  run_dir, factory, task, long_params = long_run
+  with pytest.raises(ConfigError, match="init_from.*no checkpoints"):
+    loop.train(str(tmp_path / "run"), task=task, model=factory,
+               init_from=str(tmp_path / "missing"), eval_records=8, progress=False,
+               rl=loop.RLConfig(prompts_per_step=4))
+  bigger = config.tiny(tokenizer.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, intermediate_size=64)
+  like = jax.eval_shape(lambda: transformer.init_params(bigger, jax.random.PRNGKey(0)))
+  with pytest.raises(ValueError, match="do not fit this model config"):
+    checkpoint.load_policy(run_dir, like=like)
+  with pytest.raises(FileNotFoundError, match="no checkpoints"):
+    checkpoint.load_policy(str(tmp_path))

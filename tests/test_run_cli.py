@@ -66,7 +66,7 @@ def test_run_writes_the_run_dir_and_resumes(tmp_path):
 
   # The resumed part also runs the sampled evaluation (pass@k, maj@k, mean@k) at each eval.
   again = run("--gin", QUICKSTART, "--gin", TINY, "--run_dir", run_dir,
-              "--gin_param", "train.progress = False", "--gin_param", "train.num_steps = 5",
+              "--gin_param", "train.progress = False", "--gin_param", "train.num_steps = 4",
               "--gin_param", "train.sampled_eval = @SampledEval()",
               "--gin_param", "SampledEval.samples = 2", "--gin_param", "SampledEval.ks = (1, 2)",
               "--gin_param", "SampledEval.budgets = (16,)")
@@ -74,12 +74,15 @@ def test_run_writes_the_run_dir_and_resumes(tmp_path):
   assert "resuming from" in again.stdout and "at RL step 3" in again.stdout
   assert "after SFT" not in again.stdout
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-  assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]  # 0: held-out eval after SFT
+  assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # 0: held-out eval after SFT
   assert {"reward", "accuracy", "completion_length", "entropy", "loss",
           "logp_diff_mean", "logp_diff_max"} <= set(records[-1])
   assert all("eval_accuracy" in records[i] for i in (0, 2, 4))
   assert {"eval_pass@2", "eval_maj@2", "eval_mean@1"} <= set(records[4])
   assert 0 <= records[4]["eval_pass@2"] <= 1
+  # eval_accuracy stays the greedy one: the final evaluation of the same params repeats it.
+  summary = json.load(open(os.path.join(run_dir, "summary.json")))
+  assert records[4]["eval_accuracy"] == summary["rl_accuracy"]
 
 
 @pytest.mark.slow
