@@ -102,7 +102,7 @@ def _train(config: str, run_dir: str, bindings=()) -> dict:
   summary = _finished(run_dir)
   if summary is None:
     started = time.perf_counter()
-    print(f"running {os.path.relpath(run_dir, report_dir())} ({config})", flush=True)
+    _log(f"running {os.path.relpath(run_dir, report_dir())} ({config})")
     cwd = os.getcwd()
     os.chdir(ROOT)  # gin includes are relative to the repository root
     try:
@@ -111,9 +111,20 @@ def _train(config: str, run_dir: str, bindings=()) -> dict:
     finally:
       os.chdir(cwd)
     seconds = time.perf_counter() - started
-    print(f"  done in {seconds:.0f} s", flush=True)
+    _log(f"  done in {seconds:.0f} s: held-out accuracy {summary['sft_accuracy']:.3f} -> "
+         f"{summary['rl_accuracy']:.3f}, mean length {summary['sft_length']:.1f} -> "
+         f"{summary['rl_length']:.1f}")
     _record_time(os.path.basename(run_dir), seconds)
   return summary
+
+
+def _log(message: str) -> None:
+  """Print, and append to REPORT_DIR/progress.log (the notebooks' kernels print out of
+  sight while `--all` runs them: `tail -f` that file)."""
+  print(message, flush=True)
+  os.makedirs(report_dir(), exist_ok=True)
+  with open(os.path.join(report_dir(), "progress.log"), "a") as f:
+    f.write(f"{time.strftime('%H:%M:%S')} {message}\n")
 
 
 def _record_time(name: str, seconds: float) -> None:
@@ -442,7 +453,7 @@ def long2short_methods(arms):
                         ("merge", {"merge_with": short_dir})):
     out = os.path.join(l2s_dir, method)
     if _finished_l2s(out) is None:
-      print(f"running long2short {method}", flush=True)
+      _log(f"running long2short {method}")
       started = time.perf_counter()
       cwd = os.getcwd()
       os.chdir(ROOT)
@@ -564,11 +575,13 @@ def execute_notebooks(keys, out_dir: str, *, timeout: int = 3600) -> None:
     path = os.path.join(NOTEBOOKS, f"{key}.ipynb")
     nb = nbformat.read(path, as_version=4)
     started = time.perf_counter()
-    print(f"[{key}] executing {os.path.relpath(path, ROOT)}", flush=True)
+    print(f"[{key}] executing {os.path.relpath(path, ROOT)} (progress: "
+          f"{os.path.join(out_dir, 'progress.log')})", flush=True)
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": NOTEBOOKS}}).execute()
     nbformat.write(nb, os.path.join(out_dir, f"{key}.ipynb"))
-    print(f"[{key}] done in {time.perf_counter() - started:.0f} s", flush=True)
+    verdict = json.load(open(os.path.join(out_dir, key, "result.json")))["verdict"]
+    print(f"[{key}] {verdict} ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
 def write_report(keys, out_dir: str) -> str:
