@@ -115,7 +115,7 @@ def shortest_rejection_sft(params, cfg: ModelConfig, examples: Sequence[sft.Exam
 
 
 def dpo(params, cfg: ModelConfig, pairs, *, steps: int, beta: float = 0.1,
-        batch_size: int = 32, learning_rate: float = 1e-4, seq_len: int = 128, seed: int = 0,
+        batch_size: int = 32, learning_rate: float = 1e-5, seq_len: int = 128, seed: int = 0,
         progress: bool = True):
   """DPO from `params` on `pairs` = (prompts, chosen, rejected) (see `preference_pairs`),
   the reference being `params` frozen. `seq_len` is the longest prompt + completion; a pair
@@ -163,6 +163,21 @@ def merge(long_params, short_params, ratio: float = 0.5):
 
 # ----------------------------------------------------------------------------- a whole run
 
+def evaluate(params, cfg: ModelConfig, task, tokenizer, *, num_records: int,
+             max_new_tokens: int, samples: int = 4, seed: int = 0) -> dict:
+  """Held-out accuracy and mean completion length, greedy and sampled (`samples` per prompt
+  at temperature 1). Greedy length shows only the most likely length; the sampled mean is
+  the length the policy spends on average (the one long2short is about)."""
+  engine = JaxEngine(cfg, params)
+  greedy_accuracy, greedy_length = eval_lib.greedy_accuracy(
+      engine, task, tokenizer, num_records=num_records, max_new_tokens=max_new_tokens)
+  scored = sample(engine, task, tokenizer, [task.test[i] for i in range(num_records)],
+                  samples=samples, max_new_tokens=max_new_tokens, seed=seed)
+  return {"accuracy": greedy_accuracy, "length": greedy_length,
+          "sampled_accuracy": float(scored.correct.mean()),
+          "sampled_length": float(scored.lengths.mean())}
+
+
 def run(out_dir: str, *, long_run: str, model: Callable[[int], ModelConfig], task,
         method: str, num_prompts: int = 512, samples: int = 8, max_new_tokens: int = 72,
         temperature: float = 1.0, steps: int = 100, batch_size: int = 32,
@@ -171,11 +186,13 @@ def run(out_dir: str, *, long_run: str, model: Callable[[int], ModelConfig], tas
         seq_len: int = 128, seed: int = 0, progress: bool = True) -> dict:
   """Apply `method` to the latest params of `long_run` and save the result in `out_dir` (an
   rl.checkpoint.save_policy directory, usable as train.init_from or by evaluate), with
-  summary.json: held-out greedy accuracy and mean length of the long model and the new one.
+  summary.json: `evaluate` of the long model (long_*) and of the new one.
 
   shortest_rejection: `samples` completions for each of the first `num_prompts` training
     prompts, SFT (`steps`) on the shortest correct one per prompt.
-  dpo: the same samples, DPO (`steps`, `beta`) on k1.5's pairs (`pair_ratio`).
+  dpo: the same samples, DPO (`steps`, `beta`) on k1.5's pairs (`pair_ratio`). Its default
+    learning rate is 1e-5: at 1e-4 the tiny findings model lost both chosen and rejected
+    likelihood (the known DPO failure) and its accuracy with them.
   merge: weight average of long_run and `merge_with` (a run dir, e.g. a shortest_rejection
     output), `merge_ratio` of the latter.
   `model` is the config factory both runs used (e.g. models.config.tiny).
@@ -212,17 +229,18 @@ def run(out_dir: str, *, long_run: str, model: Callable[[int], ModelConfig], tas
       pairs = preference_pairs(scored, samples, ratio=pair_ratio)
       summary["pairs"] = len(pairs[0])
       params, last = dpo(long_params, cfg, pairs, steps=steps, beta=beta,
-                         batch_size=batch_size, learning_rate=learning_rate or 1e-4,
+                         batch_size=batch_size, learning_rate=learning_rate or 1e-5,
                          seq_len=seq_len, seed=seed, progress=progress)
       summary.update({f"dpo_{k}": v for k, v in last.items()})
   checkpoint.save_policy(out_dir, params)
-  evaluate = lambda p: eval_lib.greedy_accuracy(JaxEngine(cfg, p), task, tokenizer,
-                                                num_records=eval_records,
-                                                max_new_tokens=max_new_tokens)
-  summary["long_accuracy"], summary["long_length"] = evaluate(long_params)
-  summary["accuracy"], summary["length"] = evaluate(params)
+  measure = lambda p: evaluate(p, cfg, task, tokenizer, num_records=eval_records,
+                               max_new_tokens=max_new_tokens, seed=seed)
+  summary.update({f"long_{k}": v for k, v in measure(long_params).items()})
+  summary.update(measure(params))
   with open(os.path.join(out_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
-  print(f"{method}: accuracy {summary['long_accuracy']:.3f} -> {summary['accuracy']:.3f}, "
-        f"mean length {summary['long_length']:.1f} -> {summary['length']:.1f}")
+  print(f"{method}: sampled accuracy {summary['long_sampled_accuracy']:.3f} -> "
+        f"{summary['sampled_accuracy']:.3f}, mean length {summary['long_sampled_length']:.1f} "
+        f"-> {summary['sampled_length']:.1f} (greedy: {summary['long_accuracy']:.3f} -> "
+        f"{summary['accuracy']:.3f}, {summary['long_length']:.1f} -> {summary['length']:.1f})")
   return summary
