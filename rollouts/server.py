@@ -56,6 +56,7 @@ NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "json_schema": 
            "min_new_tokens": (0,)}
 GREEDY_BELOW = 1e-6
 GATHER_SECONDS = 0.01
+PREFIX_CACHE_ENTRIES = 1024
 
 
 class BadRequest(ValueError):
@@ -77,6 +78,7 @@ class Request:
   versions: list[str] = dataclasses.field(default_factory=list)
   finish_reason: dict | None = None
   aborted: str | None = None  # the abort message once aborted
+  cached_tokens: int = 0  # input tokens whose keys and values came from the prefix cache
   started: float = dataclasses.field(default_factory=time.time)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -196,8 +198,23 @@ def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, 
   return token, logp, hidden[:, 0] @ transformer.output_projection(params, cfg), cache, kv_valid
 
 
+@dataclasses.dataclass
+class CachedPrefix:
+  """The keys and values of an aborted request's tokens (prompt + generated, all fed to the
+  model): f32[num_layers, n, num_kv_heads, head_dim] each, and the logits for the next token
+  f32[vocab]. A request resumed with exactly these tokens as input_ids skips its prefill."""
+  k: np.ndarray
+  v: np.ndarray
+  logits: np.ndarray
+
+
 class Scheduler:
-  """Runs waiting requests in batches on a background thread, one token per step."""
+  """Runs waiting requests in batches on a background thread, one token per step.
+
+  Like SGLang's radix cache, but only for whole sequences: the KV of aborted requests is
+  kept (at most PREFIX_CACHE_ENTRIES, least recently stored dropped first, all dropped when
+  the weights change or on /flush_cache), so that partial rollouts resumed with prompt +
+  partial completion do not recompute it."""
 
   def __init__(self, cfg: ModelConfig, params, *, weight_version: str = "default",
                model_path: str = "", max_batch: int = 64):
@@ -209,6 +226,7 @@ class Scheduler:
     self.running: list[Request] = []
     self.paused: str | None = None  # None, "in_place" or "retract" (abort unpauses nothing)
     self.stopped = False
+    self.prefixes: dict[tuple[int, ...], CachedPrefix] = {}  # insertion order = age
     self.thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
     self.thread.start()
 
@@ -258,6 +276,7 @@ class Scheduler:
       while self.running and self.paused is None:  # the writer lock waits for in-flight work
         self.lock.wait(0.01)
       self.params = params
+      self.prefixes.clear()  # their keys and values belong to the old weights
       if version is not None:
         self.weight_version = str(version)
       if model_path is not None:
@@ -266,6 +285,14 @@ class Scheduler:
         return False, ("Weights were updated, but the cache was not flushed because "
                        "requests are queued")
       return True, "Succeeded to update model weights."
+
+  def flush_cache(self) -> bool:
+    """Drop the cached prefixes; refused (False) while requests run or wait, unpaused."""
+    with self.lock:
+      if (self.running or self.waiting) and not self.paused:
+        return False
+      self.prefixes.clear()
+      return True
 
   def loads(self) -> dict:
     with self.lock:
@@ -330,11 +357,19 @@ class Scheduler:
     positions = np.maximum(slots[None, :] - (plen - lens)[:, None], 0)
     with self.lock:
       params = self.params
-    logits, cache = _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
-                             jnp.asarray(kv_valid), transformer.init_cache(self.cfg, rows,
-                                                                           plen + room),
-                             cfg=self.cfg)
+      cached = {i: self._cached_prefix(tuple(r.input_ids)) for i, r in enumerate(batch)}
+    cached = {i: c for i, c in cached.items() if c is not None}
+    for i in cached:
+      batch[i].cached_tokens = len(batch[i].input_ids)
+    t0 = time.perf_counter()
+    logits, cache = self._prefill_missing(params, prompts, positions, kv_valid, lens, cached,
+                                          plen + room)
+    if os.environ.get("LONGRL_SERVER_DEBUG"):
+      jax.block_until_ready(logits)
+      print(f"  prefill of {rows} rows x {plen} ({len(cached)} cached) in "
+            f"{time.perf_counter() - t0:.3f} s", file=sys.stderr)
     kv_valid = jnp.asarray(kv_valid)
+    stopped_at: dict[int, tuple[int, jax.Array]] = {}  # aborted row -> (tokens fed, logits)
     temperature = np.ones(rows, np.float32)
     top_p = np.ones(rows, np.float32)
     seeds = np.zeros(rows, np.uint32)
@@ -352,9 +387,11 @@ class Scheduler:
         for row, r in enumerate(batch):
           if active[row] and r.aborted:
             active[row] = False
+            stopped_at[row] = (i, logits[row])
             self._finish(r, {"type": "abort", "message": r.aborted, "status_code": None,
                              "err_type": None})
       if not active.any():
+        self._keep_prefixes(batch, stopped_at, cache, plen, lens, version)
         return i
       if i == room:
         cache, kv_valid = _grow(cache, kv_valid, room)
@@ -377,7 +414,67 @@ class Scheduler:
             active[row] = False
             self._finish(r, {"type": "length", "length": r.max_new_tokens})
         self.lock.notify_all()
+    self._keep_prefixes(batch, stopped_at, cache, plen, lens, version)
     return max_new
+
+  def _prefill_missing(self, params, prompts, positions, kv_valid, lens, cached, cache_len):
+    """(logits f32[rows, vocab], KVCache) for the batch: prefill for the rows without a
+    cached prefix (all rows when none has one), the cached keys, values and logits placed
+    for the others, left-padded like a prefill would."""
+    rows, plen = prompts.shape
+    missing = [i for i in range(rows) if i not in cached]
+    if not cached:
+      return _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
+                      jnp.asarray(kv_valid), transformer.init_cache(self.cfg, rows, cache_len),
+                      cfg=self.cfg)
+    logits = np.zeros((rows, self.cfg.vocab_size), np.float32)
+    k = np.zeros((self.cfg.num_layers, rows, cache_len, self.cfg.num_kv_heads,
+                  self.cfg.head_dim), np.dtype(self.cfg.compute_dtype))
+    v = np.zeros_like(k)
+    if missing:
+      # Only as wide as the longest missing prompt (fresh prompts are short, resumed ones
+      # long): its columns are the last `width` of the batch's left-padded layout.
+      width = bucket(max(int(lens[i]) for i in missing), 16)
+      # As many rows as the batch (repeats of a missing one): the shapes a full prefill has,
+      # already compiled, instead of a new one for every count of missing rows.
+      sub = rows
+      pick = np.array(missing + [missing[0]] * (sub - len(missing)))
+      cols = slice(plen - width, plen)
+      part_logits, part = _prefill(params, jnp.asarray(prompts[pick, cols]),
+                                   jnp.asarray(positions[pick, cols]),
+                                   jnp.asarray(kv_valid[pick, cols]),
+                                   transformer.init_cache(self.cfg, sub, width), cfg=self.cfg)
+      n = len(missing)
+      logits[missing] = np.asarray(part_logits)[:n]
+      k[:, missing, cols] = np.asarray(part.k)[:, :n]
+      v[:, missing, cols] = np.asarray(part.v)[:, :n]
+    for i, c in cached.items():
+      k[:, i, plen - lens[i]:plen], v[:, i, plen - lens[i]:plen] = c.k, c.v
+      logits[i] = c.logits
+    return jnp.asarray(logits), transformer.KVCache(jnp.asarray(k), jnp.asarray(v))
+
+  def _cached_prefix(self, tokens: tuple[int, ...]) -> CachedPrefix | None:
+    """The cached prefix of exactly `tokens`, made the most recent; call under the lock."""
+    found = self.prefixes.pop(tokens, None)
+    if found is not None:
+      self.prefixes[tokens] = found
+    return found
+
+  def _keep_prefixes(self, batch, stopped_at, cache, plen, lens, version):
+    """Store the keys, values and next-token logits of the batch's aborted requests."""
+    if not stopped_at:
+      return
+    k, v = np.asarray(cache.k), np.asarray(cache.v)
+    with self.lock:
+      if version != self.weight_version:
+        return  # the weights changed under the batch
+      for row, (fed, logits) in stopped_at.items():
+        r = batch[row]
+        span = slice(plen - lens[row], plen + fed)
+        self.prefixes[tuple(r.input_ids) + tuple(r.tokens[:fed])] = CachedPrefix(
+            k[:, row, span].copy(), v[:, row, span].copy(), np.asarray(logits))
+      while len(self.prefixes) > PREFIX_CACHE_ENTRIES:
+        self.prefixes.pop(next(iter(self.prefixes)))
 
 
 def response(r: Request, weight_version: str) -> dict:
@@ -388,7 +485,8 @@ def response(r: Request, weight_version: str) -> dict:
       spans.append({"version": r.versions[start], "start": start, "end": i})
       start = i
   meta = {"id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.input_ids),
-          "completion_tokens": len(r.tokens), "cached_tokens": 0, "reasoning_tokens": 0,
+          "completion_tokens": len(r.tokens), "cached_tokens": r.cached_tokens,
+          "reasoning_tokens": 0,
           "num_retractions": 0,
           "weight_version": r.versions[-1] if r.versions else weight_version,
           "weight_versions": spans, "e2e_latency": time.time() - r.started}
@@ -505,8 +603,7 @@ class Server(http.server.ThreadingHTTPServer):
                   "loads": [{"dp_rank": 0, **self.scheduler.loads()}]})
 
   def flush_cache(self, h: Handler):
-    loads = self.scheduler.loads()
-    if (loads["num_running_reqs"] or loads["num_waiting_reqs"]) and not self.scheduler.paused:
+    if not self.scheduler.flush_cache():
       h._send(400, text="Cache not flushed: requests are running or queued.")
     else:
       h._send(200, text="Cache flushed.\nPlease check backend logs for more details.")

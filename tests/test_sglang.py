@@ -238,12 +238,21 @@ def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, ser
   first = out["result"][0]
   assert first.finish_reason == "abort" and 0 < len(first.token_ids) < 160
   assert len(first.logprobs) == len(first.versions) == len(first.token_ids)
-  rest = client.generate([Request("cut-2", prompt + tuple(first.token_ids.tolist()),
-                                  160 - len(first.token_ids))], sampling)[0]
-  joined = np.concatenate([first.token_ids, rest.token_ids])
-  assert joined.tolist() == whole.token_ids.tolist()
-  np.testing.assert_allclose(np.concatenate([first.logprobs, rest.logprobs]), whole.logprobs,
-                             atol=1e-5)
+  # Resumed twice: first from the server's copy of the aborted request's keys and values
+  # (reported as cached_tokens, as SGLang's radix cache does), then, after /flush_cache,
+  # recomputed. Both continue exactly as the uninterrupted request did.
+  resumed = Request("cut-2", prompt + tuple(first.token_ids.tolist()),
+                    160 - len(first.token_ids))
+  for rid, cached_tokens in (("cut-2", len(resumed.input_ids)), ("cut-3", 0)):
+    answer = httpx.post(f"{urls[0]}/generate", timeout=120, json=request_body(
+        Request(rid, resumed.input_ids, resumed.max_new_tokens), sampling)).json()
+    assert answer.get("meta_info", {}).get("cached_tokens") == cached_tokens, answer
+    rest = parse_response(urls[0], answer)
+    joined = np.concatenate([first.token_ids, rest.token_ids])
+    assert joined.tolist() == whole.token_ids.tolist()
+    np.testing.assert_allclose(np.concatenate([first.logprobs, rest.logprobs]),
+                               whole.logprobs, atol=1e-5)
+    assert httpx.post(f"{urls[0]}/flush_cache", timeout=30).status_code == 200
 
 
 def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
