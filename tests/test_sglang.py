@@ -255,6 +255,34 @@ def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, ser
     assert httpx.post(f"{urls[0]}/flush_cache", timeout=30).status_code == 200
 
 
+def test_prefix_cache_holds_aborted_requests_until_the_weights_change(model):
+  """In process: an aborted request's keys and values are kept under its whole token
+  sequence, and a weight update drops them (they belong to the old weights)."""
+  from rollouts.server import Request as ServerRequest, Scheduler
+  cfg, params, _, _ = model
+  scheduler = Scheduler(cfg, params[0], weight_version="0")
+  try:
+    r = ServerRequest(rid="p-1", input_ids=[3, 17, 22], max_new_tokens=400, temperature=0.0,
+                      top_p=1.0, stop_token_ids=(), seed=0, return_logprob=False)
+    scheduler.submit([r])
+    deadline = time.monotonic() + 120
+    while len(r.tokens) < 5 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    scheduler.abort("p-")
+    assert r.done.wait(60) and r.finish_reason["type"] == "abort"
+    while scheduler.running:  # the batch stores the prefix as it ends
+      time.sleep(0.01)
+    (key, kept), = scheduler.prefixes.items()
+    assert key == tuple(r.input_ids + r.tokens)
+    assert kept.k.shape == (cfg.num_layers, len(key), cfg.num_kv_heads, cfg.head_dim)
+    scheduler.update_weights(params[1], "1", None, False)
+    assert not scheduler.prefixes
+  finally:
+    with scheduler.lock:
+      scheduler.stopped = True
+      scheduler.lock.notify_all()
+
+
 def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
   _, _, paths, _ = model
   started = [launch(["--hf_checkpoint", paths[0], "--max_batch", "4"]) for _ in range(2)]
