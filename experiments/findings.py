@@ -16,6 +16,7 @@ seconds: the tests run it so that nothing here rots.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,12 +34,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-import jax  # noqa: E402
-
 from experiments import gin_externals, run as run_lib  # noqa: E402
-from models import transformer  # noqa: E402
 from models.tokenizer import CharTokenizer  # noqa: E402
-from rl import checkpoint, long2short as long2short_lib, metrics as metrics_lib  # noqa: E402
+from rl import long2short as long2short_lib, metrics as metrics_lib  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "experiments/configs/findings")
 NOTEBOOKS = os.path.join(ROOT, "experiments/notebooks/findings")
@@ -88,18 +86,28 @@ ARMS = {
 }
 
 
-def _configure(config: str, run_dir: str, bindings=()) -> None:
-  gin.clear_config()
-  files = [os.path.join(CONFIGS, config)] + ([os.path.join(ROOT, f) for f in TINY]
-                                             if tiny() else [])
-  extra = (TINY_BINDINGS if tiny() else []) + ["train.progress = False", *bindings]
-  run_lib.load_config(files, extra, run_dir)
+@contextlib.contextmanager
+def _configured(config: str, run_dir: str | None = None, bindings=()):
+  """gin holding `config` (plus the tiny overrides in tiny mode) and `bindings`, with the
+  repository root as working directory (gin includes are relative to it) until the end."""
+  cwd = os.getcwd()
+  os.chdir(ROOT)
+  try:
+    gin.clear_config()
+    files = [os.path.join(CONFIGS, config)] + ([os.path.join(ROOT, f) for f in TINY]
+                                               if tiny() else [])
+    extra = (TINY_BINDINGS if tiny() else []) + ["train.progress = False", *bindings]
+    run_lib.load_config(files, extra, run_dir)
+    yield
+  finally:
+    os.chdir(cwd)
 
 
-def _finished(run_dir: str) -> dict | None:
+def _finished(run_dir: str, key: str = "rl_accuracy") -> dict | None:
+  """run_dir/summary.json if it exists and holds `key` (written at the end of a run)."""
   path = os.path.join(run_dir, "summary.json")
   summary = json.load(open(path)) if os.path.exists(path) else {}
-  return summary if "rl_accuracy" in summary else None
+  return summary if key in summary else None
 
 
 def _train(config: str, run_dir: str, bindings=()) -> dict:
@@ -107,13 +115,8 @@ def _train(config: str, run_dir: str, bindings=()) -> dict:
   if summary is None:
     started = time.perf_counter()
     _log(f"running {os.path.relpath(run_dir, report_dir())} ({config})")
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # gin includes are relative to the repository root
-    try:
-      _configure(config, run_dir, bindings)
+    with _configured(config, run_dir, bindings):
       summary = gin_externals.train()
-    finally:
-      os.chdir(cwd)
     seconds = time.perf_counter() - started
     _log(f"  done in {seconds:.0f} s: held-out accuracy {summary['sft_accuracy']:.3f} -> "
          f"{summary['rl_accuracy']:.3f}, mean length {summary['sft_length']:.1f} -> "
@@ -246,6 +249,16 @@ def _curves(arms: dict, panels: list[tuple[str, str]], title: str, window: int =
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   return fig
+
+
+def _label(fig, ax, xlabel: str, ylabel: str, title: str) -> None:
+  """Axis labels, grid, legend and title of a one-panel finding plot."""
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  ax.set_title(title, fontsize=10)
+  fig.tight_layout()
 
 
 def _final_eval(data: dict, key: str = "eval_accuracy") -> float:
@@ -386,12 +399,8 @@ def coverage(arms):
     ax.plot(steps, series(data, f"eval_pass@{k}")[1], marker="o", markersize=3,
             label=f"pass@{k}")
   ax.plot(steps, mean_k, marker="s", markersize=3, linestyle="--", label=f"mean@{k_max}")
-  ax.set_xlabel("RL step")
-  ax.set_ylabel("held-out, sampled at T=1")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
-  ax.set_title("e. coverage (pass@k) vs sharpening (mean@k)", fontsize=10)
-  fig.tight_layout()
+  _label(fig, ax, "RL step", "held-out, sampled at T=1",
+         "e. coverage (pass@k) vs sharpening (mean@k)")
   return verdict, why, table, fig
 
 
@@ -456,21 +465,15 @@ def _evaluate_policy(run_dir: str) -> dict:
   sizes, cached in run_dir/long2short_eval.json."""
   path = os.path.join(run_dir, "long2short_eval.json")
   if not os.path.exists(path):
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-      _configure("h_long2short.gin", None)
+    with _configured("h_long2short.gin"):
       task = gin.query_parameter("long2short.task").scoped_configurable_fn()
-      model = gin.query_parameter("long2short.model").scoped_configurable_fn
       tokenizer = CharTokenizer()
-      cfg = model(tokenizer.vocab_size)
-      like = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
+      cfg = gin.query_parameter("long2short.model").scoped_configurable_fn(
+          tokenizer.vocab_size)
       result = long2short_lib.evaluate(
-          checkpoint.load_policy(run_dir, like=like), cfg, task, tokenizer,
+          long2short_lib.load(run_dir, cfg), cfg, task, tokenizer,
           num_records=gin.query_parameter("long2short.eval_records"),
           max_new_tokens=gin.query_parameter("long2short.max_new_tokens"))
-    finally:
-      os.chdir(cwd)
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
   return json.load(open(path))
@@ -485,17 +488,12 @@ def long2short_methods(arms):
   for method, extra in (("shortest_rejection", {}), ("dpo", {}),
                         ("merge", {"merge_with": short_dir})):
     out = os.path.join(l2s_dir, method)
-    if _finished_l2s(out) is None:
+    if _finished(out, "accuracy") is None:
       _log(f"running long2short {method}")
       started = time.perf_counter()
-      cwd = os.getcwd()
-      os.chdir(ROOT)
-      try:
-        _configure("h_long2short.gin", None,
-                   [f"long2short.long_run = {dirs['long model']!r}"])
+      with _configured("h_long2short.gin",
+                       bindings=[f"long2short.long_run = {dirs['long model']!r}"]):
         gin_externals.long2short(out, method=method, progress=False, **extra)
-      finally:
-        os.chdir(cwd)
       _record_time(f"long2short_{method}", time.perf_counter() - started)
     dirs[method.replace("_", " ")] = out
   dirs["long2short RL"] = os.path.join(runs, "long2short_rl")
@@ -525,18 +523,10 @@ def long2short_methods(arms):
   fig, ax = plt.subplots(figsize=(5, 3.6))
   for m, (n, a) in points.items():
     ax.scatter(n, a, s=40, label=m, marker="*" if m == "long model" else "o")
-  ax.set_xlabel("mean completion tokens (held-out, sampled)")
-  ax.set_ylabel("held-out accuracy (sampled, T=1)")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
-  ax.set_title("h. long2short: accuracy vs tokens (k1.5 Fig. 7 shape)", fontsize=10)
-  fig.tight_layout()
+  _label(fig, ax, "mean completion tokens (held-out, sampled)",
+         "held-out accuracy (sampled, T=1)",
+         "h. long2short: accuracy vs tokens (k1.5 Fig. 7 shape)")
   return verdict, why, table, fig
-
-
-def _finished_l2s(out_dir: str) -> dict | None:
-  path = os.path.join(out_dir, "summary.json")
-  return json.load(open(path)) if os.path.exists(path) else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,6 +163,12 @@ def merge(long_params, short_params, ratio: float = 0.5):
 
 # ----------------------------------------------------------------------------- a whole run
 
+def load(run_dir: str, cfg: ModelConfig):
+  """The latest params of `run_dir` (an RL run or a saved policy), checked against `cfg`."""
+  like = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
+  return checkpoint.load_policy(run_dir, like=like)
+
+
 def evaluate(params, cfg: ModelConfig, task, tokenizer, *, num_records: int,
              max_new_tokens: int, samples: int = 4, seed: int = 0) -> dict:
   """Held-out accuracy and mean completion length, greedy and sampled (`samples` per prompt
@@ -203,11 +209,10 @@ def run(out_dir: str, *, long_run: str, model: Callable[[int], ModelConfig], tas
     raise ValueError("long2short method 'merge' needs merge_with, the short model's run dir")
   tokenizer = CharTokenizer()
   cfg = model(tokenizer.vocab_size)
-  like = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
-  long_params = checkpoint.load_policy(long_run, like=like)
+  long_params = load(long_run, cfg)
   summary = {"method": method, "long_run": long_run}
   if method == "merge":
-    params = merge(long_params, checkpoint.load_policy(merge_with, like=like), merge_ratio)
+    params = merge(long_params, load(merge_with, cfg), merge_ratio)
     summary.update(merge_with=merge_with, merge_ratio=merge_ratio)
   else:
     records = [task.train[i] for i in range(num_prompts)]

@@ -482,7 +482,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     metrics_lib.append(metrics_path, {"step": 0, "eval_accuracy": sft_accuracy,
                                       "eval_length": sft_length})
     checkpointer.save(0, state)
-    print(f"{'at the start' if init_from else 'after SFT'}: held-out accuracy {sft_accuracy:.3f}, mean length {sft_length:.1f}")
+    print(f"{'at the start' if init_from else 'after SFT'}: held-out accuracy "
+          f"{sft_accuracy:.3f}, mean length {sft_length:.1f}")
 
   ref_params = reference_logprobs = None
   if losses.uses_reference(loss, loss_hparams) or rl.kl_reward_coef:
