@@ -13,8 +13,11 @@ Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabu
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
 
   python -m rollouts.server --gin FILE [--gin_param B] [--host 127.0.0.1] [--port 0]
+                           [--max_batch 64] [--warmup_len TOKENS]
 
-prints "listening on http://HOST:PORT" once it serves. `launch(...)` starts it as a
+prints "listening on http://HOST:PORT" once it serves. Batch shapes (rows, prompt width, cache
+length) come from short ladders so that a server compiles few; --warmup_len compiles all of
+them for requests up to that many tokens before serving. `launch(...)` starts it as a
 subprocess and waits for /health. LONGRL_SERVER_DEBUG=1 logs each batch's size to stderr.
 """
 
@@ -57,6 +60,14 @@ NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "json_schema": 
 GREEDY_BELOW = 1e-6
 GATHER_SECONDS = 0.01
 PREFIX_CACHE_ENTRIES = 1024
+
+
+def shape_bucket(n: int, minimum: int) -> int:
+  """The next of minimum x (1, 1.5, 2, 3, 4, 6, 8, ...) >= n: powers of two and 1.5 x powers of
+  two, so that a server meets few batch shapes (each a compile of seconds on a CPU) and pads
+  less than a third of the way to the next."""
+  power = bucket(n, minimum)
+  return power * 3 // 4 if power >= 2 * minimum and n <= power * 3 // 4 else power
 
 
 class BadRequest(ValueError):
@@ -299,6 +310,25 @@ class Scheduler:
       return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
               "num_used_tokens": sum(len(r.input_ids) + len(r.tokens) for r in self.running)}
 
+  def warmup(self, max_len: int):
+    """Compile the prefill and decode steps of every batch shape for up to max_batch requests
+    of up to `max_len` tokens each (prompt + new), before serving; SGLang captures its CUDA
+    graphs at start-up for the same reason: a shape first met while serving stalls every
+    request in the batch for the compile (seconds on a CPU). Runs real batches of dummy
+    requests through the scheduler's own path."""
+    widths = bucket(max_len, 16)
+    for rows in sorted({shape_bucket(n, 8) for n in range(1, self.max_batch + 1)}):
+      dummy = lambda length, new: [Request(
+          rid=f"warmup-{i}", input_ids=[0] * length, max_new_tokens=new, temperature=1.0,
+          top_p=1.0, stop_token_ids=(), seed=i, return_logprob=False) for i in range(rows)]
+      width = 16
+      while width <= widths:  # every prefill width, with one decode step
+        self._run(dummy(width, 1))
+        width *= 2
+      # Decode steps at every cache length: a cache grows at most until it holds the
+      # longest prompt's width plus as many new tokens.
+      self._run(dummy(16, 2 * widths - 16))
+
   # --- the loop
 
   def _finish(self, r: Request, reason: dict):
@@ -340,19 +370,20 @@ class Scheduler:
         self.lock.notify_all()
 
   def _run(self, batch: list[Request]):
-    rows = -(-len(batch) // 8) * 8  # multiples of 8: padding rows cost every step
+    rows = shape_bucket(len(batch), 8)
     plen = bucket(max(len(r.input_ids) for r in batch), 16)
     max_new = bucket(max(r.max_new_tokens for r in batch), 16)
-    # The cache starts with room for 32 new tokens and doubles when full: decode attention
-    # spans the whole cache, and most batches (aborted, or short answers) end early.
-    room = min(max_new, 32)
+    # The cache starts with room for 32 new tokens and grows to the next bucket when full:
+    # decode attention spans the whole cache, and most batches (aborted, or short answers)
+    # end early.
+    size = shape_bucket(plen + min(max_new, 32), 64)
     prompts = np.zeros((rows, plen), np.int32)
     lens = np.ones(rows, np.int32)
     for i, r in enumerate(batch):
       prompts[i, plen - len(r.input_ids):] = r.input_ids
       lens[i] = len(r.input_ids)
     slots = np.arange(plen)
-    kv_valid = np.zeros((rows, plen + room), bool)
+    kv_valid = np.zeros((rows, size), bool)
     kv_valid[:, :plen] = slots[None, :] >= (plen - lens)[:, None]
     positions = np.maximum(slots[None, :] - (plen - lens)[:, None], 0)
     with self.lock:
@@ -363,13 +394,13 @@ class Scheduler:
       batch[i].cached_tokens = len(batch[i].input_ids)
     t0 = time.perf_counter()
     logits, cache = self._prefill_missing(params, prompts, positions, kv_valid, lens, cached,
-                                          plen + room)
+                                          size)
     if os.environ.get("LONGRL_SERVER_DEBUG"):
       jax.block_until_ready(logits)
       print(f"  prefill of {rows} rows x {plen} ({len(cached)} cached) in "
             f"{time.perf_counter() - t0:.3f} s", file=sys.stderr)
     kv_valid = jnp.asarray(kv_valid)
-    stopped_at: dict[int, tuple[int, jax.Array]] = {}  # aborted row -> (tokens fed, logits)
+    stopped_at: dict[int, tuple[int, np.ndarray]] = {}  # aborted row -> (tokens fed, logits)
     temperature = np.ones(rows, np.float32)
     top_p = np.ones(rows, np.float32)
     seeds = np.zeros(rows, np.uint32)
@@ -384,18 +415,20 @@ class Scheduler:
         while self.paused in ("in_place", "retract") and not any(r.aborted for r in batch):
           self.lock.wait(0.05)  # frozen: the KV stays, weights may change meanwhile
         params, version = self.params, self.weight_version
-        for row, r in enumerate(batch):
-          if active[row] and r.aborted:
-            active[row] = False
-            stopped_at[row] = (i, logits[row])
-            self._finish(r, {"type": "abort", "message": r.aborted, "status_code": None,
-                             "err_type": None})
+        aborted = [row for row, r in enumerate(batch) if active[row] and r.aborted]
+        if aborted:  # one copy to the host, not a slicing op compiled per batch shape
+          host_logits = np.asarray(logits)
+        for row in aborted:
+          active[row] = False
+          stopped_at[row] = (i, host_logits[row].copy())
+          self._finish(batch[row], {"type": "abort", "message": batch[row].aborted,
+                                    "status_code": None, "err_type": None})
       if not active.any():
         self._keep_prefixes(batch, stopped_at, cache, plen, lens, version)
         return i
-      if i == room:
-        cache, kv_valid = _grow(cache, kv_valid, room)
-        room *= 2
+      if plen + i == size:
+        cache, kv_valid = _grow(cache, kv_valid, shape_bucket(size + 1, 64) - size)
+        size = shape_bucket(size + 1, 64)
       token, logp, logits, cache, kv_valid = _step(
           params, logits, cache, kv_valid, keys, temperature, top_p, jnp.asarray(lens + i),
           plen + i, jnp.asarray(active), i, cfg=self.cfg)
@@ -417,18 +450,19 @@ class Scheduler:
     self._keep_prefixes(batch, stopped_at, cache, plen, lens, version)
     return max_new
 
-  def _prefill_missing(self, params, prompts, positions, kv_valid, lens, cached, cache_len):
-    """(logits f32[rows, vocab], KVCache) for the batch: prefill for the rows without a
-    cached prefix (all rows when none has one), the cached keys, values and logits placed
-    for the others, left-padded like a prefill would."""
+  def _prefill_missing(self, params, prompts, positions, kv_valid, lens, cached, size):
+    """(logits f32[rows, vocab], KVCache of `size` slots) for the batch: prefill for the rows
+    without a cached prefix (all rows when none has one), the cached keys, values and logits
+    placed for the others, left-padded like a prefill would."""
     rows, plen = prompts.shape
     missing = [i for i in range(rows) if i not in cached]
-    if not cached:
-      return _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
-                      jnp.asarray(kv_valid), transformer.init_cache(self.cfg, rows, cache_len),
-                      cfg=self.cfg)
+    if not cached:  # prefilled at the prompts' width, whatever the cache's: fewer shapes
+      logits, cache = _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
+                               jnp.asarray(kv_valid[:, :plen]),
+                               transformer.init_cache(self.cfg, rows, plen), cfg=self.cfg)
+      return logits, _grow(cache, kv_valid[:, :plen], size - plen)[0]
     logits = np.zeros((rows, self.cfg.vocab_size), np.float32)
-    k = np.zeros((self.cfg.num_layers, rows, cache_len, self.cfg.num_kv_heads,
+    k = np.zeros((self.cfg.num_layers, rows, size, self.cfg.num_kv_heads,
                   self.cfg.head_dim), np.dtype(self.cfg.compute_dtype))
     v = np.zeros_like(k)
     if missing:
@@ -472,7 +506,7 @@ class Scheduler:
         r = batch[row]
         span = slice(plen - lens[row], plen + fed)
         self.prefixes[tuple(r.input_ids) + tuple(r.tokens[:fed])] = CachedPrefix(
-            k[:, row, span].copy(), v[:, row, span].copy(), np.asarray(logits))
+            k[:, row, span].copy(), v[:, row, span].copy(), logits)
       while len(self.prefixes) > PREFIX_CACHE_ENTRIES:
         self.prefixes.pop(next(iter(self.prefixes)))
 
@@ -698,11 +732,15 @@ class Server(http.server.ThreadingHTTPServer):
 
 
 def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
-          weight_version: str = "default", model_path: str = "", max_batch: int = 64
-          ) -> Server:
-  """A running server (on a background thread); `server.server_address` has the port."""
+          weight_version: str = "default", model_path: str = "", max_batch: int = 64,
+          warmup_len: int = 0) -> Server:
+  """A running server (on a background thread); `server.server_address` has the port.
+  With warmup_len > 0, every batch shape for requests of up to that many tokens is compiled
+  first (Scheduler.warmup)."""
   scheduler = Scheduler(cfg, params, weight_version=weight_version, model_path=model_path,
                         max_batch=max_batch)
+  if warmup_len > 0:
+    scheduler.warmup(warmup_len)
   server = Server((host, port), scheduler)
   threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
   return server
@@ -734,6 +772,9 @@ def main(argv=None):
   parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
   parser.add_argument("--weight_version", default="default")
   parser.add_argument("--max_batch", type=int, default=64)
+  parser.add_argument("--warmup_len", type=int, default=0, metavar="TOKENS",
+                      help="before serving, compile every batch shape for requests of up to "
+                      "TOKENS tokens (prompt + new); 0: compile shapes as they come")
   parser.add_argument("--exit_with_parent", action="store_true",
                       help="stop when the process that started this one exits (launch sets it)")
   args = parser.parse_args(argv)
@@ -760,7 +801,8 @@ def main(argv=None):
   # HTTP threads answer finished and aborted requests within a step or two, not ~5 ms each.
   sys.setswitchinterval(0.0005)
   server = serve(cfg, params, host=args.host, port=args.port,
-                 weight_version=args.weight_version, model_path=path, max_batch=args.max_batch)
+                 weight_version=args.weight_version, model_path=path, max_batch=args.max_batch,
+                 warmup_len=args.warmup_len)
   host, port = server.server_address[:2]
   print(f"listening on http://{host}:{port}", flush=True)
   try:

@@ -283,6 +283,49 @@ def test_prefix_cache_holds_aborted_requests_until_the_weights_change(model):
       scheduler.lock.notify_all()
 
 
+def test_warmup_compiles_every_batch_shape_served_after_it(model):
+  """After Scheduler.warmup(L), batches of any size up to max_batch whose requests hold at
+  most L tokens, a resumed one served from the prefix cache included, compile no prefill and
+  no decode step."""
+  from rollouts import server
+  assert [server.shape_bucket(n, 8) for n in (1, 8, 9, 12, 13, 17, 25, 33, 49, 65)] == [
+      8, 8, 12, 12, 16, 24, 32, 48, 64, 96]
+  cfg, params, _, _ = model
+  scheduler = server.Scheduler(cfg, params[0], max_batch=12)
+
+  def requests(name, prompts, max_new):
+    return [server.Request(rid=f"{name}-{i}", input_ids=list(p), max_new_tokens=max_new,
+                           temperature=1.0, top_p=0.9, stop_token_ids=(), seed=i,
+                           return_logprob=True) for i, p in enumerate(prompts)]
+
+  def served(batch):
+    scheduler.submit(batch)
+    assert all(r.done.wait(120) for r in batch)
+    return batch
+
+  try:
+    scheduler.warmup(24)
+    compiled = (server._prefill._cache_size(), server._step._cache_size())
+    served(requests("a", [[3] * 3, [4] * 9, [5] * 20], 4))
+    served(requests("b", [[6] * n for n in range(1, 11)], 14))
+    long, = requests("c", [[7, 8, 9]], 21)
+    scheduler.submit([long])
+    while len(long.tokens) < 5:
+      time.sleep(0.01)
+    scheduler.abort("c-")
+    assert long.done.wait(60) and long.finish_reason["type"] == "abort"
+    while scheduler.running:
+      time.sleep(0.01)
+    resumed, = served(requests("d", [long.input_ids + long.tokens], 21 - len(long.tokens)))
+    assert resumed.cached_tokens == len(resumed.input_ids)
+    assert resumed.finish_reason["type"] == "length"
+    assert (server._prefill._cache_size(), server._step._cache_size()) == compiled
+  finally:
+    with scheduler.lock:
+      scheduler.stopped = True
+      scheduler.lock.notify_all()
+
+
 def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
   _, _, paths, _ = model
   started = [launch(["--hf_checkpoint", paths[0], "--max_batch", "4"]) for _ in range(2)]
