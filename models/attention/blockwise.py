@@ -103,6 +103,21 @@ def finalize(state: SoftmaxState):
   return out, lse
 
 
+def _tile_grads(q, k, v, dout, lse, delta, mask):
+  """One tile's gradient terms (dk, dv, dq), f32, from the probabilities recomputed with the
+  forward's logsumexp; q, dout: [b, kh, g, bq, d]; k, v: [b, kh, bk, d]."""
+  p = jnp.exp(_scores(q, k, mask) - lse[..., None])
+  dp = jnp.einsum("bkgqd,bktd->bkgqt", dout, v, preferred_element_type=jnp.float32)
+  ds = p * (dp - delta[..., None])
+  # The key-side gradients contract over (group, query) as one merged axis: with two
+  # contracting axes XLA:CPU first copies the probabilities into a transposed layout.
+  merge = lambda x: x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+  dv = jnp.einsum("bkmt,bkmd->bktd", merge(p), merge(dout), preferred_element_type=jnp.float32)
+  dk = jnp.einsum("bkmt,bkmd->bktd", merge(ds), merge(q), preferred_element_type=jnp.float32)
+  dq = jnp.einsum("bkgqt,bktd->bkgqd", ds, k, preferred_element_type=jnp.float32)
+  return dk, dv, dq
+
+
 def grad_chunk(grads, q_blocks, q_meta: Blocks, dout_blocks, lse, delta, k_blocks, v_blocks,
                kv_meta: Blocks):
   """Add one chunk of keys' gradient terms to `grads` = (dq, dk, dv), all f32, in place.
@@ -121,14 +136,8 @@ def grad_chunk(grads, q_blocks, q_meta: Blocks, dout_blocks, lse, delta, k_block
       mask = _tile_mask(q_meta.seg[i], q_meta.idx[i], k_seg, k_idx)
 
       def compute(dk_j, dv_j):
-        p = jnp.exp(_scores(q, k, mask) - lse_t[..., None])
-        dv_j = dv_j + jnp.einsum("bkgqt,bkgqd->bktd", p, dout,
-                                 preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bkgqd,bktd->bkgqt", dout, v, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_t[..., None])
-        dk_j = dk_j + jnp.einsum("bkgqt,bkgqd->bktd", ds, q, preferred_element_type=jnp.float32)
-        dq_t = jnp.einsum("bkgqt,bktd->bkgqd", ds, k, preferred_element_type=jnp.float32)
-        return dk_j, dv_j, dq_t
+        dk_t, dv_t, dq_t = _tile_grads(q, k, v, dout, lse_t, delta_t, mask)
+        return dk_j + dk_t, dv_j + dv_t, dq_t
 
       def skip(dk_j, dv_j):
         return dk_j, dv_j, jnp.zeros(q.shape, jnp.float32)
