@@ -296,8 +296,9 @@ class Sandbox:
     self._send({"op": "run", "src": src, "stdin": stdin, "mode": mode, "limits": limits})
     self._running = True
     # The server enforces the wall clock; this host-side bound only catches a server that
-    # was stopped or killed by the program.
-    return time.monotonic() + self.limits.wall_seconds + 5.0
+    # the program stopped (a killed one closes the pipe at once). It is generous: on a
+    # loaded machine, reaping a thread bomb's thousands of threads took over 5 s.
+    return time.monotonic() + self.limits.wall_seconds + 30.0
 
   def _final(self, deadline: float) -> dict:
     message = self._receive(deadline)
