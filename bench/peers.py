@@ -1,6 +1,6 @@
 """Our GRPO train step and greedy generation against peers, on one peer config. Not a test.
 
-  python bench/peers.py [--parts ours,torch,trl,tunix] [--out bench/results]
+  python bench/peers.py [--parts ours,torch,trl,tunix] [--rounds N] [--out bench/results]
 
 Config (issue 3): Qwen2-style, vocab 8192, width 512, 8 layers, 8 heads over 2 KV heads,
 intermediate 1408, fp32; the train step on 8 rows x 512 tokens (128 prompt + 384 completion,
@@ -19,7 +19,10 @@ Peers, each installed by this script into its own virtual environment under benc
 Every part runs in its own process (its peak RSS is its own) and measures the fp32 matmul
 peak of this machine in the same run; MFU = model FLOPs per second / that peak, with model
 FLOPs = 6 x tokens x (matmul parameters) + 6 x layers x rows x seq^2 x heads x head_dim / 2
-(causal attention), the same formula for everyone.
+(causal attention), the same formula for everyone. With --rounds N the parts run in turn N
+times and each part's row is its fastest-step round (every round's step is kept in the JSON):
+on a shared machine the speed drifts by 20-30% over minutes, which a single pass of parts
+run one after another turns into ratios.
 """
 
 import argparse
@@ -341,6 +344,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--parts", default="ours,torch")
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="run the parts in turn this many times and keep each part's fastest "
+                      "step: on a shared machine the speed drifts over minutes")
   parser.add_argument("--_part", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args._part:  # child process: JSON on the last stdout line
@@ -349,17 +355,25 @@ def main():
     result["mfu"] = model_flops() / result["step_seconds"] / (result["matmul_gflops"] * 1e9)
     print(json.dumps(result))
     return
-  results = {}
-  for part in args.parts.split(","):
+  parts = args.parts.split(",")
+  for part in parts:
     if part not in PARTS:
       parser.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
-    print(f"== {part}", flush=True)
-    proc = subprocess.run([_python_for(part), __file__, "--_part", part],
-                          stdout=subprocess.PIPE, text=True)
-    if proc.returncode:
-      raise SystemExit(f"bench part {part!r} failed (exit {proc.returncode})")
-    results[part] = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(results[part], flush=True)
+  results = {}
+  for round_ in range(args.rounds):
+    for part in parts:
+      print(f"== {part} (round {round_ + 1} of {args.rounds})", flush=True)
+      proc = subprocess.run([_python_for(part), __file__, "--_part", part],
+                            stdout=subprocess.PIPE, text=True)
+      if proc.returncode:
+        raise SystemExit(f"bench part {part!r} failed (exit {proc.returncode})")
+      result = json.loads(proc.stdout.strip().splitlines()[-1])
+      print(result, flush=True)
+      result["step_seconds_per_round"] = results.get(part, {}).get(
+          "step_seconds_per_round", []) + [result["step_seconds"]]
+      if part not in results or result["step_seconds"] < results[part]["step_seconds"]:
+        results[part] = result
+      results[part]["step_seconds_per_round"] = result["step_seconds_per_round"]
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "peers.json"), "w") as f:
     json.dump({"config": PEER, "model_flops_per_step": model_flops(), **results}, f, indent=1)
