@@ -200,6 +200,14 @@ def clean_up(pid):
         break
     except ChildProcessError:
       break
+  if PIDNS:
+    # Orphans (a daemon that forked away) belong to the namespace's init, which reaps them
+    # in its own time: on a loaded machine the next run still saw their zombies. Wait (at
+    # most a second) until only init and this server are left.
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and any(
+        entry.isdigit() and int(entry) not in (1, os.getpid()) for entry in os.listdir("/proc")):
+      time.sleep(0.001)
   for entry in os.listdir(SCRATCH):
     path = os.path.join(SCRATCH, entry)
     shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
