@@ -63,9 +63,9 @@ PREFIX_CACHE_ENTRIES = 1024
 
 
 def shape_bucket(n: int, minimum: int) -> int:
-  """The next of minimum x (1, 1.5, 2, 3, 4, 6, 8, ...) >= n: powers of two and 1.5 x powers of
-  two, so that a server meets few batch shapes (each a compile of seconds on a CPU) and pads
-  less than a third of the way to the next."""
+  """The smallest of minimum x (1, 1.5, 2, 3, 4, 6, 8, ...) that is >= n: powers of two and 1.5x
+  powers of two, so that a server meets few batch shapes (each a compile of seconds on a CPU)
+  while, above the minimum, less than a third of a bucket is padding."""
   power = bucket(n, minimum)
   return power * 3 // 4 if power >= 2 * minimum and n <= power * 3 // 4 else power
 
