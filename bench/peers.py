@@ -359,7 +359,7 @@ def main():
   for part in parts:
     if part not in PARTS:
       parser.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
-  results = {}
+  results, steps = {}, {part: [] for part in parts}
   for round_ in range(args.rounds):
     for part in parts:
       print(f"== {part} (round {round_ + 1} of {args.rounds})", flush=True)
@@ -369,11 +369,11 @@ def main():
         raise SystemExit(f"bench part {part!r} failed (exit {proc.returncode})")
       result = json.loads(proc.stdout.strip().splitlines()[-1])
       print(result, flush=True)
-      result["step_seconds_per_round"] = results.get(part, {}).get(
-          "step_seconds_per_round", []) + [result["step_seconds"]]
+      steps[part].append(result["step_seconds"])
       if part not in results or result["step_seconds"] < results[part]["step_seconds"]:
         results[part] = result
-      results[part]["step_seconds_per_round"] = result["step_seconds_per_round"]
+  for part, seconds in steps.items():
+    results[part]["step_seconds_per_round"] = seconds
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "peers.json"), "w") as f:
     json.dump({"config": PEER, "model_flops_per_step": model_flops(), **results}, f, indent=1)

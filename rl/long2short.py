@@ -222,20 +222,20 @@ def run(out_dir: str, *, long_run: str, model: Callable[[int], ModelConfig], tas
                    sample_length=float(scored.lengths.mean()),
                    sample_correct_length=float(scored.lengths[scored.correct].mean())
                    if scored.correct.any() else float("nan"))
+    rate = {"learning_rate": learning_rate} if learning_rate else {}  # else the method's own
     if method == "shortest_rejection":
       examples = shortest_rejection_examples(scored, samples)
       summary["examples"] = len(examples)
       summary["example_length"] = float(np.mean([len(t) for _, t in examples]))
       params = shortest_rejection_sft(long_params, cfg, examples, steps=steps,
-                                      batch_size=batch_size,
-                                      learning_rate=learning_rate or 3e-4, seq_len=seq_len,
-                                      seed=seed, progress=progress)
+                                      batch_size=batch_size, seq_len=seq_len, seed=seed,
+                                      progress=progress, **rate)
     else:
       pairs = preference_pairs(scored, samples, ratio=pair_ratio)
       summary["pairs"] = len(pairs[0])
       params, last = dpo(long_params, cfg, pairs, steps=steps, beta=beta,
-                         batch_size=batch_size, learning_rate=learning_rate or 1e-5,
-                         seq_len=seq_len, seed=seed, progress=progress)
+                         batch_size=batch_size, seq_len=seq_len, seed=seed,
+                         progress=progress, **rate)
       summary.update({f"dpo_{k}": v for k, v in last.items()})
   checkpoint.save_policy(out_dir, params)
   measure = lambda p: evaluate(p, cfg, task, tokenizer, num_records=eval_records,

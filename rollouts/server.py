@@ -427,8 +427,9 @@ class Scheduler:
         self._keep_prefixes(batch, stopped_at, cache, plen, lens, version)
         return i
       if plen + i == size:
-        cache, kv_valid = _grow(cache, kv_valid, shape_bucket(size + 1, 64) - size)
-        size = shape_bucket(size + 1, 64)
+        grown = shape_bucket(size + 1, 64)
+        cache, kv_valid = _grow(cache, kv_valid, grown - size)
+        size = grown
       token, logp, logits, cache, kv_valid = _step(
           params, logits, cache, kv_valid, keys, temperature, top_p, jnp.asarray(lens + i),
           plen + i, jnp.asarray(active), i, cfg=self.cfg)
@@ -471,13 +472,12 @@ class Scheduler:
       width = bucket(max(int(lens[i]) for i in missing), 16)
       # As many rows as the batch (repeats of a missing one): the shapes a full prefill has,
       # already compiled, instead of a new one for every count of missing rows.
-      sub = rows
-      pick = np.array(missing + [missing[0]] * (sub - len(missing)))
+      pick = np.array(missing + [missing[0]] * (rows - len(missing)))
       cols = slice(plen - width, plen)
       part_logits, part = _prefill(params, jnp.asarray(prompts[pick, cols]),
                                    jnp.asarray(positions[pick, cols]),
                                    jnp.asarray(kv_valid[pick, cols]),
-                                   transformer.init_cache(self.cfg, sub, width), cfg=self.cfg)
+                                   transformer.init_cache(self.cfg, rows, width), cfg=self.cfg)
       n = len(missing)
       logits[missing] = np.asarray(part_logits)[:n]
       k[:, missing, cols] = np.asarray(part.k)[:, :n]
