@@ -27,15 +27,17 @@ from models.config import ModelConfig, RopeScaling
 
 
 class KVCache(NamedTuple):
-  """Per-layer keys and values: f32[num_layers, batch, cache_len, num_kv_heads, head_dim]."""
-  k: jax.Array
-  v: jax.Array
+  """Keys and values, one array per layer: f32[batch, num_kv_heads, cache_len, head_dim].
+
+  A decode step's attention reads this layout as it is; a stacked [layers, ...] array or
+  slots before heads cost it a copy of the cache per layer (on CPU over a third of a step)."""
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
 
 
 def init_cache(cfg: ModelConfig, batch: int, cache_len: int) -> KVCache:
-  shape = (cfg.num_layers, batch, cache_len, cfg.num_kv_heads, cfg.head_dim)
-  zeros = jnp.zeros(shape, cfg.compute_dtype)
-  return KVCache(zeros, zeros)
+  zeros = jnp.zeros((batch, cfg.num_kv_heads, cache_len, cfg.head_dim), cfg.compute_dtype)
+  return KVCache((zeros,) * cfg.num_layers, (zeros,) * cfg.num_layers)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None):
@@ -98,10 +100,9 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
     """Without a cache: causal attention within segments. With the KVCache of all layers:
-    this layer's k, v are written at [layer, :, cache_slot] (in place: the stacked cache is
-    updated, never rebuilt, so a decode loop copies nothing); then with `kv_valid` (decode)
-    the queries attend to the whole cache, without it (prefill, slot 0) to the written tokens
-    only."""
+    this layer's k, v are written at slots [cache_slot, cache_slot + seq) of its arrays (in
+    place, so a decode loop copies nothing); then with `kv_valid` (decode) the queries attend
+    to the whole cache, without it (prefill, slot 0) to the written tokens only."""
     cfg = self.cfg
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, cfg.head_dim), use_bias=cfg.qkv_bias, dtype=cfg.compute_dtype,
@@ -116,13 +117,16 @@ class Attention(nn.Module):
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
     if cache is not None:
-      cache = KVCache(*(
-          jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype),
-                                       (self.layer, 0, cache_slot, 0, 0))
-          for stacked, new in zip(cache, (k, v))))
+      def write(layers, new):
+        old = layers[self.layer]
+        new = jax.lax.dynamic_update_slice(old, new.transpose(0, 2, 1, 3).astype(old.dtype),
+                                           (0, 0, cache_slot, 0))
+        return layers[:self.layer] + (new,) + layers[self.layer + 1:]
+
+      cache = KVCache(write(cache.k, k), write(cache.v, v))
     if kv_valid is not None:
       mask = reference.cache_mask(kv_valid, cache_slot, q.shape[1])
-      out = reference.attention(q, cache.k[self.layer], cache.v[self.layer], mask)
+      out = reference.cached_attention(q, cache.k[self.layer], cache.v[self.layer], mask)
     else:
       out = dispatch.attention(q, k, v, segment_ids, kernel=cfg.attention)
     out = on_tokens(nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False,

@@ -180,8 +180,8 @@ def _prefill(params, prompts, positions, kv_valid, cache, *, cfg):
 @functools.partial(jax.jit, static_argnums=2)
 def _grow(cache, kv_valid, extra: int):
   """The cache and its validity mask with `extra` more (empty) slots at the end."""
-  pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, extra)] + [(0, 0)] * (x.ndim - 3))
-  return (transformer.KVCache(pad(cache.k), pad(cache.v)),
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, extra), (0, 0)])  # the slot axis
+  return (transformer.KVCache(*(tuple(map(pad, layers)) for layers in cache)),
           jnp.pad(kv_valid, [(0, 0), (0, extra)]))
 
 
@@ -212,7 +212,7 @@ def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, 
 @dataclasses.dataclass
 class CachedPrefix:
   """The keys and values of an aborted request's tokens (prompt + generated, all fed to the
-  model): f32[num_layers, n, num_kv_heads, head_dim] each, and the logits for the next token
+  model): f32[num_layers, num_kv_heads, n, head_dim] each, and the logits for the next token
   f32[vocab]. A request resumed with exactly these tokens as input_ids skips its prefill."""
   k: np.ndarray
   v: np.ndarray
@@ -463,7 +463,7 @@ class Scheduler:
                                transformer.init_cache(self.cfg, rows, plen), cfg=self.cfg)
       return logits, _grow(cache, kv_valid[:, :plen], size - plen)[0]
     logits = np.zeros((rows, self.cfg.vocab_size), np.float32)
-    k = np.zeros((self.cfg.num_layers, rows, size, self.cfg.num_kv_heads,
+    k = np.zeros((self.cfg.num_layers, rows, self.cfg.num_kv_heads, size,
                   self.cfg.head_dim), np.dtype(self.cfg.compute_dtype))
     v = np.zeros_like(k)
     if missing:
@@ -480,12 +480,13 @@ class Scheduler:
                                    transformer.init_cache(self.cfg, rows, width), cfg=self.cfg)
       n = len(missing)
       logits[missing] = np.asarray(part_logits)[:n]
-      k[:, missing, cols] = np.asarray(part.k)[:, :n]
-      v[:, missing, cols] = np.asarray(part.v)[:, :n]
+      k[:, missing, :, cols] = np.stack(part.k)[:, :n]
+      v[:, missing, :, cols] = np.stack(part.v)[:, :n]
     for i, c in cached.items():
-      k[:, i, plen - lens[i]:plen], v[:, i, plen - lens[i]:plen] = c.k, c.v
+      k[:, i, :, plen - lens[i]:plen], v[:, i, :, plen - lens[i]:plen] = c.k, c.v
       logits[i] = c.logits
-    return jnp.asarray(logits), transformer.KVCache(jnp.asarray(k), jnp.asarray(v))
+    return jnp.asarray(logits), transformer.KVCache(tuple(map(jnp.asarray, k)),
+                                                    tuple(map(jnp.asarray, v)))
 
   def _cached_prefix(self, tokens: tuple[int, ...]) -> CachedPrefix | None:
     """The cached prefix of exactly `tokens`, made the most recent; call under the lock."""
@@ -498,7 +499,7 @@ class Scheduler:
     """Store the keys, values and next-token logits of the batch's aborted requests."""
     if not stopped_at:
       return
-    k, v = np.asarray(cache.k), np.asarray(cache.v)
+    k, v = np.stack(cache.k), np.stack(cache.v)
     with self.lock:
       if version != self.weight_version:
         return  # the weights changed under the batch
@@ -506,7 +507,7 @@ class Scheduler:
         r = batch[row]
         span = slice(plen - lens[row], plen + fed)
         self.prefixes[tuple(r.input_ids) + tuple(r.tokens[:fed])] = CachedPrefix(
-            k[:, row, span].copy(), v[:, row, span].copy(), logits)
+            k[:, row, :, span].copy(), v[:, row, :, span].copy(), logits)
       while len(self.prefixes) > PREFIX_CACHE_ENTRIES:
         self.prefixes.pop(next(iter(self.prefixes)))
 

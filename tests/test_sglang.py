@@ -274,7 +274,7 @@ def test_prefix_cache_holds_aborted_requests_until_the_weights_change(model):
       time.sleep(0.01)
     (key, kept), = scheduler.prefixes.items()
     assert key == tuple(r.input_ids + r.tokens)
-    assert kept.k.shape == (cfg.num_layers, len(key), cfg.num_kv_heads, cfg.head_dim)
+    assert kept.k.shape == (cfg.num_layers, cfg.num_kv_heads, len(key), cfg.head_dim)
     scheduler.update_weights(params[1], "1", None, False)
     assert not scheduler.prefixes
   finally:

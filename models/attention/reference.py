@@ -21,17 +21,26 @@ def attention(q, k, v, mask):
   Returns:
     [batch, q_len, num_heads, head_dim] in q's dtype.
   """
+  return cached_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+
+
+def cached_attention(q, k, v, mask):
+  """`attention` with keys and values in the KV cache's layout, heads before positions.
+
+  q: [batch, q_len, num_heads, head_dim]; k, v: [batch, num_kv_heads, kv_len, head_dim];
+  mask: bool[batch, q_len, kv_len] -> [batch, q_len, num_heads, head_dim].
+  """
   b, s, h, d = q.shape
-  kv_heads = k.shape[2]
+  kv_heads = k.shape[1]
   q = q.reshape(b, s, kv_heads, h // kv_heads, d)
-  scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.einsum("bskgd,bktd->bkgst", q, k, preferred_element_type=jnp.float32)
   scores = scores * (d ** -0.5)
   scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
   # A query that sees no key (padding) would otherwise average every value; it outputs zero.
   probs = jnp.where(mask[:, None, None, :, :], probs, 0.0).astype(v.dtype)
-  out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-  return out.reshape(b, s, h, d)
+  out = jnp.einsum("bkgst,bktd->bkgsd", probs, v)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
 
 
 def segment_causal_mask(segment_ids):
