@@ -20,7 +20,8 @@ Every part runs in its own process (its peak RSS is its own) and measures the fp
 peak of this machine in the same run; MFU = model FLOPs per second / that peak, with model
 FLOPs = 6 x tokens x (matmul parameters) + 6 x layers x rows x seq^2 x heads x head_dim / 2
 (causal attention), the same formula for everyone. With --rounds N the parts run in turn N
-times and each part's row is its fastest-step round (every round's step is kept in the JSON):
+times; each part's row is its fastest step and fastest generation over the rounds and its
+highest peak RSS (every round's figures are kept in the JSON):
 on a shared machine the speed drifts by 20-30% over minutes, which a single pass of parts
 run one after another turns into ratios.
 """
@@ -45,6 +46,7 @@ REQUIREMENTS = {
     "tunix": ["google-tunix", "numpy"],
 }
 STEPS = 3  # timed steps after one warm-up; the minimum is reported
+GENS = 3  # timed generations after one warm-up; the fastest is reported
 
 
 def model_flops() -> float:
@@ -105,9 +107,10 @@ def part_ours():
                            num_layers=p["layers"], num_heads=p["heads"],
                            num_kv_heads=p["kv_heads"], head_dim=p["head_dim"],
                            intermediate_size=p["intermediate"], tie_embeddings=False)
-  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   optimizer = optax.adamw(1e-6)
-  state = init_train_state(params, optimizer)
+  # No name keeps the initial parameters once the state has them: PyTorch updates its
+  # parameters in place, so a stale copy here would count against our peak RSS only.
+  state = init_train_state(transformer.init_params(cfg, jax.random.PRNGKey(0)), optimizer)
   tokens, adv = _batch_numpy()
   mask = np.zeros((p["rows"], SEQ), np.float32)
   mask[:, p["prompt"] - 1:SEQ - 1] = 1.0  # predicting the completion tokens
@@ -132,7 +135,7 @@ def part_ours():
   prompts = [list(row[:p["gen_prompt_len"]]) for row in tokens[:p["gen_prompts"]]]
   sampling = SamplingParams(max_new_tokens=p["new_tokens"], temperature=0.0)
   engine.generate(prompts, sampling, seed=0)
-  gen_s = min(_timed(lambda: engine.generate(prompts, sampling, seed=0)) for _ in range(2))
+  gen_s = min(_timed(lambda: engine.generate(prompts, sampling, seed=0)) for _ in range(GENS))
   return {"step_seconds": step_s, "gen_tokens_per_second": p["gen_prompts"] * p["new_tokens"] / gen_s}
 
 
@@ -185,7 +188,7 @@ def part_torch():
                                min_new_tokens=p["new_tokens"], do_sample=False)
   with torch.no_grad():
     gen()
-    gen_s = min(_timed(gen) for _ in range(2))
+    gen_s = min(_timed(gen) for _ in range(GENS))
   return {"step_seconds": step_s, "gen_tokens_per_second": p["gen_prompts"] * p["new_tokens"] / gen_s}
 
 
@@ -317,7 +320,7 @@ def part_tunix():
                         max_prompt_length=p["gen_prompt_len"], eos_tokens=[-1],
                         temperature=0.0)
   gen()
-  gen_s = min(_timed(gen) for _ in range(2))
+  gen_s = min(_timed(gen) for _ in range(GENS))
   return {"step_seconds": step_s, "gen_tokens_per_second": p["gen_prompts"] * p["new_tokens"] / gen_s}
 
 
@@ -340,6 +343,18 @@ def _python_for(part):
   return python
 
 
+def _best_of(runs: list[dict]) -> dict:
+  """One part's row from its rounds: the fastest-step round, with the fastest generation of
+  any round and the highest peak RSS of any round; every round's figures are kept."""
+  best = dict(min(runs, key=lambda r: r["step_seconds"]))
+  best["step_seconds_per_round"] = [r["step_seconds"] for r in runs]
+  best["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
+  if "gen_tokens_per_second" in best:
+    gens = [r["gen_tokens_per_second"] for r in runs]
+    best["gen_tokens_per_second"], best["gen_tokens_per_second_per_round"] = max(gens), gens
+  return best
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--parts", default="ours,torch")
@@ -359,7 +374,7 @@ def main():
   for part in parts:
     if part not in PARTS:
       parser.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
-  results, steps = {}, {part: [] for part in parts}
+  rounds = {part: [] for part in parts}
   for round_ in range(args.rounds):
     for part in parts:
       print(f"== {part} (round {round_ + 1} of {args.rounds})", flush=True)
@@ -369,11 +384,8 @@ def main():
         raise SystemExit(f"bench part {part!r} failed (exit {proc.returncode})")
       result = json.loads(proc.stdout.strip().splitlines()[-1])
       print(result, flush=True)
-      steps[part].append(result["step_seconds"])
-      if part not in results or result["step_seconds"] < results[part]["step_seconds"]:
-        results[part] = result
-  for part, seconds in steps.items():
-    results[part]["step_seconds_per_round"] = seconds
+      rounds[part].append(result)
+  results = {part: _best_of(runs) for part, runs in rounds.items()}
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "peers.json"), "w") as f:
     json.dump({"config": PEER, "model_flops_per_step": model_flops(), **results}, f, indent=1)
