@@ -89,18 +89,16 @@ def _batch_numpy():
 
 # ---- ours ----
 
-def part_ours():
+def ours_setup():
+  """(cfg, optimizer, initial TrainState, TrainBatch) of the peer config, in our terms."""
   sys.path.insert(0, ROOT)
   import jax
   import jax.numpy as jnp
   import numpy as np
   import optax
   from models import config, transformer
-  from rl import losses
-  from rl.train_step import init_train_state, make_train_step
+  from rl.train_step import init_train_state
   from rl.types import TrainBatch
-  from rollouts.engine import SamplingParams
-  from rollouts.jax_engine import JaxEngine
 
   p = PEER
   cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"],
@@ -120,6 +118,18 @@ def part_ours():
       segment_ids=jnp.ones((p["rows"], SEQ), jnp.int32), loss_mask=jnp.asarray(mask),
       old_logp=jnp.full((p["rows"], SEQ), -9.0),
       advantages=jnp.asarray(np.repeat(adv[:, None], SEQ, 1)))
+  return cfg, optimizer, state, batch
+
+
+def part_ours():
+  import jax
+  from rl import losses
+  from rl.train_step import make_train_step
+  from rollouts.engine import SamplingParams
+  from rollouts.jax_engine import JaxEngine
+
+  p = PEER
+  cfg, optimizer, state, batch = ours_setup()
   step = make_train_step(cfg, optimizer, losses.bind("grpo", {"kl_coef": 0.0}),
                          logprob_chunk=1024)
   state, metrics = step(state, batch)
@@ -132,6 +142,7 @@ def part_ours():
 
   step_s = min(_timed(one) for _ in range(STEPS))
   engine = JaxEngine(cfg, state.params)
+  tokens = _batch_numpy()[0]
   prompts = [list(row[:p["gen_prompt_len"]]) for row in tokens[:p["gen_prompts"]]]
   sampling = SamplingParams(max_new_tokens=p["new_tokens"], temperature=0.0)
   engine.generate(prompts, sampling, seed=0)

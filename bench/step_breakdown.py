@@ -18,9 +18,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import peers  # noqa: E402
 
@@ -42,35 +42,15 @@ def _fastest(steps: dict, rounds: int) -> dict:
 
 
 def ours(rounds: int) -> dict:
-  sys.path.insert(0, ROOT)
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  import optax
-  from models import config, transformer
+  from models import transformer
   from models.attention import dispatch
   from rl import losses
   from rl import train_step as train_step_lib
-  from rl.types import TrainBatch
 
+  cfg, optimizer, state, batch = peers.ours_setup()
   p = peers.PEER
-  cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"],
-                           num_layers=p["layers"], num_heads=p["heads"],
-                           num_kv_heads=p["kv_heads"], head_dim=p["head_dim"],
-                           intermediate_size=p["intermediate"], tie_embeddings=False)
-  optimizer = optax.adamw(1e-6)
-  state = train_step_lib.init_train_state(
-      transformer.init_params(cfg, jax.random.PRNGKey(0)), optimizer)
-  tokens, adv = peers._batch_numpy()
-  seq = peers.SEQ
-  mask = np.zeros((p["rows"], seq), np.float32)
-  mask[:, p["prompt"] - 1:seq - 1] = 1.0
-  batch = TrainBatch(
-      tokens=jnp.asarray(tokens), targets=jnp.asarray(np.roll(tokens, -1, axis=1)),
-      positions=jnp.broadcast_to(jnp.arange(seq), (p["rows"], seq)),
-      segment_ids=jnp.ones((p["rows"], seq), jnp.int32), loss_mask=jnp.asarray(mask),
-      old_logp=jnp.full((p["rows"], seq), -9.0),
-      advantages=jnp.asarray(np.repeat(adv[:, None], seq, 1)))
   group = p["heads"] // p["kv_heads"]
   stand_ins = {
       "attention": (dispatch, "attention", lambda q, k, v, segment_ids, kernel="auto":
