@@ -21,9 +21,9 @@ peak of this machine in the same run; MFU = model FLOPs per second / that peak, 
 FLOPs = 6 x tokens x (matmul parameters) + 6 x layers x rows x seq^2 x heads x head_dim / 2
 (causal attention), the same formula for everyone. With --rounds N the parts run in turn N
 times; each part's row is its fastest step and fastest generation over the rounds and its
-highest peak RSS (every round's figures are kept in the JSON):
-on a shared machine the speed drifts by 20-30% over minutes, which a single pass of parts
-run one after another turns into ratios.
+highest peak RSS (every round's figures are kept in the JSON): on a shared machine the speed
+drifts by 20-50% over minutes, which a single pass of parts run one after another turns into
+ratios.
 """
 
 import argparse
@@ -372,7 +372,7 @@ def main():
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
   parser.add_argument("--rounds", type=int, default=1,
                       help="run the parts in turn this many times and keep each part's fastest "
-                      "step: on a shared machine the speed drifts over minutes")
+                      "step and generation: on a shared machine the speed drifts over minutes")
   parser.add_argument("--_part", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args._part:  # child process: JSON on the last stdout line
