@@ -211,9 +211,10 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
           [token_mask[i] for i in share], config.seq_len,
           row_multiple=config.row_multiple * config.micro_batches)
       if config.offpolicy_tokens == "tis":
-        batch, share_mismatch = truncated_importance(batch, trainer_logprobs(train.params,
-                                                                              batch),
-                                                      config.tis_cap)
+        # The step's starting parameters for every minibatch: the PPO ratio of a later
+        # minibatch then sees the updates before it, and the engine mismatch is the engine's.
+        batch, share_mismatch = truncated_importance(
+            batch, trainer_logprobs(state.train.params, batch), config.tis_cap)
         mismatch.append(share_mismatch)
       train, update_metrics = train_step(train, batch, ref_params)
       per_update.append(update_metrics)

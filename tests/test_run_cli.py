@@ -110,5 +110,7 @@ def test_partial_rollouts_through_a_server_process(tmp_path):
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
   assert [r["step"] for r in records] == [1, 2]
   for r in records:
-    assert r["weight_sync_s"] > 0 and r["engine_logp_diff_max"] < 1e-3
+    # Trainer (at the step's start, for every minibatch) vs engine on the same tokens: fp32
+    # rounding only. Trainer log-probs taken after a minibatch's update differed by ~1e-3.
+    assert r["weight_sync_s"] > 0 and r["engine_logp_diff_max"] < 1e-5
     assert {"partial_aborted", "replay_size", "stale_token_fraction"} <= set(r)
