@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gin  # noqa: E402
 
 from experiments import gin_externals  # noqa: E402
+from models import host_allocator  # noqa: E402
 from models.attention.dispatch import KernelUnavailable  # noqa: E402
 from models.sharding import MeshUnavailable  # noqa: E402
 from rl import ConfigError  # noqa: E402
@@ -51,6 +52,7 @@ def load_config(files, bindings, run_dir=None):
 
 
 def main(argv=None):
+  host_allocator.keep_freed_memory()  # before JAX starts its CPU backend
   args = parse_args(argv if argv is not None else sys.argv[1:])
   run_dir = load_config(args.gin, args.gin_param, args.run_dir)
   print(gin.config_str())
