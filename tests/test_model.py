@@ -132,6 +132,20 @@ def _saved_activations(fn, *args):
   return sum(line.startswith(("f32[4,512,", "f32[2048,")) for line in out.getvalue().splitlines())
 
 
+def test_swiglu_gradients_equal_autodiff_and_keep_only_its_inputs():
+  gate = jax.random.normal(jax.random.PRNGKey(0), (2048, 48)) * 6  # well into both tails
+  up = jax.random.normal(jax.random.PRNGKey(1), (2048, 48))
+  d_out = jax.random.normal(jax.random.PRNGKey(2), (2048, 48))
+  plain = lambda g, u: jnp.sum(jax.nn.silu(g) * u * d_out)
+  ours = lambda g, u: jnp.sum(transformer.swiglu(g, u) * d_out)
+  np.testing.assert_allclose(ours(gate, up), plain(gate, up), rtol=1e-6)
+  for got, want in zip(jax.grad(ours, (0, 1))(gate, up), jax.grad(plain, (0, 1))(gate, up)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # The plain form keeps sigmoid or silu outputs besides its inputs; ours keeps the inputs only.
+  saved = lambda fn: _saved_activations(lambda g, u: jnp.sum(fn(g, u)), gate, up)
+  assert saved(transformer.swiglu) == 2 < saved(lambda g, u: jax.nn.silu(g) * u)
+
+
 def test_remat_policies_keep_gradients_and_store_less():
   """Per-layer rematerialisation changes what the backward pass stores, not what it computes.
   (Whether fewer stored activations lower peak memory is the backend scheduler's business;
