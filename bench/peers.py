@@ -1,6 +1,6 @@
 """Our GRPO train step and greedy generation against peers, on one peer config. Not a test.
 
-  python bench/peers.py [--parts ours,torch,trl,tunix] [--rounds N] [--out bench/results]
+  python bench/peers.py [--parts ours,torch,trl,trl_no_ckpt,tunix] [--rounds N] [--out DIR]
 
 Config (issue 3): Qwen2-style, vocab 8192, width 512, 8 layers, 8 heads over 2 KV heads,
 intermediate 1408, fp32; the train step on 8 rows x 512 tokens (128 prompt + 384 completion,
@@ -9,27 +9,31 @@ Generation: 8 prompts x 128 tokens, 256 new tokens, greedy, KV cache.
 
 Peers, each installed by this script into its own virtual environment under bench/.venvs/
 (so that their pins never meet ours):
-  torch   a plain PyTorch loop on transformers' Qwen2ForCausalLM (sdpa attention), and
-          transformers' generate
-  trl     TRL's GRPOTrainer loss path (compute_loss + backward + its AdamW step) on the same
-          model, with TRL's default gradient checkpointing and without it
-  tunix   Tunix's Qwen2 model: its GRPO loss under nnx.jit with an optax AdamW step, and its
-          Sampler
+  torch        a plain PyTorch loop on transformers' Qwen2ForCausalLM (sdpa attention), and
+               transformers' generate
+  trl          TRL's GRPOTrainer loss path (compute_loss + backward + its AdamW step) on the
+               same model, with TRL's default gradient checkpointing
+  trl_no_ckpt  the same without gradient checkpointing
+  tunix        Tunix's Qwen2 model: its GRPO loss under nnx.jit with an optax AdamW step, and
+               its Sampler
 
-Every part runs in its own process (its peak RSS is its own) and measures the fp32 matmul
-peak of this machine in the same run; MFU = model FLOPs per second / that peak, with model
-FLOPs = 6 x tokens x (matmul parameters) + 6 x layers x rows x seq^2 x heads x head_dim / 2
-(causal attention), the same formula for everyone. With --rounds N the parts run in turn N
-times; each part's row is its fastest step and fastest generation over the rounds and its
-highest peak RSS (every round's figures are kept in the JSON): on a shared machine the speed
-drifts by 20-50% over minutes, which a single pass of parts run one after another turns into
-ratios.
+Every part is served by its own process (its peak RSS is its own), built and warmed up once.
+This machine's speed drifts by 20-50% over minutes, so parts timed one after another give
+ratios of moments, not of code: ours and each peer are timed in turns instead, one step (and
+one generation) each, `--rounds` times, the order alternating, and a speedup is the median
+over the turns of peer time / our time. The table also gives each side's fastest time. Peak
+RSS is the train step's: noted after two steps, before any generation. MFU = model FLOPs per
+second (fastest step) / the fp32 peak: the fastest 2048^3 numpy matmul the same process ran,
+in the same turns (its ratio, peer / ours, shows how even the turns were; ~1), with
+model FLOPs = 6 x tokens x (matmul parameters) + 6 x layers x rows x seq^2 x heads x head_dim
+/ 2 (causal attention), the same formula for everyone.
 """
 
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -45,8 +49,6 @@ REQUIREMENTS = {
     "trl": ["torch==2.13.0", "transformers", "trl", "datasets", "numpy"],
     "tunix": ["google-tunix", "numpy"],
 }
-STEPS = 3  # timed steps after one warm-up; the minimum is reported
-GENS = 3  # timed generations after one warm-up; the fastest is reported
 
 
 def model_flops() -> float:
@@ -59,14 +61,16 @@ def model_flops() -> float:
   return 6 * tokens * matmul_params + attention
 
 
-def matmul_peak_numpy() -> float:
-  """fp32 GFLOP/s of a large matmul through numpy's BLAS (every venv has numpy)."""
+SETTLE_S = 1.0  # pause before each timed run, see `paired`
+PEAK_N = 2048  # the matmul that measures this machine's fp32 peak: [n, n] @ [n, n]
+
+
+def peak_matmul():
+  """A zero-argument function running the peak-measuring matmul through numpy's BLAS (every
+  venv has numpy); its GFLOP/s is 2 n^3 / its seconds."""
   import numpy as np
-  n = 2048
-  a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-  a @ a
-  best = min(_timed(lambda: a @ a) for _ in range(5))
-  return 2 * n ** 3 / best / 1e9
+  a = np.random.default_rng(0).standard_normal((PEAK_N, PEAK_N), dtype=np.float32)
+  return lambda: a @ a
 
 
 def _timed(fn):
@@ -121,7 +125,10 @@ def ours_setup():
   return cfg, optimizer, state, batch
 
 
-def part_ours():
+def build_ours() -> dict:
+  sys.path.insert(0, ROOT)
+  from models import host_allocator
+  host_allocator.keep_freed_memory()  # as experiments/run.py does, before JAX starts
   import jax
   from rl import losses
   from rl.train_step import make_train_step
@@ -132,22 +139,18 @@ def part_ours():
   cfg, optimizer, state, batch = ours_setup()
   step = make_train_step(cfg, optimizer, losses.bind("grpo", {"kl_coef": 0.0}),
                          logprob_chunk=1024)
-  state, metrics = step(state, batch)
-  jax.block_until_ready(metrics)
 
-  def one():
+  def one_step():
     nonlocal state
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
 
-  step_s = min(_timed(one) for _ in range(STEPS))
-  engine = JaxEngine(cfg, state.params)
   tokens = _batch_numpy()[0]
   prompts = [list(row[:p["gen_prompt_len"]]) for row in tokens[:p["gen_prompts"]]]
   sampling = SamplingParams(max_new_tokens=p["new_tokens"], temperature=0.0)
-  engine.generate(prompts, sampling, seed=0)
-  gen_s = min(_timed(lambda: engine.generate(prompts, sampling, seed=0)) for _ in range(GENS))
-  return {"step_seconds": step_s, "gen_tokens_per_second": p["gen_prompts"] * p["new_tokens"] / gen_s}
+  # The engine reads the parameters of the moment; a new one per call follows the steps.
+  generate = lambda: JaxEngine(cfg, state.params).generate(prompts, sampling, seed=0)
+  return {"step": one_step, "gen": generate}
 
 
 # ---- plain PyTorch and transformers' generate ----
@@ -174,7 +177,7 @@ def _grpo_loss_torch(logits, targets, advantages, old_logp, eps=0.2):
   return per_token.mean()
 
 
-def part_torch():
+def build_torch() -> dict:
   import torch
   p = PEER
   model = _hf_model()
@@ -184,28 +187,29 @@ def part_torch():
   targets = tokens[:, p["prompt"]:]
   old_logp = torch.full(targets.shape, -9.0)
 
-  def one():
+  def one_step():
+    model.train()
     logits = model(tokens).logits[:, p["prompt"] - 1:-1]
     loss = _grpo_loss_torch(logits, targets, adv, old_logp)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
-  one()
-  step_s = min(_timed(one) for _ in range(STEPS))
-  model.eval()
   prompts = tokens[:p["gen_prompts"], :p["gen_prompt_len"]]
-  gen = lambda: model.generate(prompts, max_new_tokens=p["new_tokens"],
-                               min_new_tokens=p["new_tokens"], do_sample=False)
-  with torch.no_grad():
-    gen()
-    gen_s = min(_timed(gen) for _ in range(GENS))
-  return {"step_seconds": step_s, "gen_tokens_per_second": p["gen_prompts"] * p["new_tokens"] / gen_s}
+
+  def generate():
+    model.eval()
+    with torch.no_grad():
+      model.generate(prompts, max_new_tokens=p["new_tokens"], min_new_tokens=p["new_tokens"],
+                     do_sample=False)
+
+  return {"step": one_step, "gen": generate}
 
 
 # ---- TRL ----
 
-def part_trl():
+def build_trl(checkpointing: bool = True) -> dict:
+  """TRL's default (gradient checkpointing on) or, with checkpointing=False, without it."""
   import tempfile
 
   import datasets
@@ -229,36 +233,31 @@ def part_trl():
             "advantages": adv,
             "num_items_in_batch": torch.tensor(float(p["rows"] * p["completion"]))}
   num_items = torch.tensor(p["rows"] * p["completion"])
-  result = {}
-  for checkpointing in (True, False):  # TRL's default, then without
-    model = _hf_model()
-    args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=p["rows"],
-        num_generations=p["rows"], max_completion_length=p["completion"], learning_rate=1e-6,
-        beta=0.0, use_cpu=True, report_to="none", bf16=False,
-        gradient_checkpointing=checkpointing)
-    trainer = trl.GRPOTrainer(
-        model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-        args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["t5 t6"] * p["rows"]}),
-        processing_class=tokenizer)
-    if checkpointing:  # Trainer.train() would switch it on
-      trainer.model.gradient_checkpointing_enable(
-          gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-    trainer.create_optimizer()
+  model = _hf_model()
+  args = trl.GRPOConfig(
+      output_dir=tempfile.mkdtemp(), per_device_train_batch_size=p["rows"],
+      num_generations=p["rows"], max_completion_length=p["completion"], learning_rate=1e-6,
+      beta=0.0, use_cpu=True, report_to="none", bf16=False,
+      gradient_checkpointing=checkpointing)
+  trainer = trl.GRPOTrainer(
+      model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+      args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["t5 t6"] * p["rows"]}),
+      processing_class=tokenizer)
+  if checkpointing:  # Trainer.train() would switch it on
+    trainer.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+  trainer.create_optimizer()
 
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() per step
+  trainer.model.train()
+  trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() per step
 
-    def one():  # Trainer.training_step without GRPOTrainer's generation in _prepare_inputs
-      loss = trainer.compute_loss(trainer.model, inputs, num_items_in_batch=num_items)
-      trainer.accelerator.backward(loss)
-      trainer.optimizer.step()
-      trainer.optimizer.zero_grad(set_to_none=True)
+  def one():  # Trainer.training_step without GRPOTrainer's generation in _prepare_inputs
+    loss = trainer.compute_loss(trainer.model, inputs, num_items_in_batch=num_items)
+    trainer.accelerator.backward(loss)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
 
-    one()
-    key = "step_seconds" if checkpointing else "step_seconds_no_checkpointing"
-    result[key] = min(_timed(one) for _ in range(STEPS))
-  return result
+  return {"step": one}
 
 
 # ---- Tunix ----
@@ -282,7 +281,7 @@ class _WordTokenizer:
     return 0
 
 
-def part_tunix():
+def build_tunix() -> dict:
   """Tunix's Qwen2 and its GRPO loss (tunix.rl.algo_core.grpo_loss_fn), differentiated and
   applied with optax AdamW under nnx.jit as its PeftTrainer does; generation by its Sampler."""
   import jax
@@ -318,9 +317,6 @@ def part_tunix():
     optimizer.update(model, grads)
     return loss
 
-  jax.block_until_ready(train_step(model, optimizer, example))
-  step_s = min(_timed(lambda: jax.block_until_ready(train_step(model, optimizer, example)))
-               for _ in range(STEPS))
   cache = sampler_lib.CacheConfig(cache_size=p["gen_prompt_len"] + p["new_tokens"],
                                   num_layers=p["layers"], num_kv_heads=p["kv_heads"],
                                   head_dim=p["head_dim"])
@@ -330,17 +326,18 @@ def part_tunix():
   gen = lambda: sampler(prompts, max_generation_steps=p["new_tokens"],
                         max_prompt_length=p["gen_prompt_len"], eos_tokens=[-1],
                         temperature=0.0)
-  gen()
-  gen_s = min(_timed(gen) for _ in range(GENS))
-  return {"step_seconds": step_s, "gen_tokens_per_second": p["gen_prompts"] * p["new_tokens"] / gen_s}
+  return {"step": lambda: jax.block_until_ready(train_step(model, optimizer, example)),
+          "gen": gen}
 
 
-PARTS = {"ours": part_ours, "torch": part_torch, "trl": part_trl, "tunix": part_tunix}
-ENV_OF = {"ours": None, "torch": "torch", "trl": "trl", "tunix": "tunix"}
+PARTS = {  # name -> (virtual environment, builder)
+    "ours": (None, build_ours), "torch": ("torch", build_torch), "trl": ("trl", build_trl),
+    "trl_no_ckpt": ("trl", lambda: build_trl(checkpointing=False)),
+    "tunix": ("tunix", build_tunix)}
 
 
 def _python_for(part):
-  env = ENV_OF[part]
+  env = PARTS[part][0]
   if env is None:
     return os.path.join(ROOT, ".venv", "bin", "python")
   venv = os.path.join(VENVS, env)
@@ -354,63 +351,136 @@ def _python_for(part):
   return python
 
 
-def _best_of(runs: list[dict]) -> dict:
-  """One part's row from its rounds: the fastest-step round, with the fastest generation of
-  any round and the highest peak RSS of any round; every round's figures are kept."""
-  best = dict(min(runs, key=lambda r: r["step_seconds"]))
-  best["step_seconds_per_round"] = [r["step_seconds"] for r in runs]
-  best["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
-  if "gen_tokens_per_second" in best:
-    gens = [r["gen_tokens_per_second"] for r in runs]
-    best["gen_tokens_per_second"], best["gen_tokens_per_second_per_round"] = max(gens), gens
-  return best
+def serve(part: str):
+  """Child process: build `part`, run its train step twice (compilation, then a warm step) and
+  note the peak RSS, run its other measurements once, then time one run per "step" or "gen"
+  line read from stdin (and "matmul", the machine's peak), answering with the seconds; at
+  "done", answer with the peak RSS of the train steps and that of the whole process, and exit."""
+  runs = PARTS[part][1]()
+  runs["matmul"] = peak_matmul()
+  runs["step"]()
+  runs["step"]()
+  train_rss = _peak_rss()  # TRL's figure, the memory target, has no generation in it either
+  for what, fn in runs.items():
+    if what != "step":
+      fn()
+  print(json.dumps(sorted(runs)), flush=True)
+  for line in sys.stdin:
+    what = line.strip()
+    if what == "done":
+      break
+    print(json.dumps(_timed(runs[what])), flush=True)
+  print(json.dumps({"peak_rss_bytes": train_rss, "peak_rss_with_generation_bytes": _peak_rss()}),
+        flush=True)
+
+
+class Worker:
+  """A part served in its own process (so that its peak RSS is its own)."""
+
+  def __init__(self, part: str):
+    self.part = part
+    self.proc = subprocess.Popen([_python_for(part), __file__, "--_serve", part],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.measures = self._answer()
+
+  def _answer(self):
+    line = self.proc.stdout.readline()
+    if not line:
+      raise SystemExit(f"bench part {self.part!r} failed (exit {self.proc.wait()})")
+    return json.loads(line)
+
+  def time(self, what: str) -> float:
+    self.proc.stdin.write(what + "\n")
+    self.proc.stdin.flush()
+    return self._answer()
+
+  def close(self) -> dict:
+    self.proc.stdin.write("done\n")
+    self.proc.stdin.flush()
+    result = self._answer()
+    self.proc.wait()
+    return result
+
+
+def paired(ours: Worker, peer: Worker, what: str, rounds: int) -> dict:
+  """Time `what` on ours and the peer in turn, `rounds` times (the order alternating), so that
+  both see the machine of the same moment: each side's times, and the peer / ours ratio of each
+  turn, whose median is the reported speedup."""
+  times = {"ours": [], peer.part: []}
+  for i in range(rounds):
+    for worker in ((ours, peer) if i % 2 == 0 else (peer, ours)):
+      # Thread pools spin for a while after their last task (OpenMP, OpenBLAS, Eigen): without
+      # a pause, whoever ran second in a turn shared the cores with them (the 2048^3 matmul
+      # took 0.13 s second, 0.09 s first).
+      time.sleep(SETTLE_S)
+      times["ours" if worker is ours else peer.part].append(worker.time(what))
+  ratios = [p / o for p, o in zip(times[peer.part], times["ours"])]
+  return {"seconds": times, "ratios": ratios, "speedup": statistics.median(ratios)}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--parts", default="ours,torch")
+  parser.add_argument("--parts", default="ours,torch,trl,trl_no_ckpt,tunix")
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-  parser.add_argument("--rounds", type=int, default=1,
-                      help="run the parts in turn this many times and keep each part's fastest "
-                      "step and generation: on a shared machine the speed drifts over minutes")
-  parser.add_argument("--_part", help=argparse.SUPPRESS)
+  parser.add_argument("--rounds", type=int, default=5,
+                      help="turns of ours and each peer, one step (and one generation) each")
+  parser.add_argument("--_serve", help=argparse.SUPPRESS)
   args = parser.parse_args()
-  if args._part:  # child process: JSON on the last stdout line
-    result = PARTS[args._part]()
-    result.update(peak_rss_bytes=_peak_rss(), matmul_gflops=matmul_peak_numpy())
-    result["mfu"] = model_flops() / result["step_seconds"] / (result["matmul_gflops"] * 1e9)
-    print(json.dumps(result))
+  if args._serve:
+    serve(args._serve)
     return
   parts = args.parts.split(",")
   for part in parts:
     if part not in PARTS:
       parser.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
-  rounds = {part: [] for part in parts}
-  for round_ in range(args.rounds):
-    for part in parts:
-      print(f"== {part} (round {round_ + 1} of {args.rounds})", flush=True)
-      proc = subprocess.run([_python_for(part), __file__, "--_part", part],
-                            stdout=subprocess.PIPE, text=True)
-      if proc.returncode:
-        raise SystemExit(f"bench part {part!r} failed (exit {proc.returncode})")
-      result = json.loads(proc.stdout.strip().splitlines()[-1])
-      print(result, flush=True)
-      rounds[part].append(result)
-  results = {part: _best_of(runs) for part, runs in rounds.items()}
+  if parts[0] != "ours" or len(parts) < 2:
+    parser.error("--parts must be ours and at least one peer: each peer is timed in turns "
+                 "with ours")
+  print("== ours (building and compiling)", flush=True)
+  ours = Worker("ours")
+  results = {}
+  for part in parts[1:]:
+    print(f"== {part} in turns with ours, {args.rounds} rounds", flush=True)
+    peer = Worker(part)
+    results[part] = {what: paired(ours, peer, what, args.rounds)
+                     for what in ("step", "gen", "matmul") if what in peer.measures}
+    results[part].update(peer.close())
+    print(json.dumps(results[part]), flush=True)
+  results["ours"] = ours.close()
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "peers.json"), "w") as f:
     json.dump({"config": PEER, "model_flops_per_step": model_flops(), **results}, f, indent=1)
-  print(f"{'':>14} {'s/step':>7} {'MFU':>5} {'peak RSS':>9} {'gen tok/s':>9}")
-  for name, r in results.items():
-    gen = f"{r['gen_tokens_per_second']:.0f}" if "gen_tokens_per_second" in r else "-"
-    print(f"{name:>14} {r['step_seconds']:7.2f} {r['mfu']:5.0%} "
-          f"{r['peak_rss_bytes'] / 2**30:7.2f}G {gen:>9}")
-  if "ours" in results:
-    for peer, r in results.items():
-      if peer != "ours":
-        print(f"ours vs {peer}: step {r['step_seconds'] / results['ours']['step_seconds']:.2f}x"
-              + (f", generation {results['ours']['gen_tokens_per_second'] / r['gen_tokens_per_second']:.2f}x"
-                 if "gen_tokens_per_second" in r else ""))
+  report(results)
+
+
+def report(results: dict):
+  """The table: each part's fastest step and generation over its turns (ours: over all of
+  them), MFU against the fastest peak matmul its process ran in the same turns, the train
+  step's peak RSS; then
+  per peer the median over the turns of peer time / our time, with its range."""
+  new_tokens = PEER["gen_prompts"] * PEER["new_tokens"]
+  peers = [part for part in results if part != "ours"]
+  measures = ("step", "gen", "matmul")
+  fastest = {part: {what: min(r[what]["seconds"][part]) for what in measures if what in r}
+             for part, r in results.items() if part != "ours"}
+  fastest["ours"] = {what: min(t for part in peers if what in results[part]
+                               for t in results[part][what]["seconds"]["ours"])
+                     for what in measures}
+  print(f"{'':>12} {'s/step':>7} {'MFU':>5} {'peak RSS':>9} {'gen tok/s':>9}")
+  for part in ["ours", *peers]:
+    r, best = results[part], fastest[part]
+    mfu = model_flops() / best["step"] / (2 * PEAK_N ** 3 / best["matmul"])
+    gen = f"{new_tokens / best['gen']:9.0f}" if "gen" in best else f"{'-':>9}"
+    print(f"{part:>12} {best['step']:7.2f} {mfu:5.0%} {r['peak_rss_bytes'] / 2**30:8.2f}G {gen}")
+  for part in peers:
+    line = f"ours vs {part}:"
+    for what in ("step", "gen", "matmul"):  # matmul: numpy in both, so ~1 on even turns
+      if what in results[part]:
+        ratios = results[part][what]["ratios"]
+        line += (f" {what} {results[part][what]['speedup']:.2f}x"
+                 f" ({min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} turns)")
+    print(line)
+  print("speedups: median over turns of the peer's time / ours (> 1: ours faster)")
 
 
 if __name__ == "__main__":

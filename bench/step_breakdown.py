@@ -42,6 +42,8 @@ def _fastest(steps: dict, rounds: int) -> dict:
 
 
 def ours(rounds: int) -> dict:
+  from models import host_allocator
+  host_allocator.keep_freed_memory()  # as experiments/run.py and bench/peers.py do
   import jax
   import jax.numpy as jnp
   from models import transformer
