@@ -61,6 +61,7 @@ def model_flops() -> float:
   return 6 * tokens * matmul_params + attention
 
 
+MEASURES = ("step", "gen", "matmul")  # what a part can time; "matmul" is the machine's peak
 SETTLE_S = 1.0  # pause before each timed run, see `paired`
 PEAK_N = 2048  # the matmul that measures this machine's fp32 peak: [n, n] @ [n, n]
 
@@ -94,8 +95,8 @@ def _batch_numpy():
 # ---- ours ----
 
 def ours_setup():
-  """(cfg, optimizer, initial TrainState, TrainBatch) of the peer config, in our terms."""
-  sys.path.insert(0, ROOT)
+  """(cfg, optimizer, initial TrainState, TrainBatch) of the peer config, in our terms (the
+  caller has the repository on sys.path)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -443,7 +444,7 @@ def main():
     print(f"== {part} in turns with ours, {args.rounds} rounds", flush=True)
     peer = Worker(part)
     results[part] = {what: paired(ours, peer, what, args.rounds)
-                     for what in ("step", "gen", "matmul") if what in peer.measures}
+                     for what in MEASURES if what in peer.measures}
     results[part].update(peer.close())
     print(json.dumps(results[part]), flush=True)
   results["ours"] = ours.close()
@@ -456,16 +457,15 @@ def main():
 def report(results: dict):
   """The table: each part's fastest step and generation over its turns (ours: over all of
   them), MFU against the fastest peak matmul its process ran in the same turns, the train
-  step's peak RSS; then
-  per peer the median over the turns of peer time / our time, with its range."""
+  step's peak RSS; then per peer the median over the turns of peer time / our time, with its
+  range."""
   new_tokens = PEER["gen_prompts"] * PEER["new_tokens"]
   peers = [part for part in results if part != "ours"]
-  measures = ("step", "gen", "matmul")
-  fastest = {part: {what: min(r[what]["seconds"][part]) for what in measures if what in r}
+  fastest = {part: {what: min(r[what]["seconds"][part]) for what in MEASURES if what in r}
              for part, r in results.items() if part != "ours"}
   fastest["ours"] = {what: min(t for part in peers if what in results[part]
                                for t in results[part][what]["seconds"]["ours"])
-                     for what in measures}
+                     for what in MEASURES}
   print(f"{'':>12} {'s/step':>7} {'MFU':>5} {'peak RSS':>9} {'gen tok/s':>9}")
   for part in ["ours", *peers]:
     r, best = results[part], fastest[part]
@@ -474,7 +474,7 @@ def report(results: dict):
     print(f"{part:>12} {best['step']:7.2f} {mfu:5.0%} {r['peak_rss_bytes'] / 2**30:8.2f}G {gen}")
   for part in peers:
     line = f"ours vs {part}:"
-    for what in ("step", "gen", "matmul"):  # matmul: numpy in both, so ~1 on even turns
+    for what in MEASURES:  # matmul: numpy on both sides, so ~1 on even turns
       if what in results[part]:
         ratios = results[part][what]["ratios"]
         line += (f" {what} {results[part][what]['speedup']:.2f}x"
