@@ -1,11 +1,16 @@
 """Our GRPO train step and greedy generation against peers, on one peer config. Not a test.
 
-  python bench/peers.py [--parts ours,torch,trl,trl_no_ckpt,tunix] [--rounds N] [--out DIR]
+  python bench/peers.py [--peers torch,trl,trl_no_ckpt,tunix] [--rounds N] [--out DIR]
 
 Config (issue 3): Qwen2-style, vocab 8192, width 512, 8 layers, 8 heads over 2 KV heads,
 intermediate 1408, fp32; the train step on 8 rows x 512 tokens (128 prompt + 384 completion,
 loss on the completion only): forward, per-token log-probs, clipped GRPO loss, backward, AdamW.
 Generation: 8 prompts x 128 tokens, 256 new tokens, greedy, KV cache.
+
+Ours in two forms: `ours` keeps every layer's activations for the backward pass, `ours_ckpt`
+rematerialises each layer (ModelConfig.remat="full"). Each peer is timed against its like:
+TRL's default checkpoints its layers and meets ours_ckpt; torch, trl_no_ckpt and tunix keep
+their activations and meet ours.
 
 Peers, each installed by this script into its own virtual environment under bench/.venvs/
 (so that their pins never meet ours):
@@ -94,9 +99,9 @@ def _batch_numpy():
 
 # ---- ours ----
 
-def ours_setup():
+def ours_setup(remat: str = "none"):
   """(cfg, optimizer, initial TrainState, TrainBatch) of the peer config, in our terms (the
-  caller has the repository on sys.path)."""
+  caller has the repository on sys.path); `remat` is ModelConfig.remat."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -109,7 +114,8 @@ def ours_setup():
   cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"],
                            num_layers=p["layers"], num_heads=p["heads"],
                            num_kv_heads=p["kv_heads"], head_dim=p["head_dim"],
-                           intermediate_size=p["intermediate"], tie_embeddings=False)
+                           intermediate_size=p["intermediate"], tie_embeddings=False,
+                           remat=remat)
   optimizer = optax.adamw(1e-6)
   # No name keeps the initial parameters once the state has them: PyTorch updates its
   # parameters in place, so a stale copy here would count against our peak RSS only.
@@ -126,7 +132,7 @@ def ours_setup():
   return cfg, optimizer, state, batch
 
 
-def build_ours() -> dict:
+def build_ours(remat: str = "none") -> dict:
   sys.path.insert(0, ROOT)
   from models import host_allocator
   host_allocator.keep_freed_memory()  # as experiments/run.py does, before JAX starts
@@ -137,7 +143,7 @@ def build_ours() -> dict:
   from rollouts.jax_engine import JaxEngine
 
   p = PEER
-  cfg, optimizer, state, batch = ours_setup()
+  cfg, optimizer, state, batch = ours_setup(remat)
   step = make_train_step(cfg, optimizer, losses.bind("grpo", {"kl_coef": 0.0}),
                          logprob_chunk=1024)
 
@@ -332,9 +338,13 @@ def build_tunix() -> dict:
 
 
 PARTS = {  # name -> (virtual environment, builder)
-    "ours": (None, build_ours), "torch": ("torch", build_torch), "trl": ("trl", build_trl),
+    "ours": (None, build_ours), "ours_ckpt": (None, lambda: build_ours(remat="full")),
+    "torch": ("torch", build_torch), "trl": ("trl", build_trl),
     "trl_no_ckpt": ("trl", lambda: build_trl(checkpointing=False)),
     "tunix": ("tunix", build_tunix)}
+# Which of ours each peer is timed against: like for like, TRL's default checkpoints every
+# layer's activations and so does ours_ckpt (ModelConfig.remat="full"); the rest keep them.
+OURS_FOR = {"torch": "ours", "trl": "ours_ckpt", "trl_no_ckpt": "ours", "tunix": "ours"}
 
 
 def _python_for(part):
@@ -407,21 +417,22 @@ def paired(ours: Worker, peer: Worker, what: str, rounds: int) -> dict:
   """Time `what` on ours and the peer in turn, `rounds` times (the order alternating), so that
   both see the machine of the same moment: each side's times, and the peer / ours ratio of each
   turn, whose median is the reported speedup."""
-  times = {"ours": [], peer.part: []}
+  times = {ours.part: [], peer.part: []}
   for i in range(rounds):
     for worker in ((ours, peer) if i % 2 == 0 else (peer, ours)):
       # Thread pools spin for a while after their last task (OpenMP, OpenBLAS, Eigen): without
       # a pause, whoever ran second in a turn shared the cores with them (the 2048^3 matmul
       # took 0.13 s second, 0.09 s first).
       time.sleep(SETTLE_S)
-      times["ours" if worker is ours else peer.part].append(worker.time(what))
-  ratios = [p / o for p, o in zip(times[peer.part], times["ours"])]
+      times[worker.part].append(worker.time(what))
+  ratios = [p / o for p, o in zip(times[peer.part], times[ours.part])]
   return {"seconds": times, "ratios": ratios, "speedup": statistics.median(ratios)}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--parts", default="ours,torch,trl,trl_no_ckpt,tunix")
+  parser.add_argument("--peers", default=",".join(OURS_FOR),
+                      help="each is timed in turns with its counterpart of ours (OURS_FOR)")
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
   parser.add_argument("--rounds", type=int, default=5,
                       help="turns of ours and each peer, one step (and one generation) each")
@@ -430,24 +441,25 @@ def main():
   if args._serve:
     serve(args._serve)
     return
-  parts = args.parts.split(",")
-  for part in parts:
-    if part not in PARTS:
-      parser.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
-  if parts[0] != "ours" or len(parts) < 2:
-    parser.error("--parts must be ours and at least one peer: each peer is timed in turns "
-                 "with ours")
-  print("== ours (building and compiling)", flush=True)
-  ours = Worker("ours")
+  peers = args.peers.split(",")
+  for part in peers:
+    if part not in OURS_FOR:
+      parser.error(f"unknown peer {part!r}; choose from {', '.join(OURS_FOR)}")
+  ours = {}
   results = {}
-  for part in parts[1:]:
-    print(f"== {part} in turns with ours, {args.rounds} rounds", flush=True)
+  for part in peers:
+    if OURS_FOR[part] not in ours:
+      print(f"== {OURS_FOR[part]} (building and compiling)", flush=True)
+      ours[OURS_FOR[part]] = Worker(OURS_FOR[part])
+    counterpart = ours[OURS_FOR[part]]
+    print(f"== {part} in turns with {counterpart.part}, {args.rounds} rounds", flush=True)
     peer = Worker(part)
-    results[part] = {what: paired(ours, peer, what, args.rounds)
+    results[part] = {what: paired(counterpart, peer, what, args.rounds)
                      for what in MEASURES if what in peer.measures}
     results[part].update(peer.close())
     print(json.dumps(results[part]), flush=True)
-  results["ours"] = ours.close()
+  for name, worker in ours.items():
+    results[name] = worker.close()
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "peers.json"), "w") as f:
     json.dump({"config": PEER, "model_flops_per_step": model_flops(), **results}, f, indent=1)
@@ -455,25 +467,29 @@ def main():
 
 
 def report(results: dict):
-  """The table: each part's fastest step and generation over its turns (ours: over all of
-  them), MFU against the fastest peak matmul its process ran in the same turns, the train
-  step's peak RSS; then per peer the median over the turns of peer time / our time, with its
-  range."""
+  """The table: each part's fastest step and generation over its turns (ours and ours_ckpt:
+  over all of theirs), MFU against the fastest peak matmul its process ran in the same turns,
+  the train step's peak RSS; then per peer the median over the turns of peer time / our time,
+  with its range."""
   new_tokens = PEER["gen_prompts"] * PEER["new_tokens"]
-  peers = [part for part in results if part != "ours"]
-  fastest = {part: {what: min(r[what]["seconds"][part]) for what in MEASURES if what in r}
-             for part, r in results.items() if part != "ours"}
-  fastest["ours"] = {what: min(t for part in peers if what in results[part]
-                               for t in results[part][what]["seconds"]["ours"])
-                     for what in MEASURES}
+  peers = [part for part in results if part in OURS_FOR]
+  fastest = {part: {what: min(results[part][what]["seconds"][part])
+                    for what in MEASURES if what in results[part]} for part in peers}
+  for name in results:
+    if name not in OURS_FOR:
+      fastest[name] = {what: min(t for part in peers if OURS_FOR[part] == name
+                                 and what in results[part]
+                                 for t in results[part][what]["seconds"][name])
+                       for what in MEASURES
+                       if any(OURS_FOR[part] == name and what in results[part] for part in peers)}
   print(f"{'':>12} {'s/step':>7} {'MFU':>5} {'peak RSS':>9} {'gen tok/s':>9}")
-  for part in ["ours", *peers]:
+  for part in [name for name in results if name not in OURS_FOR] + peers:
     r, best = results[part], fastest[part]
     mfu = model_flops() / best["step"] / (2 * PEAK_N ** 3 / best["matmul"])
     gen = f"{new_tokens / best['gen']:9.0f}" if "gen" in best else f"{'-':>9}"
     print(f"{part:>12} {best['step']:7.2f} {mfu:5.0%} {r['peak_rss_bytes'] / 2**30:8.2f}G {gen}")
   for part in peers:
-    line = f"ours vs {part}:"
+    line = f"{OURS_FOR[part]} vs {part}:"
     for what in MEASURES:  # matmul: numpy on both sides, so ~1 on even turns
       if what in results[part]:
         ratios = results[part][what]["ratios"]
