@@ -1,6 +1,8 @@
 """Parameter and optimizer-state sharding on an 8-device host mesh: the train step gives one
 device's loss and gradients, and large weights really are split."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -42,19 +44,23 @@ def test_check_sharded_names_weights_left_whole(params):
     sharding.check_sharded(odd_params, mesh, min_elements=1024)
 
 
-@pytest.mark.parametrize("axes", [dict(fsdp=4, tensor=2), dict(data=2, fsdp=4)],
-                         ids=["fsdp=4 x tensor=2", "data=2 x fsdp=4"])
-def test_sharded_train_step_equals_one_device(params, axes):
-  batch = _packed_batch(rows=8, seq=40, vocab=CFG.vocab_size, seed=3)
+@pytest.mark.parametrize("axes,remat", [(dict(fsdp=4, tensor=2), "none"),
+                                        (dict(data=2, fsdp=4), "none"),
+                                        (dict(fsdp=4, tensor=2), "full")],
+                         ids=["fsdp=4 x tensor=2", "data=2 x fsdp=4",
+                              "fsdp=4 x tensor=2, layers rematerialised (a scan)"])
+def test_sharded_train_step_equals_one_device(params, axes, remat):
+  cfg = dataclasses.replace(CFG, remat=remat)
+  batch = _packed_batch(rows=8, seq=40, vocab=cfg.vocab_size, seed=3)
   loss_fn = losses.bind("grpo", {"kl_coef": 0.0})
   recorder = gradient_recorder()
   state = init_train_state(params, recorder)
-  one, one_metrics = make_train_step(CFG, recorder, loss_fn)(state, batch)
+  one, one_metrics = make_train_step(CFG, recorder, loss_fn)(state, batch)  # no remat
 
   mesh = sharding.make_mesh(**axes)
   shardings = sharding.state_shardings(state, recorder, mesh)
   placed = jax.device_put(state, shardings)
-  step = sharding.on_mesh(mesh, make_train_step(CFG, recorder, loss_fn, state_shardings=shardings))
+  step = sharding.on_mesh(mesh, make_train_step(cfg, recorder, loss_fn, state_shardings=shardings))
   sharded, metrics = step(placed, batch)
   for key in ("loss", "grad_norm", "entropy"):
     np.testing.assert_allclose(metrics[key], one_metrics[key], rtol=1e-5, err_msg=key)
