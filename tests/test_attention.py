@@ -1,6 +1,8 @@
 """Attention kernels against the dense reference: blockwise, ring (8 simulated devices), the
 vendor-kernel calls, dispatch rules, and a whole train step under context parallelism."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,16 +217,21 @@ def assert_same_gradients(got, want, rtol=1e-5):
                                err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("mesh_axes", [dict(context=8), dict(data=2, context=4)],
-                         ids=["context=8", "data=2 x context=4"])
-def test_train_step_with_ring_attention_equals_one_device(tiny_cfg, tiny_params, mesh_axes):
+@pytest.mark.parametrize("mesh_axes,remat", [(dict(context=8), "none"),
+                                             (dict(data=2, context=4), "none"),
+                                             (dict(context=8), "full")],
+                         ids=["context=8", "data=2 x context=4",
+                              "context=8, layers rematerialised (a scan)"])
+def test_train_step_with_ring_attention_equals_one_device(tiny_cfg, tiny_params, mesh_axes,
+                                                          remat):
   batch = _packed_batch(rows=4, seq=60, vocab=tiny_cfg.vocab_size)
   optimizer = gradient_recorder()
   loss_fn = losses.bind("k1.5", None)
   state = init_train_state(tiny_params, optimizer)
   one, one_metrics = make_train_step(tiny_cfg, optimizer, loss_fn)(state, batch)
+  cfg = dataclasses.replace(tiny_cfg, remat=remat)
   step = sharding.on_mesh(sharding.make_mesh(**mesh_axes),
-                          make_train_step(tiny_cfg, optimizer, loss_fn))
+                          make_train_step(cfg, optimizer, loss_fn))
   sharded, metrics = step(state, batch)
   for key in ("loss", "grad_norm", "entropy"):
     np.testing.assert_allclose(metrics[key], one_metrics[key], rtol=1e-5, err_msg=key)
