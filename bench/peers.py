@@ -8,7 +8,8 @@ loss on the completion only): forward, per-token log-probs, clipped GRPO loss, b
 Generation: 8 prompts x 128 tokens, 256 new tokens, greedy, KV cache.
 
 Ours in two forms: `ours` keeps every layer's activations for the backward pass, `ours_ckpt`
-rematerialises each layer (ModelConfig.remat="full"). Each peer is timed against its like:
+rematerialises each layer (ModelConfig.remat="full"); both donate the train state to the step
+(`make_train_step(donate_state=True)`: an update in place, as PyTorch's optimizers do). Each peer is timed against its like:
 TRL's default checkpoints its layers and meets ours_ckpt; torch, trl_no_ckpt and tunix keep
 their activations and meet ours.
 
@@ -144,8 +145,9 @@ def build_ours(remat: str = "none") -> dict:
 
   p = PEER
   cfg, optimizer, state, batch = ours_setup(remat)
+  # donate_state: the step updates the state in place, as PyTorch's optimizers do.
   step = make_train_step(cfg, optimizer, losses.bind("grpo", {"kl_coef": 0.0}),
-                         logprob_chunk=1024)
+                         logprob_chunk=1024, donate_state=True)
 
   def one_step():
     nonlocal state

@@ -39,7 +39,7 @@ def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
                     loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048,
-                    state_shardings=None):
+                    state_shardings=None, donate_state: bool = False):
   """A jitted `step(state, batch, ref_params=None) -> (state, metrics)`.
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
@@ -51,6 +51,13 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   engine-vs-trainer mismatch.
   state_shardings (models.sharding.state_shardings): keeps the updated state sharded like
   its input; call the step inside the mesh (models.sharding.on_mesh).
+  donate_state: the updated state takes the input state's buffers (an update in place, as
+  PyTorch's optimizers do) and the input state is deleted: one copy of the parameters and
+  optimizer moments less at the step's peak, and no fresh buffers for the host allocator to
+  fit around the old ones every step (bench/peers.py: peak RSS flat at 1.71 GiB over six
+  rematerialised steps where it grew from 1.97 to 2.94 GiB). Only for a caller that keeps
+  no other reference to the state's arrays (the engine's weights, a reference policy, an
+  asynchronous checkpoint being written).
   """
 
   def micro_step(params, ref_params, mb: TrainBatch):
@@ -111,4 +118,4 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
       new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
     return new_state, metrics
 
-  return jax.jit(step)
+  return jax.jit(step, donate_argnums=0 if donate_state else ())

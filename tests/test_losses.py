@@ -154,6 +154,31 @@ def test_train_step_is_invariant_to_micro_batching_and_packing(name, tiny_cfg, t
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params, results[0][0])
 
 
+def test_donated_train_step_equals_the_copying_one_and_deletes_its_input(tiny_cfg, tiny_params):
+  rng = np.random.default_rng(1)
+  prompts = [[1] + rng.integers(3, 40, 3).tolist() for _ in range(4)]
+  completions = [rng.integers(3, 40, 6).tolist() for _ in range(4)]
+  logp = [rng.normal(-2, 0.5, 6).astype(np.float32) for _ in range(4)]
+  batch, _ = trajectory_batch(prompts, completions, logp, rng.normal(size=4).tolist(),
+                              [True] * 4, seq_len=16, row_multiple=4)
+  batch = jax.tree.map(jnp.asarray, batch)
+  optimizer = optax.adamw(1e-2)
+  loss_fn = losses.bind("grpo", {"kl_coef": 0.0})
+  copying = make_train_step(tiny_cfg, optimizer, loss_fn)
+  donating = make_train_step(tiny_cfg, optimizer, loss_fn, donate_state=True)
+  want = copying(copying(init_train_state(tiny_params, optimizer), batch)[0], batch)[0]
+  # A copy of the parameters: the state that is donated must not share tiny_params' buffers.
+  state = init_train_state(jax.tree.map(jnp.copy, tiny_params), optimizer)
+  first, _ = donating(state, batch)
+  kernel = state.params["layers_0"]["mlp"]["up_proj"]["kernel"]
+  assert kernel.is_deleted()
+  with pytest.raises(RuntimeError, match="deleted"):
+    np.asarray(kernel)
+  got, _ = donating(first, batch)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               (got.params, got.opt_state), (want.params, want.opt_state))
+
+
 # ----------------------------------------------------------------- the rest of the family
 
 def _per_token(fn):
