@@ -475,15 +475,13 @@ def report(results: dict):
   with its range."""
   new_tokens = PEER["gen_prompts"] * PEER["new_tokens"]
   peers = [part for part in results if part in OURS_FOR]
-  fastest = {part: {what: min(results[part][what]["seconds"][part])
-                    for what in MEASURES if what in results[part]} for part in peers}
-  for name in results:
-    if name not in OURS_FOR:
-      fastest[name] = {what: min(t for part in peers if OURS_FOR[part] == name
-                                 and what in results[part]
-                                 for t in results[part][what]["seconds"][name])
-                       for what in MEASURES
-                       if any(OURS_FOR[part] == name and what in results[part] for part in peers)}
+  times = {}  # part -> measure -> every time it took, over all its turns
+  for part in peers:
+    for what in MEASURES:
+      for name, seconds in results[part].get(what, {}).get("seconds", {}).items():
+        times.setdefault(name, {}).setdefault(what, []).extend(seconds)
+  fastest = {name: {what: min(ts) for what, ts in by_what.items()}
+             for name, by_what in times.items()}
   print(f"{'':>12} {'s/step':>7} {'MFU':>5} {'peak RSS':>9} {'gen tok/s':>9}")
   for part in [name for name in results if name not in OURS_FOR] + peers:
     r, best = results[part], fastest[part]

@@ -64,10 +64,9 @@ def rope(x, positions, inv_freq):
   """
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x * cos + rotated * sin).astype(x.dtype)
+  return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
 def on_tokens(layer, x):
