@@ -125,8 +125,10 @@ def dpo(params, cfg: ModelConfig, pairs, *, steps: int, beta: float = 0.1,
     raise ValueError("dpo: no preference pairs (no group had a correct completion and a "
                      "longer negative)")
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate))
-  step_fn = make_train_step(cfg, optimizer, losses.bind("dpo", {"beta": beta}))
-  reference, state = params, init_train_state(params, optimizer)
+  # Updated in place (donated), from a copy: `params` stay the frozen reference.
+  step_fn = make_train_step(cfg, optimizer, losses.bind("dpo", {"beta": beta}),
+                            donate_state=True)
+  reference, state = params, init_train_state(jax.tree.map(jnp.copy, params), optimizer)
   rng = np.random.default_rng(seed)
   metrics = {}
   bar = tqdm(total=steps, desc="long2short DPO", disable=not progress, dynamic_ncols=True)

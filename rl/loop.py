@@ -131,6 +131,10 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   `train_step` comes from rl.train_step.make_train_step; `advantage` names an estimator in
   rl.advantages. Each step makes `config.minibatches` optimizer updates, each on a share of
   whole groups; after the step the engine gets the new weights (version = RL step).
+  A `train_step` made with donate_state=True (as `train` makes it) updates the state in
+  place: the state of an earlier StepRecord, and the engine's weights until the step's
+  update_weights, are then deleted arrays. Keep copies (jax.tree.map(jnp.copy, ...)) of the
+  states a notebook wants to look at later, or use a copying train step.
   """
   groups, group_size = config.prompts_per_step, config.samples_per_prompt
   sampling = SamplingParams(max_new_tokens=config.max_new_tokens,
@@ -200,7 +204,7 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     token_mask = offpolicy_mask(loss_mask, scored.completions, step, config.offpolicy_tokens)
 
     started = time.perf_counter()
-    train, per_update, rows, mismatch = state.train, [], 0, []
+    batches, mismatch = [], []
     for share_groups in np.array_split(np.arange(num_groups), min(config.minibatches,
                                                                   num_groups)):
       share = np.flatnonzero(np.isin(group_ids, share_groups))
@@ -213,12 +217,16 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       if config.offpolicy_tokens == "tis":
         # The step's starting parameters for every minibatch: the PPO ratio of a later
         # minibatch then sees the updates before it, and the engine mismatch is the engine's.
+        # All before the first update, which may take (donate) those parameters' buffers.
         batch, share_mismatch = truncated_importance(
             batch, trainer_logprobs(state.train.params, batch), config.tis_cap)
         mismatch.append(share_mismatch)
+      batches.append(batch)
+    train, per_update = state.train, []
+    for batch in batches:
       train, update_metrics = train_step(train, batch, ref_params)
       per_update.append(update_metrics)
-      rows += batch.tokens.shape[0]
+    rows = sum(batch.tokens.shape[0] for batch in batches)
     per_update = jax.device_get(per_update)
     train_metrics = {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
     train_metrics["logp_diff_max"] = float(max(m["logp_diff_max"] for m in per_update))
@@ -512,9 +520,12 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     trainer_logprobs = lambda params, batch: policy_fn(params, cfg, batch)[0]
   evaluation_engine = engine if isinstance(engine, JaxEngine) else JaxEngine(
       cfg, state.train.params, version=int(state.step))
+  # Donated: one copy of the params and moments less at each update's peak. Nothing here
+  # reads a state after its update (an orbax save still reading one keeps it: JAX then
+  # copies instead of donating).
   train_step = sharding.on_mesh(
       mesh, make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches,
-                            state_shardings=state_shardings))
+                            state_shardings=state_shardings, donate_state=True))
   steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
                    advantage=advantage, reward=reward, sampler=sampler,
                    config=rl, ref_params=ref_params, reference_logprobs=reference_logprobs,

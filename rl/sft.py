@@ -8,6 +8,8 @@ them; the update itself is rl/train_step.py with the `nll` loss.
 
 from typing import Callable, Iterator, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
@@ -47,8 +49,9 @@ def fit(params, cfg: ModelConfig, example: Callable[[int], Example], num_example
       optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20),
                                          max(steps, 2)),
       weight_decay=0.0))
-  step_fn = make_train_step(cfg, optimizer, losses.nll)
-  state = init_train_state(params, optimizer)
+  # Updated in place (donated), from a copy: the caller's `params` stay theirs.
+  step_fn = make_train_step(cfg, optimizer, losses.nll, donate_state=True)
+  state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
   batches = sft_batches(example, num_examples, batch_size=batch_size, seq_len=seq_len,
                         seed=seed)
   loss = float("nan")

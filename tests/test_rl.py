@@ -70,6 +70,48 @@ def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer, digit_model
   assert np.mean(history[-10:]) >= 0.9, history
 
 
+def test_donating_train_step_in_the_loop_equals_the_copying_one(tokenizer, digit_model):
+  """train() donates the state to its train step. With truncated importance sampling over
+  two minibatches (old log-probs from the step's starting params for both) and a KL to the
+  reference, two RL steps give the same states and metrics either way; the donated run
+  really updates in place (the first step's state is deleted by the second)."""
+  cfg, params = digit_model
+  optimizer = loop.rl_optimizer(2e-3)
+  reward = rewards.named_chain({"correctness": rewards.correctness()})
+  sampler = sampling.uniform()
+  rl = loop.RLConfig(prompts_per_step=2, samples_per_prompt=8, max_new_tokens=4, seq_len=16,
+                     minibatches=2, offpolicy_tokens="tis")
+  trainer_logprobs = jax.jit(lambda p, b: policy_logprobs(p, cfg, b)[0])
+
+  def two_steps(donate):
+    # Copies: a donated state must not share the fixture's buffers.
+    start = jax.tree.map(jnp.copy, params)
+    state = loop.init_loop_state(start, optimizer, num_prompts=2, sampler=sampler,
+                                 reward=reward, seed=0, config=rl)
+    steps = loop.rl_steps(
+        state, engine=JaxEngine(cfg, start), task=PickADigit(2), tokenizer=tokenizer,
+        train_step=make_train_step(cfg, optimizer, losses.bind("grpo"), donate_state=donate),
+        advantage=losses.get("grpo").advantage, reward=reward, sampler=sampler, config=rl,
+        ref_params=params,
+        trainer_logprobs=trainer_logprobs)
+    first = next(steps)
+    kernel = first.state.train.params["layers_0"]["mlp"]["up_proj"]["kernel"]
+    second = next(steps)
+    return kernel.is_deleted(), [first.metrics, second.metrics], second.state.train
+
+  copied_deleted, copied_metrics, copied = two_steps(False)
+  donated_deleted, donated_metrics, donated = two_steps(True)
+  assert donated_deleted and not copied_deleted
+  assert copied.step == donated.step == 4  # two minibatches per RL step
+  for a, b in zip(copied_metrics, donated_metrics):
+    assert a.keys() == b.keys()
+    for key in a:
+      if not key.endswith("_s"):  # wall-clock seconds
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-6, atol=1e-7, err_msg=key)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7),
+               (copied.params, copied.opt_state), (donated.params, donated.opt_state))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rollout", ["partial"])
 def test_rl_through_the_server_drives_reward_to_one(rollout, tokenizer, digit_model, tmp_path):
