@@ -13,6 +13,7 @@ import (models/hf.py) is a renaming plus transposes. `ModelConfig.remat` remater
 layer in the backward pass with a named jax.checkpoint policy.
 """
 
+import functools
 import math
 
 from typing import NamedTuple
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import sharding as shd
 from models.attention import dispatch, reference, ring
@@ -40,33 +42,73 @@ def init_cache(cfg: ModelConfig, batch: int, cache_len: int) -> KVCache:
   return KVCache((zeros,) * cfg.num_layers, (zeros,) * cfg.num_layers)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None):
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
   """Inverse frequencies f32[head_dim / 2], with Llama 3's scaling when given: wavelengths
   beyond the original context are slowed by `factor`, short ones kept, the band between
   interpolated (the rope_type "llama3" rule of Hugging Face's modeling_rope_utils)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
   if scaling is None:
-    return inv_freq
+    return inv_freq.astype(np.float32)
   old = scaling.original_max_position_embeddings
   wavelen = 2 * math.pi / inv_freq
-  scaled = jnp.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+  scaled = np.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
   smooth = ((old / wavelen - scaling.low_freq_factor) /
             (scaling.high_freq_factor - scaling.low_freq_factor))
   smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
   medium = (wavelen >= old / scaling.high_freq_factor) & (wavelen <= old / scaling.low_freq_factor)
-  return jnp.where(medium, smoothed, scaled)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope(x, positions, inv_freq):
+ROPE_FINE = ROPE_COARSE = 1024  # positions up to 1024 * 1024 = 2^20
+
+
+class RopeTables(NamedTuple):
+  """cos and sin of (position x inverse frequency), f32[n, head_dim / 2] each, for positions
+  p = coarse * ROPE_FINE + fine: `fine_*` at p = 0 .. ROPE_FINE - 1, `coarse_*` at multiples
+  of ROPE_FINE."""
+  fine_cos: np.ndarray
+  fine_sin: np.ndarray
+  coarse_cos: np.ndarray
+  coarse_sin: np.ndarray
+
+
+@functools.lru_cache(maxsize=16)
+def rope_tables(head_dim: int, theta: float, scaling: RopeScaling | None) -> RopeTables:
+  """The tables of `rope_frequencies(head_dim, theta, scaling)`; one set per model config,
+  so that every layer uses the same constants.
+
+  Fine angles are float32 products, as Hugging Face computes every angle: below position
+  ROPE_FINE cos and sin match its to about the last bit. Coarse angles are exact (float64):
+  beyond, the angle is the true one to float32 precision, where Hugging Face's float32
+  product is off by up to half an ulp of position x frequency (1/512 rad at position 32k).
+  """
+  inv_freq = rope_frequencies(head_dim, theta, scaling)
+  fine = (np.arange(ROPE_FINE, dtype=np.float32)[:, None] * inv_freq).astype(np.float64)
+  coarse = ROPE_FINE * np.arange(ROPE_COARSE, dtype=np.float64)[:, None] * inv_freq
+  return RopeTables(*(f(a).astype(np.float32) for a in (fine, coarse) for f in (np.cos, np.sin)))
+
+
+def rope(x, positions, tables: RopeTables):
   """Rotary embedding, Hugging Face's rotate-half layout.
 
-  x: [b, s, heads, d]; positions: i32[b, s]; inv_freq: f32[d / 2].
+  x: [b, s, heads, d]; positions: i32[b, s], 0 <= positions < 2^20 (beyond: NaN).
+
+  cos and sin come from constant tables, by angle addition over the position's coarse and
+  fine parts. Computed as cos(positions x inv_freq), XLA fused them into each consumer and
+  evaluated them per head, forward and backward: ~0.25 s of thread time per train step of
+  bench/peers.py, which is ~1.04x faster at the median without them.
   """
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, d/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  fine = lambda t: jnp.asarray(t)[positions % ROPE_FINE]  # [b, s, d/2]
+  coarse = lambda t: jnp.take(jnp.asarray(t), positions // ROPE_FINE, axis=0, mode="fill",
+                              fill_value=jnp.nan)
+  cf, sf = fine(tables.fine_cos), fine(tables.fine_sin)
+  cc, sc = coarse(tables.coarse_cos), coarse(tables.coarse_sin)
+  cos, sin = cc * cf - sc * sf, sc * cf + cc * sf
+  cos = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]
+  sin = jnp.concatenate([sin, sin], axis=-1)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+  return (x * cos + rotated * sin).astype(x.dtype)
 
 
 def on_tokens(layer, x):
@@ -114,8 +156,8 @@ class Attention(nn.Module):
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
       q = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="q_norm")(q)
       k = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="k_norm")(k)
-    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    tables = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q, k = rope(q, positions, tables), rope(k, positions, tables)
     if cache is not None:
       def write(layers, new):
         old = layers[self.layer]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import logprobs, transformer
+from models import config, logprobs, transformer
 from models.attention import reference
 from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
@@ -130,6 +130,35 @@ def _saved_activations(fn, *args):
   with contextlib.redirect_stdout(out):
     print_saved_residuals(fn, *args)
   return sum(line.startswith(("f32[4,512,", "f32[2048,")) for line in out.getvalue().splitlines())
+
+
+@pytest.mark.parametrize("scaling", [None, config.RopeScaling(8.0, 1.0, 4.0, 8192)])
+def test_rope_tables_rotate_by_position_times_frequency(scaling):
+  """RoPE from its cos/sin tables: below position 1024 as Hugging Face computes it (float32
+  angle, float32 cos and sin); up to 2^20 within float32 angle rounding of the exact
+  rotation; beyond, NaN."""
+  head_dim, theta = 64, 500000.0
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 3, head_dim))
+  tables = transformer.rope_tables(head_dim, theta, scaling)
+  inv_freq = transformer.rope_frequencies(head_dim, theta, scaling)
+
+  def direct(positions, dtype):  # the textbook rotation, in `dtype`
+    angles = positions[..., None].astype(dtype) * inv_freq.astype(dtype)
+    angles = np.concatenate([angles, angles], -1)[:, :, None, :]
+    x64 = np.asarray(x, dtype)
+    rotated = np.concatenate([-x64[..., head_dim // 2:], x64[..., :head_dim // 2]], -1)
+    return x64 * np.cos(angles) + rotated * np.sin(angles)
+
+  small = np.array([[0, 1, 2, 511, 1022, 1023], [7, 100, 1000, 3, 900, 64]], np.int32)
+  got = np.asarray(transformer.rope(x, jnp.asarray(small), tables))
+  np.testing.assert_allclose(got, direct(small, np.float32), atol=2e-6)
+  large = np.array([[1024, 1025, 4097, 32768, 100000, 2**20 - 1],
+                    [131071, 65536, 2047, 999999, 524288, 12345]], np.int32)
+  got = np.asarray(transformer.rope(x, jnp.asarray(large), tables))
+  # float32 fine angles (< 1024 rad) are off by up to half an ulp, 3e-5 rad.
+  np.testing.assert_allclose(got, direct(large, np.float64), atol=2e-4)
+  beyond = np.asarray(transformer.rope(x, jnp.full((2, 6), 2**20, jnp.int32), tables))
+  assert np.isnan(beyond).all()
 
 
 def test_swiglu_gradients_equal_autodiff_and_keep_only_its_inputs():

@@ -310,9 +310,11 @@ def test_warmup_compiles_every_batch_shape_served_after_it(model):
     served(requests("b", [[6] * n for n in range(1, 11)], 14))
     long, = requests("c", [[7, 8, 9]], 21)
     scheduler.submit([long])
-    while len(long.tokens) < 5:
-      time.sleep(0.01)
-    scheduler.abort("c-")
+    # Abort while holding the scheduler's lock, woken by its notify after each token: a
+    # polling loop could wake up only after all 21 tokens (decode steps take ~1 ms here).
+    with scheduler.lock:
+      assert scheduler.lock.wait_for(lambda: len(long.tokens) >= 5, 60)
+      scheduler.abort("c-")
     assert long.done.wait(60) and long.finish_reason["type"] == "abort"
     while scheduler.running:
       time.sleep(0.01)
