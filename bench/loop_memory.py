@@ -6,7 +6,8 @@
 KV heads, intermediate 1408: the peer config of bench/peers.py with the character
 vocabulary) on one-digit arithmetic: 4 prompts x 8 samples of up to 16 tokens, two
 minibatches per step, GRPO. Each kind of train step runs in its own process (peak RSS is per
-process and never goes down), which reports its peak RSS after every RL step. `rl.loop.train` uses the donating one.
+process and never goes down), which reports its peak RSS after every RL step.
+`rl.loop.train` uses the donating one.
 """
 
 import argparse
@@ -44,8 +45,9 @@ def run(donate: bool, steps: int) -> list[float]:
                                num_prompts=64, sampler=sampler, reward=reward, seed=0, config=rl)
   loss = losses.bind("grpo", {"kl_coef": 0.0})
   rl_steps = loop.rl_steps(
-      state, engine=JaxEngine(cfg, state.train.params), task=Arithmetic(digits=1, num_train=64, num_test=8),
-      tokenizer=tokenizer, train_step=make_train_step(cfg, optimizer, loss, donate_state=donate),
+      state, engine=JaxEngine(cfg, state.train.params),
+      task=Arithmetic(digits=1, num_train=64, num_test=8), tokenizer=tokenizer,
+      train_step=make_train_step(cfg, optimizer, loss, donate_state=donate),
       advantage=losses.get("grpo").advantage, reward=reward, sampler=sampler, config=rl)
   del state  # the generator holds the state; a name here would keep the first one alive
   peaks = []

@@ -9,9 +9,9 @@ Generation: 8 prompts x 128 tokens, 256 new tokens, greedy, KV cache.
 
 Ours in two forms: `ours` keeps every layer's activations for the backward pass, `ours_ckpt`
 rematerialises each layer (ModelConfig.remat="full"); both donate the train state to the step
-(`make_train_step(donate_state=True)`: an update in place, as PyTorch's optimizers do). Each peer is timed against its like:
-TRL's default checkpoints its layers and meets ours_ckpt; torch, trl_no_ckpt and tunix keep
-their activations and meet ours.
+(`make_train_step(donate_state=True)`: an update in place, as PyTorch's optimizers do). Each
+peer is timed against its like: TRL's default checkpoints its layers and meets ours_ckpt;
+torch, trl_no_ckpt and tunix keep their activations and meet ours.
 
 Peers, each installed by this script into its own virtual environment under bench/.venvs/
 (so that their pins never meet ours):

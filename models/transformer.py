@@ -96,7 +96,7 @@ def rope(x, positions, tables: RopeTables):
   cos and sin come from constant tables, by angle addition over the position's coarse and
   fine parts. Computed as cos(positions x inv_freq), XLA fused them into each consumer and
   evaluated them per head, forward and backward: ~0.25 s of thread time per train step of
-  bench/peers.py, which is ~1.04x faster at the median without them.
+  bench/peers.py (bench/rope.py: the step 1.04-1.08x faster at the median without them).
   """
   fine = lambda t: jnp.asarray(t)[positions % ROPE_FINE]  # [b, s, d/2]
   coarse = lambda t: jnp.take(jnp.asarray(t), positions // ROPE_FINE, axis=0, mode="fill",

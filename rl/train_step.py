@@ -55,9 +55,10 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   PyTorch's optimizers do) and the input state is deleted: one copy of the parameters and
   optimizer moments less at the step's peak, and no fresh buffers for the host allocator to
   fit around the old ones every step (bench/peers.py: peak RSS flat at 1.71 GiB over six
-  rematerialised steps where it grew from 1.97 to 2.94 GiB). Only for a caller that keeps
-  no other reference to the state's arrays (the engine's weights, a reference policy, an
-  asynchronous checkpoint being written).
+  rematerialised steps where it grew from 1.97 to 2.94 GiB). Only for a caller that reads no
+  other reference to the state's arrays after the step (the engine's weights before
+  update_weights, a reference policy sharing them); an orbax save still reading them is safe,
+  as JAX then copies instead of donating.
   """
 
   def micro_step(params, ref_params, mb: TrainBatch):

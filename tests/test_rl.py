@@ -92,8 +92,7 @@ def test_donating_train_step_in_the_loop_equals_the_copying_one(tokenizer, digit
         state, engine=JaxEngine(cfg, start), task=PickADigit(2), tokenizer=tokenizer,
         train_step=make_train_step(cfg, optimizer, losses.bind("grpo"), donate_state=donate),
         advantage=losses.get("grpo").advantage, reward=reward, sampler=sampler, config=rl,
-        ref_params=params,
-        trainer_logprobs=trainer_logprobs)
+        ref_params=params, trainer_logprobs=trainer_logprobs)
     first = next(steps)
     kernel = first.state.train.params["layers_0"]["mlp"]["up_proj"]["kernel"]
     second = next(steps)
