@@ -1,22 +1,22 @@
 """The process's host-memory allocator settings under XLA:CPU.
 
-Owns two process-wide choices. First, glibc's malloc keeps freed memory for reuse instead of handing it
-back to the kernel. XLA:CPU allocates an executable's temporary buffer anew for every run, from
-the thread that runs it (1.7 GB for the train step of bench/peers.py). glibc serves a block that
-large, outside the main arena, with a fresh mmap and frees it with munmap, so every step
-page-faults its whole working set in again: ~450k page faults and ~1.1 s of kernel time per
-~6.5 s step on the 2-core CPU. With one arena, no mmap and no trimming the block is reused: the
-faults and the kernel time are gone, and the step is ~7% faster.
+Owns two process-wide choices. First, glibc's malloc keeps freed memory for reuse instead of
+handing it back to the kernel. XLA:CPU allocates an executable's temporary buffer anew for every
+run, from the thread that runs it (1.7 GB for the train step of bench/peers.py). glibc serves a
+block that large, outside the main arena, with a fresh mmap and frees it with munmap, so every
+step page-faults its whole working set in again: ~450k page faults and ~1.1 s of kernel time
+per ~6.5 s step on the 2-core CPU. With one arena, no mmap and no trimming the block is reused:
+the faults and the kernel time are gone, and the step is ~7% faster.
 
 The price: memory freed by the process is not returned to the system until it exits, so its
-RSS stays at its peak (which a training process reaches every step anyway). That makes the second
-choice necessary. XLA:CPU's asynchronous dispatch frees a run's temporary buffer on a worker
-thread after the run's outputs are ready, so the next run, dispatched as soon as they are, can
-allocate its own buffer while the last one is still held; the heap then grows by a whole buffer,
-for good. On the loaded 2-core CPU the peak RSS of bench/peers.py's step went 2.6 -> 4.1 -> 5.6
-GiB over six steps in 5 of 5 runs (with two busy processes beside it; 2.6 flat in 5 of 5
-synchronous). So runs are dispatched synchronously: a call returns after its
-buffer is freed (the step's time did not change).
+RSS stays at its peak (which a training process reaches every step anyway). That makes the
+second choice necessary. XLA:CPU's asynchronous dispatch frees a run's temporary buffer on a
+worker thread after the run's outputs are ready, so the next run, dispatched as soon as they
+are, can allocate its own buffer while the last one is still held; the heap then grows by a
+whole buffer, for good. With two busy processes beside it on the 2-core CPU, the peak RSS of
+bench/peers.py's step went 2.6 -> 4.1 -> 5.6 GiB over six steps in 5 of 5 runs; dispatched
+synchronously it stayed at 2.6 GiB in 5 of 5. So runs are dispatched synchronously: a call
+returns after its buffer is freed (the step's time did not change).
 
 `keep_freed_memory()` must run before JAX starts its CPU backend (the first array or
 computation): threads that already allocated keep their own arenas. Entry points call it first

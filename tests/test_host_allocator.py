@@ -10,6 +10,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# CI and this project's machines run glibc, so CI runs these; elsewhere keep_freed_memory does
+# nothing (the last test), and there is no setting to measure.
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
+                                reason="keep_freed_memory sets glibc's malloc; off glibc it is "
+                                       "a no-op")
 
 # A fresh process each: the setting has to come before JAX starts its CPU backend.
 _PROGRAM = """
@@ -39,10 +44,7 @@ def _faults(setting):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# CI and this project's machines run glibc, so CI runs it; elsewhere keep_freed_memory does
-# nothing (the test below), and there is no setting to measure.
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
-                    reason="keep_freed_memory sets glibc's malloc; off glibc it is a no-op")
+@glibc_only
 def test_temporary_buffer_is_reused_instead_of_faulted_in_each_run():
   default, keep = _faults("default"), _faults("keep")
   assert default["temp_pages"] >= 16384  # 64 MiB: above what a thread's own arena serves
@@ -66,7 +68,12 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
-allocated = lambda: libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd  # heap + mmap'd
+
+
+def allocated():  # heap + mmap'd
+  info = libc.mallinfo2()
+  return info.uordblks + info.hblkhd
+
 x, w = jnp.ones((2048, 512)), jnp.full((512, 8192), 1e-3)
 run = jax.jit(lambda x, w: jnp.tanh(jnp.tanh(x @ w) @ w.T @ w) @ w.T).lower(x, w).compile()
 temp = run.memory_analysis().temp_size_in_bytes
@@ -83,8 +90,7 @@ print(json.dumps({"held_after_return": held / temp}))
 """
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
-                    reason="keep_freed_memory sets glibc's malloc; off glibc it is a no-op")
+@glibc_only
 def test_temporary_buffer_is_freed_before_the_call_returns():
   # Asynchronously dispatched, the call returns with its run, and its buffer, in flight; the
   # buffer is freed on a worker thread after the outputs are ready, so a next call can allocate

@@ -151,7 +151,7 @@ def grad_chunk(grads, q_blocks, q_meta: Blocks, dout_blocks, lse, delta, k_block
 
   nq, nk = q_blocks.shape[0], k_blocks.shape[0]
   if nq * nk <= UNROLL_TILES:
-    dq, dk, dv = ([x[n] for n in range(x.shape[0])] for x in grads)
+    dq, dk, dv = (list(x) for x in grads)  # tiles
     for j in range(nk):
       for i in range(nq):
         dq[i], dk[j], dv[j] = add_tile(dq[i], dk[j], dv[j], i, j)
