@@ -4,8 +4,8 @@ attention, SwiGLU) as pure functions.
 Owns the network: `init_params`, `forward` (packed training rows), `prefill` and `decode` (the
 embedded engine's KV-cache passes), and the output projection. Attention goes through
 models/attention/dispatch.py (the kernel named by `ModelConfig.attention`; ring attention when
-the mesh set with `jax.set_mesh` has a `context` axis); decode steps, one query against the
-cache, use the dense reference. Log-probs live in
+the mesh set with `jax.set_mesh` has a `context` axis), and so do decode steps, queries
+against the KV cache (`dispatch.cached_attention`). Log-probs live in
 models/logprobs.py; sampling lives in rollouts/jax_engine.py.
 
 Parameter names follow Hugging Face's modules (q_proj, gate_proj, ...) so that the safetensors
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import sharding as shd
-from models.attention import dispatch, reference, ring
+from models.attention import dispatch, ring
 from models.config import ModelConfig, RopeScaling
 
 
@@ -167,8 +167,8 @@ class Attention(nn.Module):
 
       cache = KVCache(write(cache.k, k), write(cache.v, v))
     if kv_valid is not None:
-      mask = reference.cache_mask(kv_valid, cache_slot, q.shape[1])
-      out = reference.cached_attention(q, cache.k[self.layer], cache.v[self.layer], mask)
+      out = dispatch.cached_attention(q, cache.k[self.layer], cache.v[self.layer], kv_valid,
+                                      cache_slot, kernel=cfg.attention)
     else:
       out = dispatch.attention(q, k, v, segment_ids, kernel=cfg.attention)
     out = on_tokens(nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False,

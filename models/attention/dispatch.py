@@ -12,6 +12,10 @@ larger than 1 that is ring attention over blockwise tiles, otherwise:
   splash     Pallas splash attention; TPU only
 
 An explicit choice that cannot run raises. The choice is logged once per (request, backend).
+
+Decode steps (queries against a KV cache) go through `cached_attention`: on CPU the C++ kernel
+of models/attention/cpu.py where it builds and takes the arrays (float32), otherwise, and for
+`dense`, the reference.
 """
 
 import functools
@@ -20,7 +24,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from models.attention import blockwise, reference, ring
+from models.attention import blockwise, cpu, reference, ring
 
 KERNELS = ("auto", "blockwise", "dense", "cudnn", "splash")
 _DEFAULTS = {"tpu": "splash", "gpu": "cudnn", "cpu": "blockwise"}
@@ -147,3 +151,19 @@ def attention(q, k, v, segment_ids, *, kernel: str = "auto"):
   if chosen == "cudnn":
     return cudnn_attention(q, k, v, segment_ids)
   return splash_attention(q, k, v, segment_ids)
+
+
+def cached_attention(q, k, v, kv_valid, first_slot, *, kernel: str = "auto"):
+  """Queries written at cache slots [first_slot, first_slot + q_len) against the KV cache.
+
+  q: [batch, q_len, num_heads, head_dim]; k, v: [batch, num_kv_heads, cache_len, head_dim];
+  kv_valid: bool[batch, cache_len]; first_slot: i32 scalar -> [batch, q_len, num_heads,
+  head_dim]. The C++ kernel reads only the slots up to the last query's; the reference reads
+  the whole cache.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if (kernel != "dense" and jax.default_backend() == "cpu" and cpu.supports(q, k, v)
+      and (mesh.empty or mesh.size == 1) and cpu.available()):
+    return cpu.decode_attention(q, k, v, kv_valid, first_slot)
+  mask = reference.cache_mask(kv_valid, first_slot, q.shape[1])
+  return reference.cached_attention(q, k, v, mask)
