@@ -1,11 +1,15 @@
-"""Attention benchmarks on this machine (not tests): memory and time, dense vs blockwise vs ring.
+"""Attention benchmarks on this machine (not tests): memory and time, dense vs blockwise vs the
+C++ CPU kernel vs ring.
 
   python bench/attention.py [--parts kernels,ring,balance,train_step] [--out bench/results]
 
-kernels     causal attention forward+backward at 4k, 16k and 64k tokens, dense vs blockwise:
-            the compiled executable's peak memory (arguments + outputs + temporaries, from
-            XLA's memory analysis) and the wall time of one warm call. A dense call whose
-            memory exceeds this machine's RAM is reported as not fitting and is not run.
+kernels     causal attention forward+backward at 4k, 16k and 64k tokens, dense vs blockwise vs
+            cpu (models/attention/cpu.py): the compiled executable's peak memory (arguments +
+            outputs + temporaries, from XLA's memory analysis; for cpu plus the kernel's own
+            scratch, which XLA does not see: per thread, the dk and dv rows of one KV head,
+            2 x seq x head_dim floats, and its block buffers) and the wall time of one warm
+            call. A dense call whose memory exceeds this machine's RAM is reported as not
+            fitting and is not run.
 ring        per-device temporary memory of ring attention forward+backward at context=8 (from
             the compiled executable's memory analysis, 8 simulated CPU devices) against the
             single-device blockwise figure at the same length.
@@ -47,7 +51,7 @@ def _attention_grad(kind, seq, block=256, mesh=None):
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from models.attention import blockwise, reference, ring
+  from models.attention import blockwise, cpu, reference, ring
 
   sharded = None if mesh is None else NamedSharding(mesh, P(None, "context"))
   arg = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
@@ -59,6 +63,7 @@ def _attention_grad(kind, seq, block=256, mesh=None):
       "blockwise": lambda q, k, v, s: blockwise.attention(q, k, v, s, block_q=block,
                                                           block_k=block),
       "ring": lambda q, k, v, s: ring.attention(q, k, v, s, block_q=block, block_k=block),
+      "cpu": cpu.attention,
   }[kind]
 
   def forward_backward(q, k, v, seg, cotangent):
@@ -81,14 +86,24 @@ def _peak_bytes(compiled):
   return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
 
 
+def _cpu_scratch_bytes(seq):
+  """The C++ kernel's thread-local buffers at their largest (cpu_attention.cc: Scratch): per
+  thread, dk and dv for one KV head over the row, and the blocks of one work item."""
+  group = HEADS // KV_HEADS
+  rows, keys = group * max(16, min(64, 128 // group)), 64  # query rows of a block; its keys
+  per_thread = 4 * (2 * seq * HEAD_DIM + 3 * rows * HEAD_DIM + 2 * rows * keys
+                    + 3 * keys * HEAD_DIM)
+  return os.cpu_count() * per_thread
+
+
 def part_kernels():
   import jax
   rows = []
   for seq in LENGTHS:
-    for kind in ("dense", "blockwise"):
+    for kind in ("dense", "blockwise", "cpu"):
       fn, shapes = _attention_grad(kind, seq)
       compiled = fn.lower(*shapes).compile()
-      peak = _peak_bytes(compiled)
+      peak = _peak_bytes(compiled) + (_cpu_scratch_bytes(seq) if kind == "cpu" else 0)
       row = {"kind": kind, "seq": seq, "peak_bytes": peak}
       if peak > 0.8 * _machine_bytes():
         row["seconds"] = None
@@ -200,8 +215,13 @@ def _table(results):
     for r in results["kernels"]:
       t = f"{r['seconds']:.2f} s" if r["seconds"] is not None else r["note"]
       lines.append(f"{r['seq']:>7} {r['kind']:>10} {r['peak_bytes'] / GiB:>10.3f} GiB {t:>9}")
-    bw = {r["seq"]: r["peak_bytes"] for r in results["kernels"] if r["kind"] == "blockwise"}
-    lines.append(f"blockwise memory ratio 64k/16k = {bw[65536] / bw[16384]:.2f} (target <= 4.5)")
+    by = lambda kind, key: {r["seq"]: r[key] for r in results["kernels"] if r["kind"] == kind}
+    for kind in ("blockwise", "cpu"):
+      mem = by(kind, "peak_bytes")
+      lines.append(f"{kind} memory ratio 64k/16k = {mem[65536] / mem[16384]:.2f} (target <= 4.5)")
+    blockwise, cpu = by("blockwise", "seconds"), by("cpu", "seconds")
+    lines.append("cpu vs blockwise time: " + ", ".join(
+        f"{seq}: {blockwise[seq] / cpu[seq]:.2f}x" for seq in LENGTHS))
   if "ring" in results:
     for r in results["ring"]:
       lines.append(f"ring context=8 at {r['seq']}: per-device temp "

@@ -421,7 +421,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
                      f"{tokenizer.vocab_size}")
   context = 1 if mesh is None else mesh.shape["context"]
   try:
-    kernel = dispatch.plan(cfg.attention, context)
+    kernel = dispatch.plan(cfg.attention, context, cfg.compute_dtype)
   except dispatch.KernelUnavailable as e:
     raise ConfigError(str(e)) from None
   if kernel == "ring":

@@ -52,6 +52,12 @@ def _value_and_grads(fn, q, k, v, seg, cotangent, mesh=None):
 
 def _assert_matches_dense(fn, case, mesh=None):
   *shape, segments, _, _ = CASES[case]
+  assert_matches_dense_on(fn, shape, segments, mesh)
+
+
+def assert_matches_dense_on(fn, shape, segments, mesh=None):
+  """fn's output and q/k/v gradients equal the dense reference's on random inputs of shape
+  (batch, seq, heads, kv_heads, head_dim), with rows of `segments` (None: one segment)."""
   q, k, v, seg, cot = _inputs(*shape, segments)
   want_out, want_grads = _value_and_grads(_dense, q, k, v, seg, cot)
   out, grads = _value_and_grads(fn, q, k, v, seg, cot, mesh)
@@ -147,8 +153,17 @@ def test_vendor_kernel_calls_equal_dense():
 
 
 def test_dispatch_rules_on_cpu():
-  assert dispatch.resolve("auto", "cpu") == "blockwise"
+  assert dispatch.resolve("auto", "cpu") == "cpu"  # the C++ kernel (tests/test_cpu_kernels.py)
   assert dispatch.resolve("dense", "cpu") == "dense"
+  q, k, v, seg, _ = _inputs(*CASES["packed"][:5], CASES["packed"][5])
+  bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  with pytest.raises(dispatch.KernelUnavailable, match="attention='cpu' takes float32"):
+    dispatch.attention(*bf16, seg, kernel="cpu")
+  with pytest.raises(dispatch.KernelUnavailable, match="computes in bfloat16"):
+    dispatch.plan("cpu", 1, jnp.bfloat16)  # what rl.loop.train checks before compiling
+  assert dispatch.plan("auto", 1, jnp.bfloat16) == "blockwise"
+  # auto takes what the C++ kernel does not to blockwise (bf16 here).
+  assert "longrl_flash" not in jax.jit(lambda *x: dispatch.attention(*x, seg)).lower(*bf16).as_text()
   for kernel, needs in (("cudnn", "GPU"), ("splash", "TPU")):
     with pytest.raises(dispatch.KernelUnavailable, match=needs):
       dispatch.resolve(kernel, "cpu")
@@ -156,7 +171,6 @@ def test_dispatch_rules_on_cpu():
     dispatch.resolve("flash3", "cpu")
   with pytest.raises(ValueError, match="ModelConfig.attention='flash3'"):
     config.tiny(55, attention="flash3")
-  q, k, v, seg, _ = _inputs(*CASES["packed"][:5], CASES["packed"][5])
   with jax.set_mesh(sharding.make_mesh(context=2)):
     with pytest.raises(dispatch.KernelUnavailable, match="cannot run context-parallel"):
       dispatch.attention(q, k, v, seg, kernel="dense")
@@ -173,8 +187,9 @@ def test_model_kernels_agree(tiny_cfg, tiny_params):
   pos = jnp.asarray([list(range(5)) + list(range(3)) + [0, 0], list(range(10))])
   hidden = {kernel: transformer.forward(tiny_params, config.tiny(**_tiny_kw(tiny_cfg, kernel)),
                                         tokens, pos, seg)
-            for kernel in ("dense", "blockwise")}
+            for kernel in ("dense", "blockwise", "cpu")}
   np.testing.assert_allclose(hidden["dense"], hidden["blockwise"], **TOL)
+  np.testing.assert_allclose(hidden["dense"], hidden["cpu"], **TOL)
 
 
 def _tiny_kw(cfg, kernel):

@@ -1,5 +1,6 @@
 """The C++ attention kernels for XLA:CPU (models/attention/cpu.py): they build here, equal the
-dense reference, are what dispatch runs on CPU, and a failed build falls back with its reason."""
+dense reference (training attention forward and backward, decode attention), are what dispatch
+runs on CPU, split over a mesh, and a failed build falls back with its reason."""
 
 import dataclasses
 import os
@@ -11,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import transformer
-from models.attention import cpu, reference
+from models import sharding, transformer
+from models.attention import cpu, dispatch, reference
+from tests.test_attention import CASES, _inputs, assert_matches_dense_on
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,6 +23,38 @@ def test_kernels_build_on_this_machine():
   # CI has g++ (scripts/setup.sh's machine); without a compiler the kernels fall back, and this
   # test says why instead of letting the slower path pass unnoticed.
   assert cpu.available(), cpu.unavailable_reason()
+
+
+# test_attention's cases (tiles of 16 there; the kernel's own blocks: 128 / group query
+# positions against 64 keys) and ones that cross its blocks: (batch, seq, heads, kv_heads,
+# head_dim, segment rows).
+TRAIN_CASES = {
+    **{name: case[:6] for name, case in CASES.items()},
+    "head_dim_64_five_key_blocks": (2, 300, 8, 2, 64,
+                                    [[1] * 150 + [2] * 100 + [0] * 50, [1] * 300]),
+    "one_query_head_per_kv_head_dim_24": (1, 130, 3, 3, 24, None),
+    "padding_inside_a_row": (1, 100, 4, 1, 16, [[1] * 30 + [0] * 10 + [2] * 60]),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_attention_equals_dense(case):
+  *shape, segments = TRAIN_CASES[case]
+  assert_matches_dense_on(cpu.attention, shape, segments)
+
+
+def test_training_attention_runs_the_kernel_per_device_on_a_mesh():
+  q, k, v, seg, _ = _inputs(8, 32, 4, 2, 16, None)
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(lambda q, k, v: dispatch.attention(q, k, v, seg)).lower(q, k, v).compile()
+  call = [line for line in hlo.as_text().splitlines() if "longrl_flash_forward" in line]
+  assert len(call) == 1
+  # Each device takes its 2 rows (data x fsdp = 4 ways) and 2 of the 4 query heads with their
+  # KV head (tensor): the output and logsumexp of one device's share.
+  assert "(f32[2,32,2,16]{3,2,1,0}, f32[2,2,32]{2,1,0}) custom-call" in call[0]
+  *shape, segments, _, _ = CASES["gqa_8_over_2"]
+  assert_matches_dense_on(cpu.attention, shape, segments, mesh)
 
 
 # (batch, q_len, heads, kv_heads, cache_len, head_dim): head_dim 64 runs 16-lane vectors only,

@@ -7,9 +7,15 @@ source, the compiler, the XLA FFI headers and the CPU, so a later process loads 
 Where no compiler is found or the build fails, `available()` is False and `unavailable_reason()`
 says why; models/attention/dispatch.py then uses the XLA kernels.
 
-What is here: `decode_attention`, queries against a KV cache (the embedded engine's decode
-steps). It reads only the cache slots a query can see; XLA's dense form reads the whole cache,
-and on a 2-core CPU that took a fifth of a decode step of bench/peers.py's model.
+What is here:
+- `attention`: causal attention within segments for training (the contract of
+  blockwise.attention), flash-style with a recomputing backward pass. Each work item takes all
+  query heads of one KV head over a block of positions, so a key block is read once for the
+  group, and the scores of a block pair stay in the core's cache; XLA's blockwise kernel
+  materialises every tile's scores for the whole batch and all heads.
+- `decode_attention`: queries against a KV cache (the embedded engine's decode steps). It reads
+  only the cache slots a query can see; XLA's dense form reads the whole cache, and on a 2-core
+  CPU that took a fifth of a decode step of bench/peers.py's model.
 """
 
 import ctypes
@@ -25,10 +31,15 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from models import sharding
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
-TARGETS = {"longrl_decode_attention": "LongrlDecodeAttention"}  # FFI name -> C symbol
+TARGETS = {"longrl_decode_attention": "LongrlDecodeAttention",  # FFI name -> C symbol
+           "longrl_flash_forward": "LongrlFlashForward",
+           "longrl_flash_backward": "LongrlFlashBackward"}
 _log = logging.getLogger("longrl.attention")
 
 
@@ -121,8 +132,59 @@ def decode_attention(q, k, v, kv_valid, first_slot):
   Query t sees slot j iff kv_valid[j] and j <= first_slot + t (reference.cache_mask); a query
   that sees none outputs zeros. -> f32[batch, q_len, num_heads, head_dim].
   """
+  return _call("longrl_decode_attention", jax.ShapeDtypeStruct(q.shape, q.dtype), q, k, v,
+               kv_valid.astype(bool), jnp.asarray(first_slot, jnp.int32))
+
+
+def _call(name, results, *args):
   if not available():
     raise RuntimeError(f"C++ CPU attention kernels unavailable: {unavailable_reason()}")
-  call = jax.ffi.ffi_call("longrl_decode_attention", jax.ShapeDtypeStruct(q.shape, q.dtype),
-                          vmap_method="sequential")
-  return call(q, k, v, kv_valid.astype(bool), jnp.asarray(first_slot, jnp.int32))
+  return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args)
+
+
+@jax.custom_vjp
+def _flash(q, k, v, segment_ids):
+  return _flash_fwd(q, k, v, segment_ids)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids):
+  b, s, h, _ = q.shape
+  out, lse = _call("longrl_flash_forward", (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                            jax.ShapeDtypeStruct((b, h, s), jnp.float32)),
+                   q, k, v, segment_ids)
+  return out, (q, k, v, segment_ids, out, lse)
+
+
+def _flash_bwd(residuals, dout):
+  q, k, v, segment_ids, out, lse = residuals
+  shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+  dq, dk, dv = _call("longrl_flash_backward", shapes, q, k, v, segment_ids, out, lse,
+                     dout.astype(jnp.float32))
+  return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attention(q, k, v, segment_ids):
+  """Causal attention within segments: query i sees key j iff j <= i and both are in the same
+  segment (segment 0 = padding, whose output is zero). The contract of blockwise.attention.
+
+  q: f32[batch, seq, num_heads, head_dim]; k, v: f32[batch, seq, num_kv_heads, head_dim];
+  segment_ids: i32[batch, seq] -> f32[batch, seq, num_heads, head_dim]. Memory is linear in
+  seq: the backward pass keeps (q, k, v, out, logsumexp) and recomputes the probabilities.
+
+  Under a mesh set with `jax.set_mesh`, each device runs the kernel on its own rows and heads
+  (split as models/sharding.py's rules say; query heads follow their KV heads): XLA cannot
+  partition a foreign call, and would gather the whole batch onto every device.
+  """
+  local = lambda q, k, v, seg: _flash(q * q.shape[-1] ** -0.5, k, v, seg.astype(jnp.int32))
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return local(q, k, v, segment_ids)
+  qkv = sharding.spec((sharding.BATCH, sharding.SEQ, sharding.ACT_KV_HEADS, None), k.shape, mesh)
+  if qkv[1] is not None:
+    raise ValueError("cpu.attention splits no sequence; ring attention does (a `context` axis)")
+  seg = P(qkv[0], None)
+  return jax.shard_map(local, in_specs=(qkv, qkv, qkv, seg), out_specs=qkv,
+                       check_vma=False)(q, k, v, segment_ids)

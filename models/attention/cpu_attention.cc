@@ -1,9 +1,8 @@
 // Attention kernels for XLA:CPU, called through XLA's FFI (models/attention/cpu.py builds and
 // registers them). fp32 only.
 //
-// Vectors are GCC vector extensions of 16 floats: with -march=native they compile to one
-// AVX-512 register where the CPU has it and to two AVX2 registers (or four SSE ones) elsewhere.
-// Work is shared out over XLA's intra-op thread pool (ffi::ThreadPool), the caller working too.
+// Vectors are GCC vector extensions as wide as the target's registers (-march=native picks
+// the CPU's). Work is shared out over XLA's intra-op thread pool (ffi::ThreadPool), the caller working too.
 
 #include <algorithm>
 #include <atomic>
@@ -22,52 +21,59 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef float f32x16u __attribute__((vector_size(64), aligned(4), __may_alias__));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
+// The widest vectors the target has: 16 floats (AVX-512), 8 (AVX) or 4 (SSE). Wider GCC
+// vectors than the target's registers compile to scalar code in places (40x slower here).
+#if defined(__AVX512F__)
+#define LONGRL_LANES 16
+#elif defined(__AVX__)
+#define LONGRL_LANES 8
+#else
+#define LONGRL_LANES 4
+#endif
+constexpr int kLanes = LONGRL_LANES;
+typedef float fvec __attribute__((vector_size(4 * LONGRL_LANES)));
+typedef int32_t ivec __attribute__((vector_size(4 * LONGRL_LANES)));
+typedef float fvec_unaligned __attribute__((vector_size(4 * LONGRL_LANES), aligned(4), __may_alias__));
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16u*>(p); }
-inline void store16(float* p, f32x16 x) { *reinterpret_cast<f32x16u*>(p) = x; }
-inline f32x16 splat(float x) { return f32x16{} + x; }
+inline fvec load(const float* p) { return *reinterpret_cast<const fvec_unaligned*>(p); }
+inline void store(float* p, fvec x) { *reinterpret_cast<fvec_unaligned*>(p) = x; }
+inline fvec splat(float x) { return fvec{} + x; }
 
-inline float hsum(f32x16 x) {
-  f32x8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+inline float hsum(fvec x) {
+  float sum = 0.0f;
+  for (int i = 0; i < kLanes; ++i) sum += x[i];
+  return sum;
 }
 
-// exp(x) for 16 lanes (Cephes' expf: |error| <= 2 ulp), exp(-inf) = 0 and large negative
+// exp(x) lane by lane (Cephes' expf: |error| <= 2 ulp), exp(-inf) = 0 and large negative
 // arguments flush to 0.
-inline f32x16 vexp(f32x16 x) {
-  const f32x16 hi = splat(88.3762626647949f), lo = splat(-87.0f);
-  f32x16 xc = x < lo ? lo : (x > hi ? hi : x);
-  const f32x16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  f32x16 n = (xc * 1.44269504088896341f + magic) - magic;
-  f32x16 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = splat(1.9875691500E-4f);
+inline fvec vexp(fvec x) {
+  const fvec hi = splat(88.3762626647949f), lo = splat(-87.0f);
+  fvec xc = x < lo ? lo : (x > hi ? hi : x);
+  const fvec magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  fvec n = (xc * 1.44269504088896341f + magic) - magic;
+  fvec r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  fvec p = splat(1.9875691500E-4f);
   p = p * r + 1.3981999507E-3f;
   p = p * r + 8.3334519073E-3f;
   p = p * r + 4.1665795894E-2f;
   p = p * r + 1.6666665459E-1f;
   p = p * r + 5.0000001201E-1f;
   p = p * (r * r) + r + 1.0f;
-  i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
+  ivec e = (__builtin_convertvector(n, ivec) + 127) << 23;
+  fvec scale;
   std::memcpy(&scale, &e, sizeof(scale));
-  f32x16 y = p * scale;
-  return x < lo ? f32x16{} : y;
+  fvec y = p * scale;
+  return x < lo ? fvec{} : y;
 }
 
-// Row operations over head_dim = n floats, 16 lanes at a time and the tail one by one.
+// Row operations over head_dim = n floats, a vector at a time and the tail one by one.
 inline float dot(const float* a, const float* b, int64_t n) {
-  f32x16 acc{};
+  fvec acc{};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
   float sum = hsum(acc);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
@@ -75,13 +81,13 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline void axpy(float* y, float a, const float* x, int64_t n) {  // y += a x
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(y + i, load16(y + i) + a * load16(x + i));
+  for (; i + kLanes <= n; i += kLanes) store(y + i, load(y + i) + a * load(x + i));
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
 inline void scale_to(float* y, float a, const float* x, int64_t n) {  // y = a x
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(y + i, a * load16(x + i));
+  for (; i + kLanes <= n; i += kLanes) store(y + i, a * load(x + i));
   for (; i < n; ++i) y[i] = a * x[i];
 }
 
@@ -173,11 +179,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         for (int64_t j = 0; j < seen; ++j) sr[j] = 0.0f;
         continue;
       }
-      f32x16 total{};
+      fvec total{};
       int64_t j = 0;
-      for (; j + 16 <= seen; j += 16) {
-        f32x16 p = vexp(load16(sr + j) - m);
-        store16(sr + j, p);
+      for (; j + kLanes <= seen; j += kLanes) {
+        fvec p = vexp(load(sr + j) - m);
+        store(sr + j, p);
         total += p;
       }
       float sum = hsum(total);
@@ -204,6 +210,320 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// ---- matrix products on small packed blocks ----
+
+// Accumulators a micro-kernel keeps in registers (of 32 with AVX-512, else 16), and vectors
+// across one output panel.
+constexpr int kAccVectors = kLanes == 16 ? 24 : 12;
+constexpr int kMaxPanel = 4;
+
+// C[i][0:kLanes NV] (+)= sum_k A(i, k) B[k][0:kLanes NV] for i < MR, with A(i, k) = A[i * ars + k * acs]
+// (a row-major A, or a transposed one), B's rows ldb apart and C's ldc apart. The MR x NV
+// accumulators stay in registers over the whole k loop.
+template <int MR, int NV>
+inline void micro_kernel(int64_t kk, const float* A, int64_t ars, int64_t acs, const float* B,
+                         int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  fvec acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = accumulate ? load(C + i * ldc + kLanes * v) : fvec{};
+  for (int64_t k = 0; k < kk; ++k) {
+    fvec b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load(B + k * ldb + kLanes * v);
+    for (int i = 0; i < MR; ++i) {
+      const float a = A[i * ars + k * acs];
+      for (int v = 0; v < NV; ++v) acc[i][v] += a * b[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) store(C + i * ldc + kLanes * v, acc[i][v]);
+}
+
+template <int NV>
+constexpr int rows_for() { return std::min(8, kAccVectors / NV); }
+
+template <int NV, int MR = rows_for<NV>()>
+void panel(int64_t m, int64_t kk, const float* A, int64_t ars, int64_t acs, const float* B,
+           int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR)
+    micro_kernel<MR, NV>(kk, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate);
+  if constexpr (MR > 1) {
+    if (i < m) panel<NV, MR / 2 ? MR / 2 : 1>(m - i, kk, A + i * ars, ars, acs, B, ldb,
+                                              C + i * ldc, ldc, accumulate);
+  }
+}
+
+// C[m x n] (+)= A[m x kk] B[kk x n], n a multiple of kLanes; A(i, k) = A[i * ars + k * acs].
+void gemm(int64_t m, int64_t n, int64_t kk, const float* A, int64_t ars, int64_t acs,
+          const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t c = 0; c < n;) {
+    const int64_t nv = std::min<int64_t>(kMaxPanel, (n - c) / kLanes);
+    switch (nv) {
+      case 4: panel<4>(m, kk, A, ars, acs, B + c, ldb, C + c, ldc, accumulate); break;
+      case 3: panel<3>(m, kk, A, ars, acs, B + c, ldb, C + c, ldc, accumulate); break;
+      case 2: panel<2>(m, kk, A, ars, acs, B + c, ldb, C + c, ldc, accumulate); break;
+      default: panel<1>(m, kk, A, ars, acs, B + c, ldb, C + c, ldc, accumulate); break;
+    }
+    c += kLanes * nv;
+  }
+}
+
+// ---- training: causal attention within segments, forward and backward ----
+//
+// q: [b, s, h, d] (already scaled by 1/sqrt(d)); k, v: [b, s, kh, d]; seg: i32[b, s], 0 =
+// padding. Query i sees key j iff j <= i, seg[j] == seg[i] and seg[i] != 0 (the rule of
+// models/attention/blockwise.py); a query that sees none outputs zeros, with lse = +inf.
+//
+// A work item is one KV head of one row and a block of query positions; its rows are the g
+// query heads of that KV head times the block's positions (row r = head * nq + position), so
+// keys and values are read once for the whole group. Key blocks are kKeys positions; pairs of
+// blocks that no query of the block can see (causally or by segment) are skipped. Everything a
+// product touches is packed into thread-local buffers whose width dp is head_dim rounded up
+// to 16, zero-padded, so any head_dim works.
+
+constexpr int64_t kKeys = 64;
+
+struct Dims {
+  int64_t b, s, h, kh, g, d, dp, bq;  // dp: padded head_dim; bq: query positions per block
+};
+
+Dims dims_of(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k) {
+  Dims x{q[0], q[1], q[2], k[2], q[2] / k[2], q[3], (q[3] + 15) / 16 * 16, 0};
+  x.bq = std::clamp<int64_t>(128 / x.g, 16, 64);  // ~128 rows per block
+  return x;
+}
+
+enum class Visible { kNone, kSome, kAll };
+
+// Which (query, key) pairs of a block pair are visible; mask[t * kKeys + j] for kSome.
+Visible block_mask(const int32_t* seg, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
+                   uint8_t* mask) {
+  if (k0 > q0 + nq - 1) return Visible::kNone;
+  const int32_t first = seg[q0];
+  bool uniform = first != 0 && k0 + nk - 1 <= q0;
+  for (int64_t t = 0; uniform && t < nq; ++t) uniform = seg[q0 + t] == first;
+  for (int64_t j = 0; uniform && j < nk; ++j) uniform = seg[k0 + j] == first;
+  if (uniform) return Visible::kAll;
+  int64_t count = 0;
+  for (int64_t t = 0; t < nq; ++t) {
+    const int32_t st = seg[q0 + t];
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const bool on = j < nk && st != 0 && seg[k0 + j] == st && k0 + j <= q0 + t;
+      mask[t * kKeys + j] = on;
+      count += on;
+    }
+  }
+  return count ? Visible::kSome : Visible::kNone;
+}
+
+// Rows [pos0, pos0 + n) of head `head` of x [.., s, heads, d] (row `base`) into dst [n x dp].
+void pack_rows(const float* x, int64_t row_stride, int64_t n, int64_t d, int64_t dp, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(dst + t * dp, x + t * row_stride, d * sizeof(float));
+    std::fill(dst + t * dp + d, dst + (t + 1) * dp, 0.0f);
+  }
+}
+
+// Key rows [k0, k0 + nk) of x as the transposed block dst [d x kKeys], zero past nk.
+void pack_transposed(const float* x, int64_t row_stride, int64_t nk, int64_t d, float* dst) {
+  for (int64_t c = 0; c < d; ++c) {
+    for (int64_t j = 0; j < nk; ++j) dst[c * kKeys + j] = x[j * row_stride + c];
+    std::fill(dst + c * kKeys + nk, dst + (c + 1) * kKeys, 0.0f);
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, o, s, p2, kt, vt, kr, vr, m, l, dk, dv;
+  std::vector<uint8_t> mask;
+};
+
+Scratch& scratch() {
+  thread_local Scratch buffers;
+  return buffers;
+}
+
+// The g heads' query (or output gradient) rows of one block, packed [g * nq x dp].
+void pack_group(const float* x, const Dims& n, int64_t bi, int64_t ki, int64_t q0, int64_t nq,
+                float* dst) {
+  for (int64_t gg = 0; gg < n.g; ++gg)
+    pack_rows(x + ((bi * n.s + q0) * n.h + ki * n.g + gg) * n.d, n.h * n.d, nq, n.d, n.dp,
+              dst + gg * nq * n.dp);
+}
+
+ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg,
+                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  const Dims n = dims_of(q.dimensions(), k.dimensions());
+  const int64_t q_blocks = (n.s + n.bq - 1) / n.bq;
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const int32_t* segp = seg.typed_data();
+  float* op = out->typed_data();
+  float* lp = lse->typed_data();
+
+  parallel_for(pool, n.b * n.kh * q_blocks, [&](int64_t item) {
+    // Later query blocks see more keys: hand them out first.
+    const int64_t qb = q_blocks - 1 - item % q_blocks, ki = item / q_blocks % n.kh,
+                  bi = item / q_blocks / n.kh;
+    const int64_t q0 = qb * n.bq, nq = std::min(n.bq, n.s - q0), rows = n.g * nq;
+    const int32_t* sg = segp + bi * n.s;
+    Scratch& w = scratch();
+    w.q.resize(rows * n.dp);
+    w.o.assign(rows * n.dp, 0.0f);
+    w.s.resize(rows * kKeys);
+    w.kt.resize(n.d * kKeys);
+    w.vr.resize(kKeys * n.dp);
+    w.m.assign(rows, kNegInf);
+    w.l.assign(rows, 0.0f);
+    w.mask.resize(n.bq * kKeys);
+    pack_group(qp, n, bi, ki, q0, nq, w.q.data());
+    for (int64_t k0 = 0; k0 < n.s && k0 <= q0 + nq - 1; k0 += kKeys) {
+      const int64_t nk = std::min(kKeys, n.s - k0);
+      const Visible vis = block_mask(sg, q0, nq, k0, nk, w.mask.data());
+      if (vis == Visible::kNone) continue;
+      const float* kb = kp + ((bi * n.s + k0) * n.kh + ki) * n.d;
+      const float* vb = vp + ((bi * n.s + k0) * n.kh + ki) * n.d;
+      pack_transposed(kb, n.kh * n.d, nk, n.d, w.kt.data());
+      pack_rows(vb, n.kh * n.d, nk, n.d, n.dp, w.vr.data());
+      gemm(rows, kKeys, n.d, w.q.data(), n.dp, 1, w.kt.data(), kKeys, w.s.data(), kKeys, false);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = w.s.data() + r * kKeys;
+        const uint8_t* mr = w.mask.data() + (r % nq) * kKeys;
+        for (int64_t j = 0; j < kKeys; ++j)
+          if (j >= nk || (vis == Visible::kSome && !mr[j])) sr[j] = kNegInf;
+        fvec mx = splat(kNegInf);
+        for (int64_t j = 0; j < kKeys; j += kLanes) {
+          fvec x = load(sr + j);
+          mx = x > mx ? x : mx;
+        }
+        float row_max = kNegInf;
+        for (int lane = 0; lane < kLanes; ++lane) row_max = std::max(row_max, mx[lane]);
+        const float m_new = std::max(w.m[r], row_max);
+        if (m_new == kNegInf) {  // no key seen yet
+          std::fill(sr, sr + kKeys, 0.0f);
+          continue;
+        }
+        fvec total{};
+        for (int64_t j = 0; j < kKeys; j += kLanes) {
+          fvec p = vexp(load(sr + j) - m_new);
+          store(sr + j, p);
+          total += p;
+        }
+        const float correction = w.m[r] == kNegInf ? 0.0f : std::exp(w.m[r] - m_new);
+        w.l[r] = w.l[r] * correction + hsum(total);
+        w.m[r] = m_new;
+        if (correction != 1.0f) scale_to(w.o.data() + r * n.dp, correction, w.o.data() + r * n.dp, n.dp);
+      }
+      gemm(rows, n.dp, nk, w.s.data(), kKeys, 1, w.vr.data(), n.dp, w.o.data(), n.dp, true);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t gg = r / nq, t = r % nq, head = ki * n.g + gg;
+      float* o = op + ((bi * n.s + q0 + t) * n.h + head) * n.d;
+      const bool seen = w.l[r] > 0.0f;
+      scale_to(o, seen ? 1.0f / w.l[r] : 0.0f, w.o.data() + r * n.dp, n.d);
+      lp[(bi * n.h + head) * n.s + q0 + t] =
+          seen ? w.m[r] + std::log(w.l[r]) : std::numeric_limits<float>::infinity();
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// dq, dk, dv of FlashForward; out and lse are its outputs, dout the output cotangent.
+// A work item is one KV head of one row, whole: it owns those rows of dk and dv (and dq), so
+// no two threads add into the same gradient.
+ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg,
+                         ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
+                         ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
+                         ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
+  const Dims n = dims_of(q.dimensions(), k.dimensions());
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const int32_t* segp = seg.typed_data();
+  const float* outp = out.typed_data();
+  const float* lp = lse.typed_data();
+  const float* dop = dout.typed_data();
+  float* dqp = dq->typed_data();
+  float* dkp = dk->typed_data();
+  float* dvp = dv->typed_data();
+
+  parallel_for(pool, n.b * n.kh, [&](int64_t item) {
+    const int64_t ki = item % n.kh, bi = item / n.kh;
+    const int32_t* sg = segp + bi * n.s;
+    Scratch& w = scratch();
+    const int64_t max_rows = n.g * n.bq;
+    w.q.resize(max_rows * n.dp);
+    w.o.resize(max_rows * n.dp);  // the packed output gradient
+    w.s.resize(max_rows * kKeys);
+    w.p2.resize(max_rows * kKeys);
+    w.kt.resize(n.d * kKeys);
+    w.vt.resize(n.d * kKeys);
+    w.kr.resize(kKeys * n.dp);
+    w.m.resize(max_rows);  // lse
+    w.l.resize(max_rows);  // delta = sum(dout * out)
+    w.mask.resize(n.bq * kKeys);
+    w.dk.assign(n.s * n.dp, 0.0f);
+    w.dv.assign(n.s * n.dp, 0.0f);
+    std::vector<float> dq_block(max_rows * n.dp);
+    for (int64_t q0 = 0; q0 < n.s; q0 += n.bq) {
+      const int64_t nq = std::min(n.bq, n.s - q0), rows = n.g * nq;
+      pack_group(qp, n, bi, ki, q0, nq, w.q.data());
+      pack_group(dop, n, bi, ki, q0, nq, w.o.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t head = ki * n.g + r / nq, pos = q0 + r % nq;
+        w.m[r] = lp[(bi * n.h + head) * n.s + pos];
+        w.l[r] = dot(dop + ((bi * n.s + pos) * n.h + head) * n.d,
+                     outp + ((bi * n.s + pos) * n.h + head) * n.d, n.d);
+      }
+      std::fill(dq_block.begin(), dq_block.begin() + rows * n.dp, 0.0f);
+      for (int64_t k0 = 0; k0 < n.s && k0 <= q0 + nq - 1; k0 += kKeys) {
+        const int64_t nk = std::min(kKeys, n.s - k0);
+        const Visible vis = block_mask(sg, q0, nq, k0, nk, w.mask.data());
+        if (vis == Visible::kNone) continue;
+        const float* kb = kp + ((bi * n.s + k0) * n.kh + ki) * n.d;
+        const float* vb = vp + ((bi * n.s + k0) * n.kh + ki) * n.d;
+        pack_transposed(kb, n.kh * n.d, nk, n.d, w.kt.data());
+        pack_transposed(vb, n.kh * n.d, nk, n.d, w.vt.data());
+        pack_rows(kb, n.kh * n.d, nk, n.d, n.dp, w.kr.data());
+        float* P = w.s.data();
+        float* dS = w.p2.data();
+        gemm(rows, kKeys, n.d, w.q.data(), n.dp, 1, w.kt.data(), kKeys, P, kKeys, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* pr = P + r * kKeys;
+          const fvec shift = splat(w.m[r]);
+          for (int64_t j = 0; j < kKeys; j += kLanes) store(pr + j, vexp(load(pr + j) - shift));
+          const uint8_t* mr = w.mask.data() + (r % nq) * kKeys;
+          for (int64_t j = 0; j < kKeys; ++j)
+            if (j >= nk || (vis == Visible::kSome && !mr[j])) pr[j] = 0.0f;
+        }
+        // dv[keys] += P^T dout; dP = dout V^T; dS = P (dP - delta); dk += dS^T q; dq += dS k.
+        gemm(nk, n.dp, rows, P, 1, kKeys, w.o.data(), n.dp, w.dv.data() + k0 * n.dp, n.dp, true);
+        gemm(rows, kKeys, n.d, w.o.data(), n.dp, 1, w.vt.data(), kKeys, dS, kKeys, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          const fvec delta = splat(w.l[r]);
+          for (int64_t j = 0; j < kKeys; j += kLanes) {
+            store(dS + r * kKeys + j, load(P + r * kKeys + j) * (load(dS + r * kKeys + j) - delta));
+          }
+        }
+        gemm(nk, n.dp, rows, dS, 1, kKeys, w.q.data(), n.dp, w.dk.data() + k0 * n.dp, n.dp, true);
+        gemm(rows, n.dp, nk, dS, kKeys, 1, w.kr.data(), n.dp, dq_block.data(), n.dp, true);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t head = ki * n.g + r / nq, pos = q0 + r % nq;
+        std::memcpy(dqp + ((bi * n.s + pos) * n.h + head) * n.d, dq_block.data() + r * n.dp,
+                    n.d * sizeof(float));
+      }
+    }
+    for (int64_t j = 0; j < n.s; ++j) {
+      std::memcpy(dkp + ((bi * n.s + j) * n.kh + ki) * n.d, w.dk.data() + j * n.dp, n.d * sizeof(float));
+      std::memcpy(dvp + ((bi * n.s + j) * n.kh + ki) * n.d, w.dv.data() + j * n.dp, n.d * sizeof(float));
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LongrlDecodeAttention, DecodeAttention,
@@ -214,4 +534,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LongrlDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LongrlFlashForward, FlashForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LongrlFlashBackward, FlashBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

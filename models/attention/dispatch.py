@@ -4,12 +4,14 @@ Owns the kernel names, the per-backend default and the vendor-kernel calls. Mode
 `attention(q, k, v, segment_ids, kernel=cfg.attention)`; under a mesh with a `context` axis
 larger than 1 that is ring attention over blockwise tiles, otherwise:
 
-  auto       TPU -> splash, GPU -> cudnn, CPU -> blockwise (the only choice that falls back:
-             to blockwise when the vendor kernel is missing)
+  auto       TPU -> splash, GPU -> cudnn, CPU -> cpu (the only choice that falls back: to
+             blockwise when the vendor kernel is missing, or on CPU for arrays it does not
+             take)
   blockwise  models/attention/blockwise.py (any backend)
   dense      models/attention/reference.py (tests; O(seq^2) memory)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"); GPU only
   splash     Pallas splash attention; TPU only
+  cpu        models/attention/cpu.py: C++ kernels through XLA's FFI; CPU only, float32
 
 An explicit choice that cannot run raises. The choice is logged once per (request, backend).
 
@@ -26,8 +28,8 @@ import jax.numpy as jnp
 
 from models.attention import blockwise, cpu, reference, ring
 
-KERNELS = ("auto", "blockwise", "dense", "cudnn", "splash")
-_DEFAULTS = {"tpu": "splash", "gpu": "cudnn", "cpu": "blockwise"}
+KERNELS = ("auto", "blockwise", "dense", "cudnn", "splash", "cpu")
+_DEFAULTS = {"tpu": "splash", "gpu": "cudnn", "cpu": "cpu"}
 _log = logging.getLogger("longrl.attention")
 
 
@@ -82,6 +84,8 @@ def cudnn_attention(q, k, v, segment_ids, *, implementation: str = "cudnn"):
 
 
 def _vendor_kernel_available(name: str) -> bool:
+  if name == "cpu":
+    return jax.default_backend() == "cpu" and cpu.available()
   if name == "splash":
     try:
       from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel  # noqa: F401
@@ -102,6 +106,11 @@ def _vendor_kernel_available(name: str) -> bool:
 
 
 @functools.cache
+def _log_once(message: str):
+  _log.info(message)
+
+
+@functools.cache
 def resolve(kernel: str, backend: str) -> str:
   """The kernel that runs for request `kernel` on `backend`; raises KernelUnavailable."""
   if kernel not in KERNELS:
@@ -115,23 +124,32 @@ def resolve(kernel: str, backend: str) -> str:
   else:
     chosen = kernel
     if not _vendor_kernel_available(kernel):
-      needs = {"splash": "a TPU", "cudnn": "a GPU with cuDNN"}[kernel]
+      needs = {"splash": "a TPU", "cudnn": "a GPU with cuDNN",
+               "cpu": f"the CPU backend and its C++ kernels ({cpu.unavailable_reason()})"}[kernel]
       raise KernelUnavailable(f"attention kernel {kernel!r} needs {needs}; this backend is "
                               f"{backend!r}. Use attention='auto' or 'blockwise'.")
   _log.info("attention: requested %r on %s -> %s", kernel, backend, chosen)
   return chosen
 
 
-def plan(kernel: str, context: int) -> str:
-  """What runs for request `kernel` with the sequence split `context` ways: "ring" (over
-  blockwise tiles) or the kernel `resolve` picks. Raises KernelUnavailable."""
+def plan(kernel: str, context: int, dtype=jnp.float32) -> str:
+  """What runs for request `kernel` on q, k, v of `dtype` with the sequence split `context`
+  ways: "ring" (over blockwise tiles) or the kernel `resolve` picks, except that `auto` runs
+  blockwise where the CPU kernel does not take the dtype. Raises KernelUnavailable."""
   if context > 1:
     if kernel not in ("auto", "blockwise"):
       raise KernelUnavailable(f"attention={kernel!r} cannot run context-parallel (context="
                               f"{context}); ring attention uses blockwise tiles: use 'auto' or "
                               "'blockwise'")
     return "ring"
-  return resolve(kernel, jax.default_backend())
+  chosen = resolve(kernel, jax.default_backend())
+  if chosen == "cpu" and jnp.dtype(dtype) != jnp.float32:
+    if kernel != "auto":
+      raise KernelUnavailable(f"attention='cpu' takes float32; this model computes in "
+                              f"{jnp.dtype(dtype)}. Use attention='auto' or 'blockwise'.")
+    _log_once(f"attention: the CPU kernel takes float32; {jnp.dtype(dtype)} runs blockwise")
+    return "blockwise"
+  return chosen
 
 
 def attention(q, k, v, segment_ids, *, kernel: str = "auto"):
@@ -141,9 +159,11 @@ def attention(q, k, v, segment_ids, *, kernel: str = "auto"):
   segment_ids: i32[batch, seq], 0 = padding (zero output). Under a mesh whose `context` axis is
   larger than 1 the rows must be in zigzag order (ring.to_zigzag) and ring attention runs.
   """
-  chosen = plan(kernel, ring.context_size())
+  chosen = plan(kernel, ring.context_size(), jnp.result_type(q, k, v))
   if chosen == "ring":
     return ring.attention(q, k, v, segment_ids)
+  if chosen == "cpu":
+    return cpu.attention(q, k, v, segment_ids)
   if chosen == "blockwise":
     return blockwise.attention(q, k, v, segment_ids)
   if chosen == "dense":
