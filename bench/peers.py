@@ -29,8 +29,10 @@ ratios of moments, not of code: ours and each peer are timed in turns instead, o
 one generation) each, `--rounds` times, the order alternating, and a speedup is the median
 over the turns of peer time / our time. The table also gives each side's fastest time. Peak
 RSS is the train step's: noted after two steps, before any generation. MFU = model FLOPs per
-second (fastest step) / the fp32 peak: the fastest 2048^3 numpy matmul the same process ran,
-in the same turns (its ratio, peer / ours, shows how even the turns were; ~1), with
+second (fastest step) / the fp32 peak: the fastest 2048^3 matmul of the run, numpy's (which
+every part times in its turns: its ratio, peer / ours, shows how even the turns were; ~1) or
+a framework's own (jax.jit for ours and Tunix, torch.mm for PyTorch and TRL; on an AMD EPYC
+numpy's OpenBLAS reached half of XLA's rate, which put MFU above 100%), with
 model FLOPs = 6 x tokens x (matmul parameters) + 6 x layers x rows x seq^2 x heads x head_dim
 / 2 (causal attention), the same formula for everyone.
 """
@@ -67,9 +69,26 @@ def model_flops() -> float:
   return 6 * tokens * matmul_params + attention
 
 
-MEASURES = ("step", "gen", "matmul")  # what a part can time; "matmul" is the machine's peak
+# What a part can time: "matmul" is numpy's (the same on every side), "own_matmul" its
+# framework's; the fastest of either measures the machine's fp32 peak.
+MEASURES = ("step", "gen", "matmul", "own_matmul")
 SETTLE_S = 1.0  # pause before each timed run, see `paired`
 PEAK_N = 2048  # the matmul that measures this machine's fp32 peak: [n, n] @ [n, n]
+
+
+def own_matmul(framework: str):
+  """A zero-argument function running the peak-measuring matmul through the part's own
+  framework ("jax" or "torch"), waiting for its result."""
+  import numpy as np
+  a = np.random.default_rng(0).standard_normal((PEAK_N, PEAK_N), dtype=np.float32)
+  if framework == "torch":
+    import torch
+    t = torch.from_numpy(a)
+    return lambda: torch.mm(t, t)
+  import jax
+  x = jax.numpy.asarray(a)
+  square = jax.jit(lambda x: x @ x)
+  return lambda: jax.block_until_ready(square(x))
 
 
 def peak_matmul():
@@ -371,6 +390,7 @@ def serve(part: str):
   "done", answer with the peak RSS of the train steps and that of the whole process, and exit."""
   runs = PARTS[part][1]()
   runs["matmul"] = peak_matmul()
+  runs["own_matmul"] = own_matmul("torch" if PARTS[part][0] in ("torch", "trl") else "jax")
   runs["step"]()
   runs["step"]()
   train_rss = _peak_rss()  # TRL's figure, the memory target, has no generation in it either
@@ -470,9 +490,9 @@ def main():
 
 def report(results: dict):
   """The table: each part's fastest step and generation over its turns (ours and ours_ckpt:
-  over all of theirs), MFU against the fastest peak matmul its process ran in the same turns,
-  the train step's peak RSS; then per peer the median over the turns of peer time / our time,
-  with its range."""
+  over all of theirs), MFU against the fastest 2048^3 matmul of the run (numpy's or a
+  framework's own), the train step's peak RSS; then per peer the median over the turns of peer
+  time / our time, with its range."""
   new_tokens = PEER["gen_prompts"] * PEER["new_tokens"]
   peers = [part for part in results if part in OURS_FOR]
   times = {}  # part -> measure -> every time it took, over all its turns
@@ -482,15 +502,18 @@ def report(results: dict):
         times.setdefault(name, {}).setdefault(what, []).extend(seconds)
   fastest = {name: {what: min(ts) for what, ts in by_what.items()}
              for name, by_what in times.items()}
+  peak = max(2 * PEAK_N ** 3 / best[what] for best in fastest.values()
+             for what in ("matmul", "own_matmul") if what in best)
+  print(f"fp32 peak (fastest {PEAK_N}^3 matmul of the run): {peak / 1e9:.0f} GFLOP/s")
   print(f"{'':>12} {'s/step':>7} {'MFU':>5} {'peak RSS':>9} {'gen tok/s':>9}")
   for part in [name for name in results if name not in OURS_FOR] + peers:
     r, best = results[part], fastest[part]
-    mfu = model_flops() / best["step"] / (2 * PEAK_N ** 3 / best["matmul"])
+    mfu = model_flops() / best["step"] / peak
     gen = f"{new_tokens / best['gen']:9.0f}" if "gen" in best else f"{'-':>9}"
     print(f"{part:>12} {best['step']:7.2f} {mfu:5.0%} {r['peak_rss_bytes'] / 2**30:8.2f}G {gen}")
   for part in peers:
     line = f"{OURS_FOR[part]} vs {part}:"
-    for what in MEASURES:  # matmul: numpy on both sides, so ~1 on even turns
+    for what in ("step", "gen", "matmul"):  # matmul: numpy on both sides, ~1 on even turns
       if what in results[part]:
         ratios = results[part][what]["ratios"]
         line += (f" {what} {results[part][what]['speedup']:.2f}x"

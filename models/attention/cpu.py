@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -95,10 +96,18 @@ def _build() -> pathlib.Path:
   return out
 
 
-@functools.cache
+_loading = threading.Lock()
+
+
 def _load() -> str | None:
   """Build, load and register the kernels once per process; the reason they are unavailable,
   or None."""
+  with _loading:  # the first calls may come from several threads (the server's, a notebook's)
+    return _load_once()
+
+
+@functools.cache
+def _load_once() -> str | None:
   try:
     library = ctypes.CDLL(str(_build()))
     for name, symbol in TARGETS.items():

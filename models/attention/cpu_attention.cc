@@ -2,7 +2,8 @@
 // registers them). fp32 only.
 //
 // Vectors are GCC vector extensions as wide as the target's registers (-march=native picks
-// the CPU's). Work is shared out over XLA's intra-op thread pool (ffi::ThreadPool), the caller working too.
+// the CPU's). Work is shared out over XLA's intra-op thread pool (ffi::ThreadPool), the caller
+// working too.
 
 #include <algorithm>
 #include <atomic>
@@ -33,7 +34,8 @@ namespace {
 constexpr int kLanes = LONGRL_LANES;
 typedef float fvec __attribute__((vector_size(4 * LONGRL_LANES)));
 typedef int32_t ivec __attribute__((vector_size(4 * LONGRL_LANES)));
-typedef float fvec_unaligned __attribute__((vector_size(4 * LONGRL_LANES), aligned(4), __may_alias__));
+typedef float fvec_unaligned
+    __attribute__((vector_size(4 * LONGRL_LANES), aligned(4), __may_alias__));
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -217,9 +219,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 constexpr int kAccVectors = kLanes == 16 ? 24 : 12;
 constexpr int kMaxPanel = 4;
 
-// C[i][0:kLanes NV] (+)= sum_k A(i, k) B[k][0:kLanes NV] for i < MR, with A(i, k) = A[i * ars + k * acs]
-// (a row-major A, or a transposed one), B's rows ldb apart and C's ldc apart. The MR x NV
-// accumulators stay in registers over the whole k loop.
+// C[i][0:kLanes NV] (+)= sum_k A(i, k) B[k][0:kLanes NV] for i < MR, with
+// A(i, k) = A[i * ars + k * acs] (a row-major A, or a transposed one), B's rows ldb apart and
+// C's ldc apart. The MR x NV accumulators stay in registers over the whole k loop.
 template <int MR, int NV>
 inline void micro_kernel(int64_t kk, const float* A, int64_t ars, int64_t acs, const float* B,
                          int64_t ldb, float* C, int64_t ldc, bool accumulate) {
@@ -316,7 +318,7 @@ Visible block_mask(const int32_t* seg, int64_t q0, int64_t nq, int64_t k0, int64
   return count ? Visible::kSome : Visible::kNone;
 }
 
-// Rows [pos0, pos0 + n) of head `head` of x [.., s, heads, d] (row `base`) into dst [n x dp].
+// n rows of d floats, `row_stride` apart in x, into dst [n x dp], zero-padded to dp.
 void pack_rows(const float* x, int64_t row_stride, int64_t n, int64_t d, int64_t dp, float* dst) {
   for (int64_t t = 0; t < n; ++t) {
     std::memcpy(dst + t * dp, x + t * row_stride, d * sizeof(float));
@@ -324,7 +326,8 @@ void pack_rows(const float* x, int64_t row_stride, int64_t n, int64_t d, int64_t
   }
 }
 
-// Key rows [k0, k0 + nk) of x as the transposed block dst [d x kKeys], zero past nk.
+// nk rows of d floats, `row_stride` apart in x, as the transposed block dst [d x kKeys],
+// zero past nk.
 void pack_transposed(const float* x, int64_t row_stride, int64_t nk, int64_t d, float* dst) {
   for (int64_t c = 0; c < d; ++c) {
     for (int64_t j = 0; j < nk; ++j) dst[c * kKeys + j] = x[j * row_stride + c];
@@ -332,15 +335,25 @@ void pack_transposed(const float* x, int64_t row_stride, int64_t nk, int64_t d, 
   }
 }
 
-struct Scratch {
-  std::vector<float> q, o, s, p2, kt, vt, kr, vr, m, l, dk, dv;
-  std::vector<uint8_t> mask;
+// One thread's buffers, reused by each work item it runs. rows = g x bq at most.
+struct ForwardScratch {
+  std::vector<float> q, out;    // [rows x dp]: the block's queries; its unnormalised output
+  std::vector<float> p;         // [rows x kKeys]: scores, then probabilities
+  std::vector<float> keys_t;    // [d x kKeys]: the key block, transposed
+  std::vector<float> values;    // [kKeys x dp]
+  std::vector<float> max, sum;  // [rows]: the online softmax's running max and normaliser
+  std::vector<uint8_t> mask;    // [bq x kKeys]
 };
 
-Scratch& scratch() {
-  thread_local Scratch buffers;
-  return buffers;
-}
+struct BackwardScratch {
+  std::vector<float> q, dout, dq;        // [rows x dp]
+  std::vector<float> p, ds;              // [rows x kKeys]: probabilities; score gradients
+  std::vector<float> keys_t, values_t;   // [d x kKeys]
+  std::vector<float> keys;               // [kKeys x dp]
+  std::vector<float> lse, delta;         // [rows]: delta = sum(dout * out) per row
+  std::vector<float> dk, dv;             // [s x dp]: one KV head's gradients over the row
+  std::vector<uint8_t> mask;             // [bq x kKeys]
+};
 
 // The g heads' query (or output gradient) rows of one block, packed [g * nq x dp].
 void pack_group(const float* x, const Dims& n, int64_t bi, int64_t ki, int64_t q0, int64_t nq,
@@ -368,14 +381,14 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
                   bi = item / q_blocks / n.kh;
     const int64_t q0 = qb * n.bq, nq = std::min(n.bq, n.s - q0), rows = n.g * nq;
     const int32_t* sg = segp + bi * n.s;
-    Scratch& w = scratch();
+    thread_local ForwardScratch w;
     w.q.resize(rows * n.dp);
-    w.o.assign(rows * n.dp, 0.0f);
-    w.s.resize(rows * kKeys);
-    w.kt.resize(n.d * kKeys);
-    w.vr.resize(kKeys * n.dp);
-    w.m.assign(rows, kNegInf);
-    w.l.assign(rows, 0.0f);
+    w.out.assign(rows * n.dp, 0.0f);
+    w.p.resize(rows * kKeys);
+    w.keys_t.resize(n.d * kKeys);
+    w.values.resize(kKeys * n.dp);
+    w.max.assign(rows, kNegInf);
+    w.sum.assign(rows, 0.0f);
     w.mask.resize(n.bq * kKeys);
     pack_group(qp, n, bi, ki, q0, nq, w.q.data());
     for (int64_t k0 = 0; k0 < n.s && k0 <= q0 + nq - 1; k0 += kKeys) {
@@ -384,11 +397,11 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
       if (vis == Visible::kNone) continue;
       const float* kb = kp + ((bi * n.s + k0) * n.kh + ki) * n.d;
       const float* vb = vp + ((bi * n.s + k0) * n.kh + ki) * n.d;
-      pack_transposed(kb, n.kh * n.d, nk, n.d, w.kt.data());
-      pack_rows(vb, n.kh * n.d, nk, n.d, n.dp, w.vr.data());
-      gemm(rows, kKeys, n.d, w.q.data(), n.dp, 1, w.kt.data(), kKeys, w.s.data(), kKeys, false);
+      pack_transposed(kb, n.kh * n.d, nk, n.d, w.keys_t.data());
+      pack_rows(vb, n.kh * n.d, nk, n.d, n.dp, w.values.data());
+      gemm(rows, kKeys, n.d, w.q.data(), n.dp, 1, w.keys_t.data(), kKeys, w.p.data(), kKeys, false);
       for (int64_t r = 0; r < rows; ++r) {
-        float* sr = w.s.data() + r * kKeys;
+        float* sr = w.p.data() + r * kKeys;
         const uint8_t* mr = w.mask.data() + (r % nq) * kKeys;
         for (int64_t j = 0; j < kKeys; ++j)
           if (j >= nk || (vis == Visible::kSome && !mr[j])) sr[j] = kNegInf;
@@ -399,7 +412,7 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
         }
         float row_max = kNegInf;
         for (int lane = 0; lane < kLanes; ++lane) row_max = std::max(row_max, mx[lane]);
-        const float m_new = std::max(w.m[r], row_max);
+        const float m_new = std::max(w.max[r], row_max);
         if (m_new == kNegInf) {  // no key seen yet
           std::fill(sr, sr + kKeys, 0.0f);
           continue;
@@ -410,20 +423,22 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
           store(sr + j, p);
           total += p;
         }
-        const float correction = w.m[r] == kNegInf ? 0.0f : std::exp(w.m[r] - m_new);
-        w.l[r] = w.l[r] * correction + hsum(total);
-        w.m[r] = m_new;
-        if (correction != 1.0f) scale_to(w.o.data() + r * n.dp, correction, w.o.data() + r * n.dp, n.dp);
+        const float correction = w.max[r] == kNegInf ? 0.0f : std::exp(w.max[r] - m_new);
+        w.sum[r] = w.sum[r] * correction + hsum(total);
+        w.max[r] = m_new;
+        if (correction != 1.0f) {
+          scale_to(w.out.data() + r * n.dp, correction, w.out.data() + r * n.dp, n.dp);
+        }
       }
-      gemm(rows, n.dp, nk, w.s.data(), kKeys, 1, w.vr.data(), n.dp, w.o.data(), n.dp, true);
+      gemm(rows, n.dp, nk, w.p.data(), kKeys, 1, w.values.data(), n.dp, w.out.data(), n.dp, true);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t gg = r / nq, t = r % nq, head = ki * n.g + gg;
       float* o = op + ((bi * n.s + q0 + t) * n.h + head) * n.d;
-      const bool seen = w.l[r] > 0.0f;
-      scale_to(o, seen ? 1.0f / w.l[r] : 0.0f, w.o.data() + r * n.dp, n.d);
+      const bool seen = w.sum[r] > 0.0f;
+      scale_to(o, seen ? 1.0f / w.sum[r] : 0.0f, w.out.data() + r * n.dp, n.d);
       lp[(bi * n.h + head) * n.s + q0 + t] =
-          seen ? w.m[r] + std::log(w.l[r]) : std::numeric_limits<float>::infinity();
+          seen ? w.max[r] + std::log(w.sum[r]) : std::numeric_limits<float>::infinity();
     }
   });
   return ffi::Error::Success();
@@ -452,73 +467,74 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   parallel_for(pool, n.b * n.kh, [&](int64_t item) {
     const int64_t ki = item % n.kh, bi = item / n.kh;
     const int32_t* sg = segp + bi * n.s;
-    Scratch& w = scratch();
+    thread_local BackwardScratch w;
     const int64_t max_rows = n.g * n.bq;
     w.q.resize(max_rows * n.dp);
-    w.o.resize(max_rows * n.dp);  // the packed output gradient
-    w.s.resize(max_rows * kKeys);
-    w.p2.resize(max_rows * kKeys);
-    w.kt.resize(n.d * kKeys);
-    w.vt.resize(n.d * kKeys);
-    w.kr.resize(kKeys * n.dp);
-    w.m.resize(max_rows);  // lse
-    w.l.resize(max_rows);  // delta = sum(dout * out)
+    w.dout.resize(max_rows * n.dp);
+    w.dq.resize(max_rows * n.dp);
+    w.p.resize(max_rows * kKeys);
+    w.ds.resize(max_rows * kKeys);
+    w.keys_t.resize(n.d * kKeys);
+    w.values_t.resize(n.d * kKeys);
+    w.keys.resize(kKeys * n.dp);
+    w.lse.resize(max_rows);
+    w.delta.resize(max_rows);
     w.mask.resize(n.bq * kKeys);
     w.dk.assign(n.s * n.dp, 0.0f);
     w.dv.assign(n.s * n.dp, 0.0f);
-    std::vector<float> dq_block(max_rows * n.dp);
     for (int64_t q0 = 0; q0 < n.s; q0 += n.bq) {
       const int64_t nq = std::min(n.bq, n.s - q0), rows = n.g * nq;
       pack_group(qp, n, bi, ki, q0, nq, w.q.data());
-      pack_group(dop, n, bi, ki, q0, nq, w.o.data());
+      pack_group(dop, n, bi, ki, q0, nq, w.dout.data());
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t head = ki * n.g + r / nq, pos = q0 + r % nq;
-        w.m[r] = lp[(bi * n.h + head) * n.s + pos];
-        w.l[r] = dot(dop + ((bi * n.s + pos) * n.h + head) * n.d,
+        w.lse[r] = lp[(bi * n.h + head) * n.s + pos];
+        w.delta[r] = dot(dop + ((bi * n.s + pos) * n.h + head) * n.d,
                      outp + ((bi * n.s + pos) * n.h + head) * n.d, n.d);
       }
-      std::fill(dq_block.begin(), dq_block.begin() + rows * n.dp, 0.0f);
+      std::fill(w.dq.begin(), w.dq.begin() + rows * n.dp, 0.0f);
       for (int64_t k0 = 0; k0 < n.s && k0 <= q0 + nq - 1; k0 += kKeys) {
         const int64_t nk = std::min(kKeys, n.s - k0);
         const Visible vis = block_mask(sg, q0, nq, k0, nk, w.mask.data());
         if (vis == Visible::kNone) continue;
         const float* kb = kp + ((bi * n.s + k0) * n.kh + ki) * n.d;
         const float* vb = vp + ((bi * n.s + k0) * n.kh + ki) * n.d;
-        pack_transposed(kb, n.kh * n.d, nk, n.d, w.kt.data());
-        pack_transposed(vb, n.kh * n.d, nk, n.d, w.vt.data());
-        pack_rows(kb, n.kh * n.d, nk, n.d, n.dp, w.kr.data());
-        float* P = w.s.data();
-        float* dS = w.p2.data();
-        gemm(rows, kKeys, n.d, w.q.data(), n.dp, 1, w.kt.data(), kKeys, P, kKeys, false);
+        pack_transposed(kb, n.kh * n.d, nk, n.d, w.keys_t.data());
+        pack_transposed(vb, n.kh * n.d, nk, n.d, w.values_t.data());
+        pack_rows(kb, n.kh * n.d, nk, n.d, n.dp, w.keys.data());
+        float* P = w.p.data();
+        float* dS = w.ds.data();
+        gemm(rows, kKeys, n.d, w.q.data(), n.dp, 1, w.keys_t.data(), kKeys, P, kKeys, false);
         for (int64_t r = 0; r < rows; ++r) {
           float* pr = P + r * kKeys;
-          const fvec shift = splat(w.m[r]);
+          const fvec shift = splat(w.lse[r]);
           for (int64_t j = 0; j < kKeys; j += kLanes) store(pr + j, vexp(load(pr + j) - shift));
           const uint8_t* mr = w.mask.data() + (r % nq) * kKeys;
           for (int64_t j = 0; j < kKeys; ++j)
             if (j >= nk || (vis == Visible::kSome && !mr[j])) pr[j] = 0.0f;
         }
         // dv[keys] += P^T dout; dP = dout V^T; dS = P (dP - delta); dk += dS^T q; dq += dS k.
-        gemm(nk, n.dp, rows, P, 1, kKeys, w.o.data(), n.dp, w.dv.data() + k0 * n.dp, n.dp, true);
-        gemm(rows, kKeys, n.d, w.o.data(), n.dp, 1, w.vt.data(), kKeys, dS, kKeys, false);
+        gemm(nk, n.dp, rows, P, 1, kKeys, w.dout.data(), n.dp, w.dv.data() + k0 * n.dp, n.dp, true);
+        gemm(rows, kKeys, n.d, w.dout.data(), n.dp, 1, w.values_t.data(), kKeys, dS, kKeys, false);
         for (int64_t r = 0; r < rows; ++r) {
-          const fvec delta = splat(w.l[r]);
+          const fvec delta = splat(w.delta[r]);
           for (int64_t j = 0; j < kKeys; j += kLanes) {
             store(dS + r * kKeys + j, load(P + r * kKeys + j) * (load(dS + r * kKeys + j) - delta));
           }
         }
         gemm(nk, n.dp, rows, dS, 1, kKeys, w.q.data(), n.dp, w.dk.data() + k0 * n.dp, n.dp, true);
-        gemm(rows, n.dp, nk, dS, kKeys, 1, w.kr.data(), n.dp, dq_block.data(), n.dp, true);
+        gemm(rows, n.dp, nk, dS, kKeys, 1, w.keys.data(), n.dp, w.dq.data(), n.dp, true);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t head = ki * n.g + r / nq, pos = q0 + r % nq;
-        std::memcpy(dqp + ((bi * n.s + pos) * n.h + head) * n.d, dq_block.data() + r * n.dp,
+        std::memcpy(dqp + ((bi * n.s + pos) * n.h + head) * n.d, w.dq.data() + r * n.dp,
                     n.d * sizeof(float));
       }
     }
     for (int64_t j = 0; j < n.s; ++j) {
-      std::memcpy(dkp + ((bi * n.s + j) * n.kh + ki) * n.d, w.dk.data() + j * n.dp, n.d * sizeof(float));
-      std::memcpy(dvp + ((bi * n.s + j) * n.kh + ki) * n.d, w.dv.data() + j * n.dp, n.d * sizeof(float));
+      const int64_t at = ((bi * n.s + j) * n.kh + ki) * n.d;
+      std::memcpy(dkp + at, w.dk.data() + j * n.dp, n.d * sizeof(float));
+      std::memcpy(dvp + at, w.dv.data() + j * n.dp, n.d * sizeof(float));
     }
   });
   return ffi::Error::Success();
