@@ -139,3 +139,13 @@ def test_failed_build_falls_back_and_says_why(tmp_path):
   assert "no-such-compiler" in result.stdout
   assert "C++ CPU kernels unavailable" in result.stderr  # the warning names the fallback
   assert not list(tmp_path.iterdir())  # nothing half-built left behind
+
+
+def test_unwritable_cache_builds_in_the_temporary_directory(tmp_path, monkeypatch):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  monkeypatch.setenv("LONGRL_CACHE", str(blocker / "cache"))  # cannot be made: a file's child
+  monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  library = cpu._build()
+  assert library.parent.parent == tmp_path / "tmp" and library.exists()

@@ -2,8 +2,9 @@
 
 Owns building the kernels, registering them with XLA and their JAX-side calls. The C++ source
 is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`), for this CPU
-(-march=native), and cached under `$LONGRL_CACHE` (default ~/.cache/longrl), keyed by the
-source, the compiler, the XLA FFI headers and the CPU, so a later process loads it at once.
+(-march=native), and cached under `$LONGRL_CACHE` (default ~/.cache/longrl; the temporary
+directory where that cannot be made), keyed by the source, the compiler, the XLA FFI headers
+and the CPU, so a later process loads it at once.
 Where no compiler is found or the build fails, `available()` is False and `unavailable_reason()`
 says why; models/attention/dispatch.py then uses the XLA kernels.
 
@@ -76,10 +77,17 @@ def _build() -> pathlib.Path:
                pathlib.Path(include, "xla", "ffi", "api", "c_api.h").read_bytes(),
                _cpu_signature().encode()):
     key.update(part)
-  out = cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+  name = f"cpu_attention-{key.hexdigest()[:16]}.so"
+  out = cache_dir() / name
   if out.exists():
     return out
-  out.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    out.parent.mkdir(parents=True, exist_ok=True)
+  except OSError:  # a read-only home (some CI runners): build for this machine's session only
+    out = pathlib.Path(tempfile.gettempdir(), f"longrl-{os.getuid()}", name)
+    if out.exists():
+      return out
+    out.parent.mkdir(parents=True, exist_ok=True)
   # Built under a temporary name and renamed, so that processes building at once (test
   # workers) never load a half-written library.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
