@@ -87,8 +87,9 @@ def _peak_bytes(compiled):
 
 
 def _cpu_scratch_bytes(seq):
-  """The C++ kernel's thread-local buffers at their largest (cpu_attention.cc: Scratch): per
-  thread, dk and dv for one KV head over the row, and the blocks of one work item."""
+  """The C++ kernel's thread-local buffers at their largest (cpu_attention.cc:
+  BackwardScratch): per thread, dk and dv for one KV head over the row, and the blocks of one
+  work item."""
   group = HEADS // KV_HEADS
   rows, keys = group * max(16, min(64, 128 // group)), 64  # query rows of a block; its keys
   per_thread = 4 * (2 * seq * HEAD_DIM + 3 * rows * HEAD_DIM + 2 * rows * keys

@@ -154,9 +154,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   parallel_for(pool, b * kh, [&](int64_t item) {
     const int64_t bi = item / kh, ki = item % kh;
     thread_local std::vector<float> buf;
-    buf.resize(rows * seen + rows * d);
-    float* s = buf.data();
-    float* acc = s + rows * seen;
+    buf.resize(rows * seen + rows * d + rows);
+    float* s = buf.data();       // [rows x seen] scores, then probabilities
+    float* acc = s + rows * seen;  // [rows x d]
+    float* inv = acc + rows * d;   // [rows] 1 / softmax normaliser
     auto qrow = [&](int64_t r) { return qp + ((bi * ql + r / g) * h + ki * g + r % g) * d; };
     const float* kbase = kp + (bi * kh + ki) * slots * d;
     const float* vbase = vp + (bi * kh + ki) * slots * d;
@@ -171,7 +172,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         s[r * seen + j] = dot(qrow(r), kj, d) * scale;
       }
     }
-    std::vector<float> inv(rows);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s + r * seen;
       float m = kNegInf;

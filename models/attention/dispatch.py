@@ -182,8 +182,8 @@ def cached_attention(q, k, v, kv_valid, first_slot, *, kernel: str = "auto"):
   the whole cache.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if (kernel != "dense" and jax.default_backend() == "cpu" and cpu.supports(q, k, v)
-      and (mesh.empty or mesh.size == 1) and cpu.available()):
+  if (kernel != "dense" and cpu.supports(q, k, v) and (mesh.empty or mesh.size == 1)
+      and _vendor_kernel_available("cpu")):
     return cpu.decode_attention(q, k, v, kv_valid, first_slot)
   mask = reference.cache_mask(kv_valid, first_slot, q.shape[1])
   return reference.cached_attention(q, k, v, mask)
