@@ -215,14 +215,20 @@ def _generate_in_background(client, requests, sampling):
   return thread, out
 
 
-def _wait_for_tokens(url, at_least):
+def _wait_for_tokens(url, at_least, thread):
+  """True once the server holds at least `at_least` tokens of running requests; False when
+  `thread` (the client's) ends first. Polled over one kept-alive connection: a new one per
+  poll costs ~30 ms here, and a 160-token request takes ~130 ms."""
   deadline = time.monotonic() + 120
-  while time.monotonic() < deadline:
-    loads = httpx.get(url + "/v1/loads").json()["loads"][0]
-    if loads["num_running_reqs"] and loads["num_used_tokens"] >= at_least:
-      return
-    time.sleep(0.02)
-  raise TimeoutError("the server generated nothing")
+  with httpx.Client(base_url=url) as http:
+    while thread.is_alive() and time.monotonic() < deadline:
+      loads = http.get("/v1/loads").json()["loads"][0]
+      if loads["num_running_reqs"] and loads["num_used_tokens"] >= at_least:
+        return True
+      time.sleep(0.001)
+  if thread.is_alive():
+    raise TimeoutError(f"{url} generated nothing in 120 s")
+  return False
 
 
 def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, servers):
@@ -231,11 +237,15 @@ def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, ser
   prompt = tuple(PROMPTS[0])
   sampling = greedy(160)
   whole = client.generate([Request("whole", prompt, 160)], sampling)[0]
-  thread, out = _generate_in_background(client, [Request("cut-1", prompt, 160)], sampling)
-  _wait_for_tokens(urls[0], len(prompt) + 10)
-  client.abort("cut-")
-  thread.join()
-  first = out["result"][0]
+  for attempt in range(5):  # on a busy machine the request may end before a poll sees it
+    thread, out = _generate_in_background(client, [Request(f"cut-1.{attempt}", prompt, 160)],
+                                          sampling)
+    if _wait_for_tokens(urls[0], len(prompt) + 10, thread):
+      client.abort("cut-")
+    thread.join()
+    first = out["result"][0]
+    if first.finish_reason == "abort":
+      break
   assert first.finish_reason == "abort" and 0 < len(first.token_ids) < 160
   assert len(first.logprobs) == len(first.versions) == len(first.token_ids)
   # Resumed twice: first from the server's copy of the aborted request's keys and values
@@ -265,10 +275,9 @@ def test_prefix_cache_holds_aborted_requests_until_the_weights_change(model):
     r = ServerRequest(rid="p-1", input_ids=[3, 17, 22], max_new_tokens=400, temperature=0.0,
                       top_p=1.0, stop_token_ids=(), seed=0, return_logprob=False)
     scheduler.submit([r])
-    deadline = time.monotonic() + 120
-    while len(r.tokens) < 5 and time.monotonic() < deadline:
-      time.sleep(0.01)
-    scheduler.abort("p-")
+    with scheduler.lock:  # woken after each token: a polling loop could miss all 400
+      assert scheduler.lock.wait_for(lambda: len(r.tokens) >= 5, 120)
+      scheduler.abort("p-")
     assert r.done.wait(60) and r.finish_reason["type"] == "abort"
     while scheduler.running:  # the batch stores the prefix as it ends
       time.sleep(0.01)
@@ -336,7 +345,7 @@ def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
     client = SGLangClient(urls, max_in_flight=2, retries=1, retry_backoff=0.05)
     requests = [Request(f"k-{i}", (7, i % 40 + 3), 60, affinity=i) for i in range(16)]
     thread, out = _generate_in_background(client, requests, greedy(60))
-    _wait_for_tokens(urls[0], 20)
+    assert _wait_for_tokens(urls[0], 20, thread)
     started[0][0].kill()  # mid-iteration
     thread.join()
     completions = out["result"]
@@ -345,9 +354,9 @@ def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
     # Every server down: a clear error that keeps the completions already received (two
     # short requests finish on the live server before a long one is cut by the kill).
     client2 = SGLangClient(urls[1:], max_in_flight=1, retries=0)
-    last = [Request(f"s-{i}", (9, i + 3), 8) for i in range(2)] + [Request("l-0", (9, 30), 200)]
-    thread, out = _generate_in_background(client2, last, greedy(200))
-    _wait_for_tokens(urls[1], 60)
+    last = [Request(f"s-{i}", (9, i + 3), 8) for i in range(2)] + [Request("l-0", (9, 30), 1000)]
+    thread, out = _generate_in_background(client2, last, greedy(1000))
+    assert _wait_for_tokens(urls[1], 60, thread)
     started[1][0].kill()
     thread.join()
   finally:
