@@ -79,15 +79,13 @@ def _build() -> pathlib.Path:
     key.update(part)
   name = f"cpu_attention-{key.hexdigest()[:16]}.so"
   out = cache_dir() / name
-  if out.exists():
-    return out
   try:
     out.parent.mkdir(parents=True, exist_ok=True)
   except OSError:  # a read-only home (some CI runners): build for this machine's session only
     out = pathlib.Path(tempfile.gettempdir(), f"longrl-{os.getuid()}", name)
-    if out.exists():
-      return out
     out.parent.mkdir(parents=True, exist_ok=True)
+  if out.exists():
+    return out
   # Built under a temporary name and renamed, so that processes building at once (test
   # workers) never load a half-written library.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
