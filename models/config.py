@@ -5,11 +5,14 @@ rematerialisation). It does not own training settings (rl/), sharding (models/sh
 the Hugging Face config.json format (models/hf.py reads and writes it).
 
 Families: "qwen2" (Qwen2 / Qwen2.5: bias on q, k, v), "qwen3" (RMSNorm on each head's q and k,
-no bias, head_dim independent of the width), "llama" (Llama 3.x: no bias, optional llama3
-RoPE scaling). Everything else (RMSNorm, RoPE, grouped-query attention, SwiGLU) is shared.
+no bias, head_dim independent of the width), "llama" (Llama 3.x: no bias). Everything else
+(RMSNorm, RoPE, grouped-query attention, SwiGLU) is shared, and so are the RoPE scalings
+(`RopeScaling`: linear, dynamic, yarn, llama3), any of which a family's checkpoint may name;
+models/transformer.py computes their frequencies.
 """
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -21,13 +24,66 @@ FAMILIES = ("qwen2", "qwen3", "llama")
 REMAT_POLICIES = ("none", "full", "dots")
 
 
+# RoPE frequency scalings: one frozen dataclass per Hugging Face rope_type (its `rope_type`
+# class attribute), holding the parameters that type's rule in transformers'
+# modeling_rope_utils reads.
+
 @dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """Llama 3's RoPE frequency scaling (rope_type "llama3")."""
+class LinearRope:
+  """Position interpolation (rope_type "linear"): every frequency divided by `factor`."""
+  rope_type: ClassVar[str] = "linear"
+  factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicRope:
+  """Dynamic NTK scaling (rope_type "dynamic"): for sequences of n > max_position_embeddings
+  tokens, theta times a^(head_dim / (head_dim - 2)) with
+  a = factor x n / max_position_embeddings - (factor - 1), which slows the lowest frequency by a.
+
+  Here n is fixed at factor x max_position_embeddings (a = factor^2 - factor + 1) for every
+  sequence, as SGLang and vLLM compute it. transformers instead takes n from the longest
+  position of each batch (plain RoPE up to max_position_embeddings), so the two agree on a
+  sequence of exactly that length and differ on shorter ones. One fixed table keeps the
+  trainer, the KV-cache decoder and an SGLang engine on the same encoding, whatever the row
+  or cache length.
+  """
+  rope_type: ClassVar[str] = "dynamic"
+  factor: float
+  max_position_embeddings: int  # the checkpoint's trained context (config.json top level)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRope:
+  """YaRN (rope_type "yarn"; Peng et al. 2023, arXiv:2309.00071, "NTK-by-parts" interpolation
+  plus an attention temperature): dimensions that turn fewer than `beta_slow` times within the
+  original context are interpolated (frequency / factor), those turning more than `beta_fast`
+  times are kept, a linear ramp over the dimensions between; cos and sin are multiplied by
+  `attention_factor`, so the q.k logits by its square.
+  """
+  rope_type: ClassVar[str] = "yarn"
+  factor: float
+  original_max_position_embeddings: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True  # round the ramp's ends to whole dimensions
+  attention_factor: float | None = None  # None: the paper's 0.1 ln(factor) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Rope:
+  """Llama 3's scaling (rope_type "llama3"): wavelengths beyond original / low_freq_factor
+  slowed by `factor`, those below original / high_freq_factor kept, the band between
+  interpolated."""
+  rope_type: ClassVar[str] = "llama3"
   factor: float
   low_freq_factor: float
   high_freq_factor: float
   original_max_position_embeddings: int
+
+
+RopeScaling = LinearRope | DynamicRope | YarnRope | Llama3Rope
+ROPE_SCALINGS = {cls.rope_type: cls for cls in (LinearRope, DynamicRope, YarnRope, Llama3Rope)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,15 @@ writes (sharded files plus the index), which transformers and an SGLang server l
 Weights: HF stores a linear layer as weight[out, in]; ours are kernel[in, out], with the
 attention projections split by head: q_proj kernel[hidden, heads, head_dim], o_proj
 kernel[heads, head_dim, hidden]. RMSNorm `weight` is our `scale`.
+
+config.json's RoPE scaling (`rope_scaling`, transformers 4's spelling, which replaces 5's
+`rope_parameters` when both are there) becomes `ModelConfig.rope_scaling`: linear, dynamic,
+yarn or llama3, with transformers' defaults filled in; any other rope type is a CheckpointError.
 """
 
+import dataclasses
 import json
+import math
 import os
 import shutil
 from typing import Any, Callable, NamedTuple
@@ -24,7 +30,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models import transformer
-from models.config import ModelConfig, RopeScaling
+from models.config import (ROPE_SCALINGS, DynamicRope, Llama3Rope, LinearRope, ModelConfig,
+                           RopeScaling, YarnRope)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -58,18 +65,9 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
     raise CheckpointError("config.json mlp_bias=true is not supported")
   if family != "qwen2" and hf.get("attention_bias"):
     raise CheckpointError(f"config.json attention_bias=true is not supported for {family}")
-  rope = dict(hf.get("rope_parameters") or {})  # transformers 5
-  legacy = hf.get("rope_scaling") or {}  # transformers 4
-  rope.update({k: v for k, v in legacy.items() if k not in rope})
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  scaling = None
-  if rope_type == "llama3":
-    scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                          float(rope["high_freq_factor"]),
-                          int(rope["original_max_position_embeddings"]))
-  elif rope_type != "default":
-    raise CheckpointError(f"config.json rope type {rope_type!r} is not supported "
-                          "(default, llama3)")
+  # rope_parameters is transformers 5's; a rope_scaling (4.x's, the one Qwen's model cards
+  # say to add for long contexts) replaces it whole, in 4.x and in 5, rope_theta included.
+  rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
   heads = hf["num_attention_heads"]
   fields = dict(
       family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
@@ -79,19 +77,73 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
       intermediate_size=hf["intermediate_size"],
       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=family == "qwen2",
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling)
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      rope_scaling=_rope_scaling_from_hf(rope, hf))
   fields.update(overrides)
   return ModelConfig(**fields)
+
+
+def _rope_scaling_from_hf(rope: dict[str, Any], hf: dict[str, Any]) -> RopeScaling | None:
+  """The scaling that rope parameters `rope` name, with the defaults transformers gives what
+  config.json leaves out (modeling_rope_utils: standardize_rope_params and each rule)."""
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type == "default":
+    return None
+  if rope_type not in ROPE_SCALINGS:
+    raise CheckpointError(f"config.json rope type {rope_type!r} is not supported "
+                          f"(default, {', '.join(ROPE_SCALINGS)})")
+
+  def need(key, value):
+    if value is None:
+      raise CheckpointError(f"config.json rope type {rope_type!r} needs {key}")
+    return value
+
+  max_positions = hf.get("max_position_embeddings")
+  if rope_type == "linear":
+    return LinearRope(float(need("factor", rope.get("factor"))))
+  if rope_type == "dynamic":  # one fixed table, not transformers' per-batch one: see DynamicRope
+    return DynamicRope(float(need("factor", rope.get("factor"))),
+                       int(need("max_position_embeddings", max_positions)))
+  # transformers prefers a top-level original_max_position_embeddings (Phi-3 keeps it there)
+  original = int(need("original_max_position_embeddings",
+                      hf.get("original_max_position_embeddings")
+                      or rope.get("original_max_position_embeddings") or max_positions))
+  if rope_type == "llama3":
+    return Llama3Rope(float(need("factor", rope.get("factor"))),
+                      float(need("low_freq_factor", rope.get("low_freq_factor"))),
+                      float(need("high_freq_factor", rope.get("high_freq_factor"))), original)
+  factor = float(rope.get("factor") or need("factor or max_position_embeddings",
+                                            max_positions) / original)
+  attention = rope.get("attention_factor")
+  if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+    # DeepSeek's spelling of YaRN's temperature, a ratio of two of the paper's 0.1 ln(s) + 1
+    mscale = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+    attention = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
+  return YarnRope(factor, original, beta_fast=float(rope.get("beta_fast") or 32),
+                  beta_slow=float(rope.get("beta_slow") or 1),
+                  truncate=bool(rope.get("truncate", True)),
+                  attention_factor=None if attention is None else float(attention))
+
+
+def _rope_scaling_to_hf(s: RopeScaling) -> dict[str, Any]:
+  """Rope parameters for `s` that transformers reads back as `s` (defaults written out)."""
+  fields = {k: v for k, v in dataclasses.asdict(s).items() if v is not None}
+  if isinstance(s, DynamicRope):
+    del fields["max_position_embeddings"]  # config.json's top level, where transformers reads it
+  return {"rope_type": s.rope_type, **fields}
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """config.json contents for `cfg` (transformers 5 spelling, which 4.x also reads)."""
   rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-  if cfg.rope_scaling is not None:
-    s = cfg.rope_scaling
-    rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
-                high_freq_factor=s.high_freq_factor,
-                original_max_position_embeddings=s.original_max_position_embeddings)
+  s = cfg.rope_scaling
+  if s is not None:
+    rope.update(_rope_scaling_to_hf(s))
+  max_positions = 32768
+  if isinstance(s, DynamicRope):
+    max_positions = s.max_position_embeddings
+  elif isinstance(s, YarnRope):  # the extended context (transformers warns on any other)
+    max_positions = round(s.original_max_position_embeddings * s.factor)
   hf = {"architectures": [_ARCHITECTURES[cfg.family]], "model_type": cfg.family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
@@ -99,7 +151,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
         "rope_parameters": rope, "rope_theta": cfg.rope_theta,
         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.param_dtype,
-        "dtype": cfg.param_dtype, "max_position_embeddings": 32768}
+        "dtype": cfg.param_dtype, "max_position_embeddings": max_positions}
   if cfg.rope_scaling is not None:
     hf["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
   if cfg.family != "qwen2":

@@ -8,6 +8,10 @@ the mesh set with `jax.set_mesh` has a `context` axis), and so do decode steps, 
 against the KV cache (`dispatch.cached_attention`). Log-probs live in
 models/logprobs.py; sampling lives in rollouts/jax_engine.py.
 
+RoPE reads constant cos/sin tables per config (`rope_tables`), which carry the config's frequency
+scaling (linear, dynamic, yarn, llama3; models/config.py), so that the training forward and the
+KV-cache passes rotate by the same angles.
+
 Parameter names follow Hugging Face's modules (q_proj, gate_proj, ...) so that the safetensors
 import (models/hf.py) is a renaming plus transposes. `ModelConfig.remat` rematerialises each
 layer in the backward pass with a named jax.checkpoint policy.
@@ -25,7 +29,8 @@ import numpy as np
 
 from models import sharding as shd
 from models.attention import dispatch, ring
-from models.config import ModelConfig, RopeScaling
+from models.config import (DynamicRope, Llama3Rope, LinearRope, ModelConfig, RopeScaling,
+                           YarnRope)
 
 
 class KVCache(NamedTuple):
@@ -43,20 +48,65 @@ def init_cache(cfg: ModelConfig, batch: int, cache_len: int) -> KVCache:
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-  """Inverse frequencies f32[head_dim / 2], with Llama 3's scaling when given: wavelengths
-  beyond the original context are slowed by `factor`, short ones kept, the band between
-  interpolated (the rope_type "llama3" rule of Hugging Face's modeling_rope_utils)."""
-  inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-  if scaling is None:
-    return inv_freq.astype(np.float32)
-  old = scaling.original_max_position_embeddings
-  wavelen = 2 * math.pi / inv_freq
-  scaled = np.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
-  smooth = ((old / wavelen - scaling.low_freq_factor) /
-            (scaling.high_freq_factor - scaling.low_freq_factor))
-  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-  medium = (wavelen >= old / scaling.high_freq_factor) & (wavelen <= old / scaling.low_freq_factor)
-  return np.where(medium, smoothed, scaled).astype(np.float32)
+  """Inverse frequencies f32[head_dim / 2] under `scaling`, by the rule of its rope_type in
+  Hugging Face's modeling_rope_utils, in its float32 order of operations (see the dataclasses
+  in models/config.py for what each does)."""
+  if isinstance(scaling, DynamicRope):  # at n = factor x max_position_embeddings tokens
+    a = scaling.factor * scaling.factor - (scaling.factor - 1)
+    theta = theta * a ** (head_dim / (head_dim - 2))
+  wavelength_over_2pi = theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  inv_freq = (1.0 / wavelength_over_2pi).astype(np.float32)
+  match scaling:
+    case None | DynamicRope():
+      return inv_freq
+    case LinearRope(factor=factor):
+      return (inv_freq / np.float32(factor)).astype(np.float32)
+    case YarnRope():
+      return _yarn_frequencies(head_dim, theta, scaling, inv_freq, wavelength_over_2pi)
+    case Llama3Rope():
+      old = scaling.original_max_position_embeddings
+      wavelen = 2 * math.pi / inv_freq
+      scaled = np.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor,
+                        inv_freq)
+      smooth = ((old / wavelen - scaling.low_freq_factor) /
+                (scaling.high_freq_factor - scaling.low_freq_factor))
+      smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+      medium = ((wavelen >= old / scaling.high_freq_factor) &
+                (wavelen <= old / scaling.low_freq_factor))
+      return np.where(medium, smoothed, scaled).astype(np.float32)
+  raise TypeError(f"rope scaling {scaling!r}; expected one of models.config.ROPE_SCALINGS")
+
+
+def _yarn_frequencies(head_dim: int, theta: float, s: YarnRope, extrapolated,
+                      wavelength_over_2pi) -> np.ndarray:
+  """YaRN's blend of kept and interpolated frequencies: kept up to dimension `low` (which
+  turns beta_fast times within the original context), interpolated from `high` (beta_slow
+  turns), a linear ramp over the dimension index between."""
+
+  def dimension(turns):  # the (fractional) dimension index that turns `turns` times
+    return (head_dim * math.log(s.original_max_position_embeddings / (turns * 2 * math.pi)) /
+            (2 * math.log(theta)))
+
+  low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001  # as Hugging Face, against a zero-width ramp
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  kept = (1 - ramp).astype(np.float32)
+  interpolated = (1.0 / (np.float32(s.factor) * wavelength_over_2pi)).astype(np.float32)
+  return (interpolated * (1 - kept) + extrapolated * kept).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+  """The factor on cos and sin (so on q.k logits squared): YaRN's attention temperature,
+  1 for every other scaling."""
+  if not isinstance(scaling, YarnRope):
+    return 1.0
+  if scaling.attention_factor is not None:
+    return scaling.attention_factor
+  return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
 
 
 ROPE_FINE = ROPE_COARSE = 1024  # positions up to 1024 * 1024 = 2^20
@@ -65,7 +115,8 @@ ROPE_FINE = ROPE_COARSE = 1024  # positions up to 1024 * 1024 = 2^20
 class RopeTables(NamedTuple):
   """cos and sin of (position x inverse frequency), f32[n, head_dim / 2] each, for positions
   p = coarse * ROPE_FINE + fine: `fine_*` at p = 0 .. ROPE_FINE - 1, `coarse_*` at multiples
-  of ROPE_FINE."""
+  of ROPE_FINE. The fine tables also carry `rope_attention_factor`, so that the product of a
+  fine and a coarse entry is scaled by it once."""
   fine_cos: np.ndarray
   fine_sin: np.ndarray
   coarse_cos: np.ndarray
@@ -85,7 +136,9 @@ def rope_tables(head_dim: int, theta: float, scaling: RopeScaling | None) -> Rop
   inv_freq = rope_frequencies(head_dim, theta, scaling)
   fine = (np.arange(ROPE_FINE, dtype=np.float32)[:, None] * inv_freq).astype(np.float64)
   coarse = ROPE_FINE * np.arange(ROPE_COARSE, dtype=np.float64)[:, None] * inv_freq
-  return RopeTables(*(f(a).astype(np.float32) for a in (fine, coarse) for f in (np.cos, np.sin)))
+  scale = rope_attention_factor(scaling)
+  return RopeTables(*((f(a) * s).astype(np.float32)
+                      for a, s in ((fine, scale), (coarse, 1.0)) for f in (np.cos, np.sin)))
 
 
 def rope(x, positions, tables: RopeTables):

@@ -132,7 +132,7 @@ def _saved_activations(fn, *args):
   return sum(line.startswith(("f32[4,512,", "f32[2048,")) for line in out.getvalue().splitlines())
 
 
-@pytest.mark.parametrize("scaling", [None, config.RopeScaling(8.0, 1.0, 4.0, 8192)])
+@pytest.mark.parametrize("scaling", [None, config.Llama3Rope(8.0, 1.0, 4.0, 8192)])
 def test_rope_tables_rotate_by_position_times_frequency(scaling):
   """RoPE from its cos/sin tables: below position 1024 as Hugging Face computes it (float32
   angle, float32 cos and sin); up to 2^20 within float32 angle rounding of the exact
