@@ -264,21 +264,32 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, **ove
   dtype = _DTYPES[cfg.param_dtype]
   shapes = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
   params: dict = {}
-  by_file: dict[str, list[_Tensor]] = {}
-  for t in expected:
-    by_file.setdefault(files[t.hf_name], []).append(t)
-  for fname in sorted(by_file):
+  for t in sorted(expected, key=lambda t: files[t.hf_name]):  # file by file, in HF's order
+    fname = files[t.hf_name]
+    # One open per tensor: safe_open maps the file, and every page a read touches counts in
+    # this process's resident memory until the file is closed (a second copy of the model).
     with safe_open(os.path.join(ckpt_dir, fname), "numpy") as f:
-      for t in by_file[fname]:
-        value = t.to_ours(f.get_tensor(t.hf_name)).astype(dtype)
-        want = _get(shapes, t.path).shape
-        if value.shape != want:
-          raise CheckpointError(f"{fname}: tensor {t.hf_name} has shape {value.shape} in our "
-                                f"layout, the config needs {want}")
-        sharding = None if shardings is None else _get(shardings, t.path)
-        _set(params, t.path, jax.device_put(np.ascontiguousarray(value), sharding))
-        del value
+      value = t.to_ours(f.get_tensor(t.hf_name))  # a view of the tensor's one host copy
+    want = _get(shapes, t.path).shape
+    if value.shape != want:
+      raise CheckpointError(f"{fname}: tensor {t.hf_name} has shape {value.shape} in our "
+                            f"layout, the config needs {want}")
+    sharding = None if shardings is None else _get(shardings, t.path)
+    _set(params, t.path, _place(value, dtype, sharding))
+    del value
   return cfg, params
+
+
+def _place(value: np.ndarray, dtype, sharding) -> jax.Array:
+  """Host array `value` (any strides) cast to `dtype` on its devices. With a sharding each
+  addressable device gets its own slice, cut and cast one shard at a time, so the host holds
+  the tensor plus one shard, never a second whole copy; the transfers finish before the next
+  tensor is read."""
+  if sharding is None:
+    return jax.device_put(np.ascontiguousarray(value, dtype=dtype)).block_until_ready()
+  return jax.make_array_from_callback(
+      value.shape, sharding, lambda index: np.ascontiguousarray(value[index], dtype=dtype)
+  ).block_until_ready()
 
 
 # ---- export ----
