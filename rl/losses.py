@@ -17,6 +17,10 @@ non-zero the loop keeps the SFT model as the reference and fills `batch.ref_logp
 Adding a loss: write the function, decorate it with `@register(name, advantage=...)`. A loss
 registered with `advantage=None` trains on something other than rollouts (DPO: preference
 pairs, rl/long2short.py) and is refused by the RL loop.
+
+A loss whose aggregation is a choice takes `aggregation` (one of AGGREGATIONS) and with it
+`norm_length`, the normaliser of `seq-mean-token-sum-norm`; `bind` refuses an unknown mode and
+a norm_length given to any other mode, so no binding it accepts can fail inside jit.
 """
 
 import dataclasses
@@ -66,7 +70,9 @@ def aggregate(token_loss, batch: TrainBatch, mode: str, *, norm_length: float | 
   seq-mean-token-sum:      mean_i [ sum_t m l ]
   seq-mean-token-sum-norm: mean_i [ sum_t m l ] / norm_length          (Dr.GRPO; as in the
                            paper's code and TRL, i.e. with the 1/B that verl leaves out)
-  Sequences with no masked token do not count.
+  Sequences with no masked token do not count. `norm_length` is Dr.GRPO's L_max, the maximum
+  generation length; None uses the packed row length, a constant of the run (verl's default,
+  the padded length). The other modes ignore it.
   """
   mask = batch.loss_mask
   masked = token_loss * mask
@@ -80,10 +86,8 @@ def aggregate(token_loss, batch: TrainBatch, mode: str, *, norm_length: float | 
   if mode == "seq-mean-token-sum":
     return Weighted(jnp.sum(sums), num_seqs)
   if mode == "seq-mean-token-sum-norm":
-    if norm_length is None:
-      raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_length (Dr.GRPO's "
-                       "L_max, the maximum generation length)")
-    return Weighted(jnp.sum(sums) / norm_length, num_seqs)
+    length = token_loss.shape[1] if norm_length is None else norm_length
+    return Weighted(jnp.sum(sums) / length, num_seqs)
   raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
 
 
@@ -141,11 +145,33 @@ def bind(name: str, hparams: dict[str, Any] | None = None):
   """The loss `name` with `hparams` fixed, checked against its signature (before any jit)."""
   loss = get(name)
   hparams = dict(hparams or {})
-  unknown = sorted(set(hparams) - set(hyperparameters(name)))
+  defaults = hyperparameters(name)
+  unknown = sorted(set(hparams) - set(defaults))
   if unknown:
     raise ConfigError(f"loss {name!r} has no hyper-parameter(s) {unknown}; it takes "
-                    f"{sorted(hyperparameters(name))}")
+                      f"{sorted(defaults)}")
+  _check_aggregation(name, {**defaults, **hparams})
   return lambda logp, batch: loss.fn(logp, batch, **hparams)
+
+
+def _check_aggregation(name: str, hparams: dict[str, Any]):
+  """Refuse, before any trace, what `aggregate` would refuse or silently ignore."""
+  mode = hparams.get("aggregation")
+  if "aggregation" in hparams and mode not in AGGREGATIONS:
+    raise ConfigError(f"loss {name!r}: unknown aggregation {mode!r}; valid: "
+                      f"{', '.join(AGGREGATIONS)}")
+  norm_length = hparams.get("norm_length")
+  if norm_length is None:
+    return
+  if "aggregation" in hparams and mode != "seq-mean-token-sum-norm":
+    raise ConfigError(f"loss {name!r}: norm_length={norm_length!r} is the normaliser of "
+                      f"aggregation 'seq-mean-token-sum-norm', but the aggregation is {mode!r}; "
+                      "bind aggregation='seq-mean-token-sum-norm' as well, or drop norm_length")
+  if isinstance(norm_length, bool) or not isinstance(norm_length, (int, float)) or (
+      norm_length <= 0):
+    raise ConfigError(f"loss {name!r}: norm_length={norm_length!r} must be a positive number "
+                      "(L_max, the maximum generation length), or None for the packed row "
+                      "length")
 
 
 # ----------------------------------------------------------------------------- losses
@@ -217,7 +243,8 @@ def _kl_to_reference(logp, batch: TrainBatch, estimator: str, loss_name: str):
 
 @register("ppo", advantage="group_normalized")
 def ppo(logp, batch: TrainBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
-        dual_clip: float | None = None, aggregation: str = "token-mean"):
+        dual_clip: float | None = None, aggregation: str = "token-mean",
+        norm_length: float | None = None):
   """PPO clipped surrogate (arXiv 1707.06347) on outcome advantages, no value function:
 
       l_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
@@ -227,12 +254,13 @@ def ppo(logp, batch: TrainBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
   """
   token_loss, metrics = clipped_surrogate(_ratio(logp, batch), batch, eps_low=eps_low,
                                           eps_high=eps_high, dual_clip=dual_clip)
-  return aggregate(token_loss, batch, aggregation), metrics
+  return aggregate(token_loss, batch, aggregation, norm_length=norm_length), metrics
 
 
 @register("grpo", advantage="group_normalized")
 def grpo(logp, batch: TrainBatch, *, clip_eps: float = 0.2, kl_coef: float = 0.04,
-         kl_estimator: str = "k3", aggregation: str = "seq-mean-token-mean"):
+         kl_estimator: str = "k3", aggregation: str = "seq-mean-token-mean",
+         norm_length: float | None = None):
   """GRPO (DeepSeekMath, arXiv 2402.03300): PPO-clip on group-normalised advantages plus
   kl_coef * KL(pi || pi_ref) per token in the loss, seq-mean-token-mean aggregation.
 
@@ -248,7 +276,7 @@ def grpo(logp, batch: TrainBatch, *, clip_eps: float = 0.2, kl_coef: float = 0.0
     kl = _kl_to_reference(logp, batch, kl_estimator, "grpo")
     token_loss = token_loss + kl_coef * kl
     metrics["kl"] = masked_mean(kl, batch)
-  return aggregate(token_loss, batch, aggregation), metrics
+  return aggregate(token_loss, batch, aggregation, norm_length=norm_length), metrics
 
 
 @register("dr_grpo", advantage="mean_baseline")
@@ -263,19 +291,19 @@ def dr_grpo(logp, batch: TrainBatch, *, clip_eps: float = 0.2,
   """
   token_loss, metrics = clipped_surrogate(_ratio(logp, batch), batch, eps_low=clip_eps,
                                           eps_high=clip_eps)
-  length = float(batch.tokens.shape[1]) if norm_length is None else norm_length
-  return aggregate(token_loss, batch, "seq-mean-token-sum-norm", norm_length=length), metrics
+  loss = aggregate(token_loss, batch, "seq-mean-token-sum-norm", norm_length=norm_length)
+  return loss, metrics
 
 
 @register("dapo", advantage="group_normalized")
 def dapo(logp, batch: TrainBatch, *, eps_low: float = 0.2, eps_high: float = 0.28,
-         aggregation: str = "token-mean"):
+         aggregation: str = "token-mean", norm_length: float | None = None):
   """DAPO (arXiv 2503.14476): clip-higher (eps_low 0.2, eps_high 0.28) and one token-level
   normaliser over the whole batch; no KL. Its dynamic sampling and overlong shaping are a
   sampling and a reward transform (rl/sampling.py, rl/rewards.py)."""
   token_loss, metrics = clipped_surrogate(_ratio(logp, batch), batch, eps_low=eps_low,
                                           eps_high=eps_high)
-  return aggregate(token_loss, batch, aggregation), metrics
+  return aggregate(token_loss, batch, aggregation, norm_length=norm_length), metrics
 
 
 @register("gspo", advantage="group_normalized")
@@ -302,7 +330,7 @@ def gspo(logp, batch: TrainBatch, *, eps_low: float = 3e-4, eps_high: float = 4e
 
 @register("cispo", advantage="group_normalized")
 def cispo(logp, batch: TrainBatch, *, eps_low: float | None = None, eps_high: float = 0.2,
-          aggregation: str = "token-mean"):
+          aggregation: str = "token-mean", norm_length: float | None = None):
   """CISPO (MiniMax-M1, arXiv 2506.13585 sec. 3.1): REINFORCE weighted by a clipped,
   stop-gradient importance ratio, so every token keeps a gradient:
 
@@ -317,24 +345,26 @@ def cispo(logp, batch: TrainBatch, *, eps_low: float | None = None, eps_high: fl
   token_loss = -weight * batch.advantages * logp
   metrics = {"clip_fraction": masked_mean(
       ((ratio > 1.0 + eps_high) | (ratio < lower)).astype(jnp.float32), batch)}
-  return aggregate(token_loss, batch, aggregation), metrics
+  return aggregate(token_loss, batch, aggregation, norm_length=norm_length), metrics
 
 
 @register("rloo", advantage="leave_one_out")
-def rloo(logp, batch: TrainBatch, *, aggregation: str = "seq-mean-token-sum"):
+def rloo(logp, batch: TrainBatch, *, aggregation: str = "seq-mean-token-sum",
+         norm_length: float | None = None):
   """REINFORCE with a leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740):
   l_i = -(r_i - mean_{j != i} r_j) * sum_t logp_t, averaged over sequences. No ratio: exact
   on-policy; with several minibatches per step the later ones are slightly off-policy."""
-  return aggregate(-batch.advantages * logp, batch, aggregation), {}
+  return aggregate(-batch.advantages * logp, batch, aggregation, norm_length=norm_length), {}
 
 
 @register("rest", advantage="success_indicator")
-def rest(logp, batch: TrainBatch, *, aggregation: str = "token-mean"):
+def rest(logp, batch: TrainBatch, *, aggregation: str = "token-mean",
+         norm_length: float | None = None):
   """ReST / RFT, positive-only (k1.5 sec. 3 "negative gradients"): the negative log-likelihood
   of the successful completions only (A = 1[r >= 1]); failed ones carry no gradient and do
   not count in the normaliser."""
   success = batch.replace(loss_mask=batch.loss_mask * (batch.advantages > 0))
-  return aggregate(-logp, success, aggregation), {}
+  return aggregate(-logp, success, aggregation, norm_length=norm_length), {}
 
 
 @register("k2.5", advantage="mean_baseline")

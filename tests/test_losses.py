@@ -1,6 +1,7 @@
 """Losses against their published formulas, computed by hand on a tiny packed batch."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,53 @@ def test_aggregation_modes(mode, expected):
   token_loss = jnp.asarray([[9.0, 1, 2, 9, 3, 4, 9]])
   w = losses.aggregate(token_loss, _batch(), mode, norm_length=10)
   np.testing.assert_allclose(float(w.total / w.count), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", losses.AGGREGATIONS)
+@pytest.mark.parametrize("name", losses.rollout_losses())
+def test_every_rollout_loss_runs_in_every_aggregation_mode_it_accepts(name, mode):
+  """A loss whose aggregation is a choice runs jitted with finite value and gradient in every
+  mode, `seq-mean-token-sum-norm` with the row length or a given norm_length; a loss whose
+  aggregation is part of its definition refuses the binding."""
+  if "aggregation" not in losses.hyperparameters(name):
+    with pytest.raises(ConfigError, match=rf"loss {re.escape(repr(name))} has no "
+                                          r"hyper-parameter\(s\) \['aggregation'\]"):
+      losses.bind(name, {"aggregation": mode})
+    return
+
+  def mean_loss(hparams):
+    loss_fn = losses.bind(name, hparams)
+
+    def mean(logp):
+      weighted, _ = loss_fn(logp, _batch())
+      return weighted.total / weighted.count
+
+    value, grad = jax.jit(jax.value_and_grad(mean))(jnp.asarray([LOGP]))
+    assert np.isfinite(float(value)) and np.isfinite(grad).all(), hparams
+    return float(value)
+
+  value = mean_loss({"aggregation": mode})
+  if mode == "seq-mean-token-sum-norm":
+    summed = mean_loss({"aggregation": "seq-mean-token-sum"})
+    np.testing.assert_allclose(value, summed / 7, rtol=1e-5)  # the row length
+    np.testing.assert_allclose(mean_loss({"aggregation": mode, "norm_length": 10}), summed / 10,
+                               rtol=1e-5)
+
+
+def test_bad_aggregation_bindings_fail_when_the_loss_is_bound():
+  with pytest.raises(ConfigError, match="loss 'ppo': unknown aggregation 'token-sum'; valid: "
+                                        "token-mean, seq-mean-token-mean, seq-mean-token-sum, "
+                                        "seq-mean-token-sum-norm"):
+    losses.bind("ppo", {"aggregation": "token-sum"})
+  with pytest.raises(ConfigError, match="loss 'cispo': norm_length=4096 is the normaliser of "
+                                        "aggregation 'seq-mean-token-sum-norm', but the "
+                                        "aggregation is 'token-mean'; bind aggregation="):
+    losses.bind("cispo", {"norm_length": 4096})
+  with pytest.raises(ConfigError, match="loss 'rloo': norm_length=-1 must be a positive"):
+    losses.bind("rloo", {"aggregation": "seq-mean-token-sum-norm", "norm_length": -1})
+  with pytest.raises(ConfigError, match="loss 'dr_grpo': norm_length='4k' must be a positive"):
+    losses.bind("dr_grpo", {"norm_length": "4k"})
+  losses.bind("dr_grpo", {"norm_length": 4096})  # its aggregation is that mode already
 
 
 def test_registry_errors_name_the_problem():

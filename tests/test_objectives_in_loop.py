@@ -8,18 +8,18 @@ import sys
 import pytest
 
 from models import config
-from rl import loop, losses
+from rl import ConfigError, loop, losses
 from rl.tasks.arithmetic import Arithmetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # tests/test_rl.py runs every registered loss through the loop until it solves a task; here
-# the whole quickstart path (SFT, KL reference, eval, checkpoints) runs for one loss of each
-# kind: k1.5 (its own advantage), grpo (KL to the SFT reference), cispo (token weights).
+# the whole quickstart path (SFT, KL reference, eval, checkpoints) runs a few steps with every
+# registered rollout loss.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cispo", "grpo", "k1.5"])
-def test_three_quickstart_steps_per_kind_of_loss(name, tmp_path):
+@pytest.mark.parametrize("name", losses.rollout_losses())
+def test_three_quickstart_steps_with_every_rollout_loss(name, tmp_path):
   summary = loop.train(
       str(tmp_path / name), task=Arithmetic(digits=1, num_train=200, num_test=20),
       model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
@@ -33,6 +33,15 @@ def test_three_quickstart_steps_per_kind_of_loss(name, tmp_path):
   for r in records:
     for key in ("loss", "entropy", "ratio_mean", "kl_to_old", "logp_diff_max", "grad_norm"):
       assert key in r and r[key] == r[key], (key, r)  # present and not NaN
+
+
+def test_an_aggregation_the_loss_cannot_take_stops_the_run_before_it_starts(tmp_path):
+  for hparams, message in (({"aggregation": "token-sum"}, "unknown aggregation 'token-sum'"),
+                           ({"norm_length": 64}, "bind aggregation='seq-mean-token-sum-norm'")):
+    with pytest.raises(ConfigError, match=f"loss 'ppo': .*{message}"):
+      loop.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=20, num_test=4),
+                 model=config.tiny, loss="ppo", loss_hparams=hparams, progress=False)
+  assert not os.path.exists(tmp_path / "run")  # checked first: nothing written or compiled
 
 
 BINDINGS = ("train.loss = 'dapo'", "train.reward = @rewards.k15()",
