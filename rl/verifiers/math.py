@@ -2,21 +2,66 @@
 
 Owns what counts as a correct final answer (the conventions below) and how a check is bounded
 in time. It does not own prompts or datasets (rl/tasks/math.py) or rewards (rl/rewards.py).
+tests/test_math_verifier.py pins every convention; bench/verifiers.py scores them against
+math-verify on pairs from its and Qwen2.5-Math's test suites.
 
-Extraction (`extract_answer`): the text after the last `</think>` (an opened, never closed
-think block is a truncated response: no answer); there, the last `\\boxed{}` / `\\fbox{}`, and
-if several boxes hold different answers the response hedges and scores false; without a box,
-the text after the last "final answer" / "answer is" / "Answer:".
+Extraction (`extract_answer`), from the text after the last `</think>` (an opened, never closed
+think block is a truncated response: no answer) and before a chat template's end of turn
+(`<|im_end|>`, `<|im_start|>`, `<|endoftext|>`, `<|eot_id|>`):
+- boxes: the last `\\boxed{}` / `\\fbox{}`; several boxes with different answers are one
+  list, so `\\boxed{1} and \\boxed{2}` answers "1, 2" and `\\boxed{3} or \\boxed{4}` never equals 3;
+- else an answer phrase ("final answer", "answer is", "Answer:", 答案是): the first line after the
+  last one, its first sentence; when that is not a formula ("The largest $n$ is 34"), its
+  answer-like span as below;
+- else prose: the last sentence (Minerva's closing "I hope it is correct." aside) when it is a
+  bare formula, else its last math span (`$..$`, `$$..$$`, `\\(..\\)`, `\\[..\\]`) or number,
+  whichever is later. A number or span listed after another ("3 or 4", "$5$, $6$") is a hedge
+  and no answer; a negated one ("7, not 8") is passed over.
+A gold with a box, a closed think block or an answer phrase is a worked solution: its answer
+is extracted the same way (`gold_answer`).
 
-Equivalence (`is_equivalent`), by value: 2/4 = 1/2, 2^{10} = 1024, 3\\frac{1}{2} = 7/2,
-i^2 = -1. When either side is written as a decimal the two agree within 1e-6 relative to
-max(1, |gold|); exact values compare exactly however large or small (10^{20} != 10^{20}+1).
-`x=2` equals `2` but not `y=2`; equations equal when one is a non-zero multiple of the other;
-intervals need the same endpoints and brackets; sets, bare lists and unions ignore order,
-tuples keep it; a solved bound (`x > 3`, `1 < x \\le 2`) equals its interval, an unsolved
-inequality does not. A gold of X% accepts X, X% and X/100; a bare gold X never accepts 100X
-(though it accepts X%). Units and `\\text{}` are dropped, never converted; text compares
-case-insensitively; `1,000` is a thousand and `1,5` a decimal comma.
+Equivalence (`is_equivalent`), by value, convention by convention:
+- value: 2/4 = 1/2, 2^{10} = 1024, 3\\frac{1}{2} = 7/2, \\binom{5}{2} = 10, \\log_2 8 = 3,
+  a ratio 7:32 = 7/32, a \\begin{vmatrix} is its determinant. Exact forms are equal when
+  they agree to 40 digits (\\sqrt{2}+\\sqrt{3} = \\sqrt{5+2\\sqrt{6}}; 10^{20} != 10^{20}+1).
+- decimals: two terminating decimals (integers included) compare exactly: 1.0000001 != 1,
+  1e-7 != 2e-7. A decimal answer for a value with no finite expansion agrees within 1e-6
+  relative (0.3333333 = 1/3, 0.33 != 1/3). A decimal gold written to 3 or more significant
+  digits accepts the exact value it rounds (33.3 for 100/3, 0.333 for 1/3; 0.3 is not 1/3).
+- number formats: thousands separators 1,000 / 1{,}000 / 1,\\!000 / 1\\,000 / 1 000 000; a
+  decimal comma 1,5 = 1.5 and 0,111 = 0.111 (a lone d,dd is read both ways, as a number and
+  as a list); currency (\\$, USD, EUR, €, £, ¥, ₹) and units (\\text{ cm}, \\text{ m}^2, words)
+  around a number are dropped, never converted; scientific notation 1.5e-3, 2E3,
+  1.5\\times 10^{-3}; repeating decimals 0.\\overline{3} = 1/3, 0.1\\overline{6} = 1/6,
+  0.\\dot{3}. Two numbers side by side ("2 3") are not a product.
+- LaTeX: \\frac13, \\dfrac, \\tfrac, \\cfrac, \\left \\right, \\displaystyle, spacing commands,
+  \\text{} / \\mathrm{} / \\mathbf{} (their content is a unit beside a number, else the
+  answer), \\mathrm{i} and \\mathrm{e}, `$..$` and `\\(..\\)` without a box, a LaTeX group {..},
+  backslashes escaped twice (\\\\frac, as hand-written JSON has them).
+- percent: a gold of X% accepts X, X% and X/100; a bare gold X accepts X and X% but never
+  100X nor X/100 ("28 percent" is 28%).
+- equations: x = 3 equals 3, and so does any equation whose left side names the quantity
+  without a number (f(x) = 1, AB = 4, (p, q) = (3, 2), a_3 = 2), but not 2x = 6; a chain
+  x = 5+5+1 = 11 is graded by its ends; `\\approx` keeps the exact part (x = 1/3 \\approx 0.33)
+  or reads as = (x \\approx 11); y = 2x+1 equals 2x-y+1 = 0 (one a non-zero multiple of the
+  other); x = 2 != y = 2.
+- intervals and relations: brackets must match ((1,2] != [1,2)); a solved bound equals its
+  interval (x > 3, -2 \\le x \\le 7, x \\in [-2, 7], \\mathbb{R}), an unsolved one does not
+  (2x - 1 > 5 != (3, \\infty)); "x < -2 or x > 3" is a union; unions ignore order.
+- sets and tuples: sets and bare lists ignore order and repeats ({1,2} = {2,1,2};
+  \\emptyset = \\varnothing = \\{\\}; a union of finite sets is one set); tuples keep order, and a
+  bare list equals the tuple with its items in order (1, 3 for (1, 3)); a set is neither a tuple
+  nor an interval; a \\pm b is the list a+b, a-b; `;` separates like `,`.
+- variables: expressions in variables are equal when they agree at 6 rational points, every
+  variable taken as a positive real (\\sqrt{1/n} = 1/\\sqrt{n}, \\sqrt{x^2} = x,
+  \\sin^2 x + \\cos^2 x = 1), at negative points too where an absolute value is taken
+  (|x| != x); different variables differ (2y+1 != 2x+1).
+- matrices and vectors: pmatrix, bmatrix, matrix, smallmatrix and array (also inside ( ) or
+  [ ]) compare entry by entry with their shape; a one-column or one-row matrix equals the
+  tuple of its entries ((1, 2)), not an interval [1, 2]. Matrix arithmetic is not evaluated.
+- complex numbers: i is the imaginary unit (i^2 = -1, 2e^{i\\pi/3} = 1+\\sqrt{3}i,
+  \\sqrt{-4} = 2i); \\overline{z} is the conjugate.
+- text: compares case-insensitively without spaces ((B) = B, \\text{Yes} = yes).
 
 Model text is never evaluated: a small recursive-descent parser builds sympy objects
 directly, refuses numbers too large to build (9^{9^{9}}, (10^{100})!) and nesting deeper than
@@ -36,8 +81,14 @@ import sympy
 
 _MAX_ANSWER_CHARS = 1000
 _MAX_DEPTH = 60
+_MAX_BOXES = 32
 _MAX_DIGITS = 5000  # exact integers beyond this many digits are refused, not built
-_REL_TOL = 1e-6
+_REL_TOL = 1e-6  # a decimal answer's error, relative to the gold
+_EXACT_TOL = 1e-40  # exact forms equal when they agree to this (evaluated to _DIGITS digits)
+_DIGITS = 60
+_ZERO_TOL = 1e-12  # against a gold of 0
+_ROUNDED_GOLD = 0.005  # a decimal gold's half unit, relative to it, at 3 significant digits
+_SAMPLE_POINTS = 6
 
 # --------------------------------------------------------------------------- extraction
 
@@ -45,7 +96,8 @@ _REL_TOL = 1e-6
 @dataclasses.dataclass(frozen=True)
 class Extracted:
   answer: str | None
-  reason: str  # "boxed", "phrase", "no answer", "hedged", "truncated", "unbalanced"
+  reason: str  # "boxed", "boxes", "phrase", "prose", "no answer", "hedged", "truncated",
+  # "unbalanced"
 
 
 def _braced(text: str, open_at: int) -> tuple[str, int] | None:
@@ -63,7 +115,17 @@ def _braced(text: str, open_at: int) -> tuple[str, int] | None:
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
-_PHRASE = re.compile(r"(?:final answer|answer is|answer:)", re.IGNORECASE)
+_PHRASE = re.compile(r"(?:final answer|answer is|answer:|答案是|答案为|答案：)", re.IGNORECASE)
+# A chat template's end of turn: what follows is not the response.
+_END_OF_TURN = re.compile(r"<\|(?:im_end|im_start|endoftext|end_of_text|eot_id)\|>")
+# Inline and display math: $$..$$, $..$, \[..\], \(..\).
+_MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|(?<![\\$])\$(.+?)(?<!\\)\$|\\\[(.+?)\\\]|\\\((.+?)\\\)",
+                        re.DOTALL)
+_NUMBER = re.compile(r"(?<![\w.])-?(?:(?:\d{1,3}(?:[ ,]\d{3})+|\d+)(?:[.,]\d+)?|\.\d+)(?:/\d+)?")
+# Between two candidates: a list or an alternative ("3 or 4", "$5$, $6$"): a hedge.
+_LISTING = re.compile(r"\s*(?:,|\bor\b|\band\b)\s*")
+_SPAN_MARK = "\x00"
+_NEGATED = re.compile(r"\b(?:not|no|never|instead of|rather than)\s*$", re.IGNORECASE)
 
 
 def _boxes(text: str) -> list[str] | None:
@@ -81,7 +143,57 @@ def _boxes(text: str) -> list[str] | None:
   return found
 
 
+def _parses(text: str) -> bool:
+  if len(text) > _MAX_ANSWER_CHARS:
+    return False
+  try:
+    _parse(normalize(text))
+    return True
+  except (_Refused, RecursionError, ValueError, TypeError, ZeroDivisionError, OverflowError):
+    return False
+
+
+def _prose_answer(text: str, reason: str = "prose") -> Extracted:
+  """The answer-like span of the text's last sentence (Minerva's closing "I hope it is
+  correct." aside): the sentence itself when it is a bare formula, else its last math span or
+  number, whichever is later, leaving out one that is negated ("7, not 8"). A candidate listed
+  after another ("3 or 4", "$5$, $6$") is a hedge."""
+  # The last sentence lies at the end: a longer one is no answer (answers over
+  # _MAX_ANSWER_CHARS are refused), and the scan stays linear in the window.
+  text = re.sub(r"\s*I hope it is correct\.?\s*$", "", text[-4 * _MAX_ANSWER_CHARS:].strip())
+  spans = []
+
+  def hide(m: re.Match) -> str:
+    spans.append(next(g for g in m.groups() if g is not None).strip())
+    return f"{_SPAN_MARK}{chr(0xE000 + len(spans) - 1)}{_SPAN_MARK}"
+
+  hidden = _MATH_SPAN.sub(hide, text)
+  sentences = [s.strip() for s in re.split(r"\n+|(?<=[.!?])\s+|(?<=。)", hidden)]
+  sentences = [s for s in sentences if s.strip(" .!?。*")]
+  if not sentences:
+    return Extracted(None, "no answer")
+  sentence = sentences[-1]
+  words = re.sub(r"\\[a-zA-Z]+", " ", sentence)
+  if _SPAN_MARK not in sentence and not re.search(r"[a-zA-Z]{2,}", words):
+    bare = sentence.strip().rstrip(".").strip()
+    if _parses(bare):
+      return Extracted(bare, reason)
+  candidates = [(m.start(), m.end(), spans[ord(m.group(1)) - 0xE000])
+                for m in re.finditer(rf"{_SPAN_MARK}(.){_SPAN_MARK}", sentence)]
+  candidates += [(m.start(), m.end(), m.group(0)) for m in _NUMBER.finditer(sentence)]
+  candidates = sorted(c for c in candidates if c[2] and not _NEGATED.search(sentence[:c[0]]))
+  if not candidates:
+    return Extracted(None, "no answer")
+  if len(candidates) > 1 and _LISTING.fullmatch(sentence[candidates[-2][1]:candidates[-1][0]]):
+    if not is_equivalent(candidates[-2][2], candidates[-1][2]):
+      return Extracted(None, "hedged")
+  return Extracted(candidates[-1][2], reason)
+
+
 def extract_answer(response: str) -> Extracted:
+  end = _END_OF_TURN.search(response)
+  if end is not None:
+    response = response[:end.start()]
   if "</think>" in response:
     response = response[response.rindex("</think>") + len("</think>"):]
   elif "<think>" in response:
@@ -89,32 +201,48 @@ def extract_answer(response: str) -> Extracted:
   boxes = _boxes(response)
   if boxes is None:
     return Extracted(None, "unbalanced")
+  if len(boxes) > _MAX_BOXES:  # a flood of boxes is no answer (and costs quadratic checks)
+    return Extracted(None, "hedged")
   if boxes:
-    distinct = list(dict.fromkeys(normalize(b) for b in boxes))
-    if any(not is_equivalent(other, distinct[-1]) for other in distinct[:-1]):
-      return Extracted(None, "hedged")
+    distinct = []
+    for box in boxes:
+      if not any(is_equivalent(box, seen) for seen in distinct):
+        distinct.append(box)
+    if len(distinct) > 1:  # one answer in several boxes ("\boxed{1} and \boxed{2}"): a list
+      return Extracted(", ".join(distinct), "boxes")
     return Extracted(boxes[-1], "boxed")
   phrases = list(_PHRASE.finditer(response))
   if not phrases:
-    return Extracted(None, "no answer")
-  tail = response[phrases[-1].end():].strip().lstrip(":").strip()
+    return _prose_answer(response)
+  tail = response[phrases[-1].end():][:4 * _MAX_ANSWER_CHARS].strip().lstrip(":：*").strip()
   tail = re.sub(r"^is\b", "", tail).strip().lstrip(":").strip()
-  line = tail.split("\n", 1)[0].strip()
+  line = next((l.strip(" *") for l in tail.split("\n") if l.strip(" *")), "")
   line = re.sub(r"\.\s.*$", "", line)  # first sentence only
-  line = line.strip().rstrip(".").strip().strip("$").strip()
-  return Extracted(line or None, "phrase" if line else "no answer")
+  line = line.strip().rstrip(".").strip()
+  if not line:
+    return Extracted(None, "no answer")
+  bare = line.strip("$").strip()
+  if _parses(bare):
+    return Extracted(bare, "phrase")
+  return _prose_answer(line, "phrase")  # The largest $n$ is 34
 
 
 # --------------------------------------------------------------------------- normalization
 
 _DROP = [r"\left", r"\right", r"\displaystyle", r"\!", r"\,", r"\;", r"\:", r"\quad", r"\qquad",
          r"\(", r"\)", r"\[", r"\]", r"\$", "$", "~"]
-_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mathit|operatorname|mbox|rm)\s*\{")
+_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mathsf|"
+                       r"boldsymbol|operatorname|mbox|rm)\s*\{")
 _UNIT_WORD = re.compile(r"(?<=[\d}).])\s*(?:[a-zA-Z]{2,}|[a-zA-Z]{2,}\^\{?\d\}?)\.?\s*$")
+_CURRENCY = re.compile(r"^(?:US\s*\$|USD|EUR|GBP|Rs\.?|€|£|¥|₹)\s*(?=[-\d.])")
+_SCIENTIFIC = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
+_REPEATING = re.compile(r"(?<!\d)(-?)(\d*)\.(\d*)\\(?:overline\s*\{(\d+)\}|dot\s*\{?(\d)\}?)")
 
 
 def _unwrap(text: str, keep: bool) -> str:
-  """Replace \\text{..}-style groups with their content (keep) or drop them."""
+  """Replace \\text{..}-style groups with their content (keep) or drop them, together with a
+  unit's exponent (\\text{ m}^2). Content without letters (\\mathbf{5}) and the constants
+  \\mathrm{i} and \\mathrm{e} are always kept."""
   out, i = [], 0
   while True:
     m = _WRAPPERS.search(text, i)
@@ -126,16 +254,45 @@ def _unwrap(text: str, keep: bool) -> str:
       out.append(text[i:])
       return "".join(out)
     out.append(text[i:m.start()])
-    out.append(f" {group[0]} " if keep else " ")
-    i = group[1]
+    content, i = group
+    if keep or not re.search(r"[a-zA-Z]", content) or content.strip() in ("i", "e"):
+      out.append(f" {content} ")
+    else:
+      out.append(" ")
+      exponent = re.match(r"\s*\^\s*(?:\{[^{}]*\}|\d)", text[i:])
+      if exponent:
+        i += exponent.end()
+
+
+def _repeating(m: re.Match) -> str:
+  """0.1\\overline{6} -> (\\frac{15}{90}): integer part, then digits before and in the period."""
+  sign, whole, head, period = m.group(1), m.group(2) or "0", m.group(3), m.group(4) or m.group(5)
+  numerator = int(head + period) - int(head or "0")
+  denominator = 10 ** len(head) * (10 ** len(period) - 1)
+  return f"{sign}({whole}+\\frac{{{numerator}}}{{{denominator}}})"
 
 
 def normalize(text: str) -> str:
   text = text.strip()
+  if r"\begin" not in text:  # LaTeX escaped twice, as in JSON written by hand: \\frac
+    text = re.sub(r"\\\\(?=[a-zA-Z{}])", r"\\", text)
+  text = re.sub(r"\s*\{\s*,\s*\}\s*|,\s*\\!\s*", ",", text)  # 1{,}000 and 1,\!000
+  text = re.sub(r"(?<!\\)\\ ", " ", text)  # a TeX space; \\ is a matrix's row break
+  text = text.replace(";", ",")
+  text = re.sub(r"(?<=[)\]])\s*(?:or|and)\s*(?=[(\[])", ",", text)  # (1,2)or(2,1)
+  text = re.sub(r"\\(?:text|mbox)\s*\{\s*(or|and)\s*\}", r" \1 ", text)
+  text = re.sub(r"\\(?:text|mbox)\s*\{\s*(?:percent|per cent)\s*\}|\s*\b(?:percent|per cent)\b",
+                r"%", text)
   for token in _DROP:
     text = text.replace(token, " " if token.startswith("\\") and token[1:].isalpha() else "")
-  text = re.sub(r"\\[dt]frac", r"\\frac", text)
+  text = re.sub(r"\\[dtc]frac", r"\\frac", text)
+  text = re.sub(r"\\[dt]binom", r"\\binom", text)
+  text = _REPEATING.sub(_repeating, text)
   text = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|°", "", text)
+  text = re.sub(r"\\mathbb\s*\{?\s*R\s*\}?", r"(-\\infty,\\infty)", text)
+  text = re.sub(r"\\(?:emptyset|varnothing)(?![a-zA-Z])|\\\{\s*\\\}", r"\\emptyset", text)
+  text = re.sub(r"\\langle(?![a-zA-Z])", "(", text)
+  text = re.sub(r"\\rangle(?![a-zA-Z])", ")", text)
   dropped = _unwrap(text, keep=False)
   # A \text{} next to a numeral is a unit; a wholly textual answer keeps its words.
   text = dropped if re.search(r"\d", dropped) else _unwrap(text, keep=True)
@@ -146,16 +303,23 @@ def normalize(text: str) -> str:
   text = re.sub(r"\\(?:gt)(?![a-zA-Z])", ">", text)
   text = re.sub(r"\s+(?:or|and)\s+|\\(?:lor|vee)(?![a-zA-Z])", ",", text)
   text = " ".join(text.split()).strip().rstrip(".").strip()
+  text = _CURRENCY.sub("", text)
   while True:
     shorter = _UNIT_WORD.sub("", text).strip()
     if shorter == text or not shorter:
       break
     text = shorter
-  if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
-    text = text.replace(",", "")
-  elif re.fullmatch(r"-?\d+,(?:\d{1,2}|\d{4,})", text):
-    text = text.replace(",", ".")
-  return text
+  text = re.sub(r"^[a-zA-Z]\s*\\in(?![a-zA-Z])\s*", "", text)  # x \in [1, 2]
+  if re.fullmatch(r"-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?|-?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?", text):
+    text = text.replace(",", "").replace(" ", "")
+  return _SCIENTIFIC.sub(r"\1\\cdot 10^{\2}", text)
+
+
+def _decimal_comma(text: str) -> str | None:
+  """1,5 -> 1.5: the other reading of a lone number with one comma (else None)."""
+  if re.fullmatch(r"-?\d+,(?:\d{1,2}|\d{4,})|-?0,\d+", text):
+    return text.replace(",", ".")
+  return None
 
 
 # --------------------------------------------------------------------------- parsing
@@ -169,6 +333,7 @@ class _Refused(Exception):
 class _Value:
   expr: Any  # sympy.Expr
   approx: bool  # written with a decimal point somewhere
+  decimals: int | None = None  # digits after the point of a lone decimal (33.3: 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +353,7 @@ class _Group:
 _TOKEN = re.compile(r"""
     (?P<num>\d+\.?\d*|\.\d+)
   | (?P<cmd>\\[a-zA-Z]+|\\\{|\\\}|\\\|)
-  | (?P<op><=|>=|!=|\*\*|[-+*/^!=<>(),\[\]{}|])
+  | (?P<op><=|>=|!=|\*\*|[-+*/^!=<>(),\[\]{}|_:])
   | (?P<name>[a-zA-Z])
   | (?P<space>\s+)
   """, re.VERBOSE)
@@ -312,16 +477,18 @@ class _Parser:
     value = self.unary()
     while True:
       kind, op = self.peek()
-      if op in ("*", "/") or op in _MUL_CMDS or op == r"\div":
+      if op in ("*", "/", ":") or op in _MUL_CMDS or op == r"\div":
         self.take()
         rhs = self.unary()
-        if op in ("/", r"\div"):
+        if op in ("/", ":", r"\div"):  # a ratio 7:32 is its quotient
           if rhs == 0:
             raise _Refused("division by zero")
           value = value / rhs
         else:
           value = value * rhs
       elif self.starts_atom() and op != "|":
+        if kind == "num":  # "2 3" is not 6, and "1 000" was not a thousand here
+          raise _Refused("two numbers side by side")
         value = value * self.power()
       else:
         return value
@@ -374,6 +541,9 @@ class _Parser:
         return number + frac
       return number
     if kind == "name":
+      if self.peek()[1] == "_":  # a_3, x_{12}: one symbol
+        self.take()
+        return sympy.Symbol(f"{value}_{self.subscript()}")
       if value == "i":
         return sympy.I
       if value == "e":
@@ -381,6 +551,11 @@ class _Parser:
       return sympy.Symbol(value)
     if kind == "func":  # \sin(x)^2 and \sin^2 x square the sine; \sin x^2 does not
       exponent = None
+      if value == r"\log" and self.peek()[1] == "_":  # \log_2 8, \log_{b} x
+        self.take()
+        base = self.single()
+        argument = self.atom() if self.peek()[1] == "(" else self.power()
+        return sympy.log(argument, base)
       if self.peek()[1] == "^":
         self.take()
         exponent = self.atom()
@@ -397,6 +572,13 @@ class _Parser:
       return sympy.Abs(self.group("|"))
     if value == r"\frac":
       return self.fraction()
+    if value == r"\overline":  # a complex conjugate (repeating decimals are read before)
+      return sympy.conjugate(self.single())
+    if value == r"\binom":
+      n, k = self.single(), self.single()
+      if not (n.is_Integer and k.is_Integer) or int(n) > 10_000:
+        raise _Refused("binomial of a non-integer or too large")
+      return sympy.binomial(n, k)
     if value == r"\sqrt":
       index = 2
       if self.peek()[1] == "[":
@@ -412,20 +594,37 @@ class _Parser:
       return sympy.Symbol(value[1:])
     raise _Refused(f"unexpected {value!r}")
 
+  def subscript(self) -> str:
+    if self.peek()[1] != "{":
+      return self.take()[1]
+    self.take()
+    parts = []
+    while self.peek()[1] != "}":
+      if self.peek()[0] == "end" or self.peek()[1] == "{":
+        raise _Refused("subscript")
+      parts.append(self.take()[1])
+    self.take()
+    return "".join(parts)
+
+  def single(self):
+    """A LaTeX argument: {..}, one digit of a number (\frac12) or one atom."""
+    if self.peek()[1] == "{":
+      self.take()
+      return self.group("}")
+    if self.peek()[0] == "num":
+      digits = self.take()[1]
+      if len(digits) > 1:
+        self.tokens.insert(self.i, ("num", digits[1:]))
+      return sympy.Integer(digits[0]) if digits[0].isdigit() else self.refuse(digits)
+    return self.atom()
+
+  @staticmethod
+  def refuse(text):
+    raise _Refused(f"unexpected {text!r}")
+
   def fraction(self):
     # \frac{a}{b}, or \frac12 with single-character arguments
-    parts = []
-    for _ in range(2):
-      if self.peek()[1] == "{":
-        self.take()
-        parts.append(self.group("}"))
-      elif self.peek()[0] == "num":
-        digits = self.take()[1]
-        parts.append(sympy.Integer(digits[0]))
-        if len(digits) > 1:
-          self.tokens.insert(self.i, ("num", digits[1:]))
-      else:
-        parts.append(self.atom())
+    parts = [self.single(), self.single()]
     if parts[1] == 0:
       raise _Refused("division by zero")
     return parts[0] / parts[1]
@@ -462,11 +661,48 @@ def _closing(text: str, open_at: int) -> int | None:
 
 
 def _parse_item(text: str):
+  try:
+    return _parse_expression(text)
+  except _Refused:
+    sides = re.split(r"(?<![<>!])=", text)
+    if len(sides) < 2 or re.search(r"\d", sides[0]):
+      raise
+    return _parse(sides[-1])  # a named quantity, (p,q) = (3,2): its value
+
+
+def _parse_expression(text: str):
   parser = _Parser(_tokenize(text))
   value = parser.relation()
   if parser.i != len(parser.tokens):
     raise _Refused(f"trailing {parser.peek()[1]!r}")
-  return value if isinstance(value, _Relation) else _Value(value, parser.approx)
+  if isinstance(value, _Relation):
+    return value
+  lone = [v for k, v in parser.tokens if v not in "+-"]
+  decimals = len(lone[0].split(".")[1]) if len(lone) == 1 and "." in lone[0] else None
+  return _Value(value, parser.approx, decimals)
+
+
+_MATRIX = re.compile(r"\\begin\{([pbBv]?matrix|smallmatrix|array)\}(.*)\\end\{\1\}", re.DOTALL)
+
+
+def _matrix(text: str) -> "_Group | _Value | None":
+  """\\begin{pmatrix} a & b \\\\ c & d \\end{pmatrix} (also bmatrix, matrix, array) as a
+  "matrix" group of "row" groups; None if the text is not one whole matrix."""
+  m = _MATRIX.fullmatch(text)
+  if m is None or m.group(1) == "Bmatrix":
+    return None
+  body = m.group(2)
+  if m.group(1) == "array":  # its column spec: \\begin{array}{cc}
+    body = re.sub(r"^\s*\{[^{}]*\}", "", body)
+  rows = [r for r in re.split(r"\\\\", body) if r.strip()]
+  matrix = _Group("matrix", tuple(_Group("row", tuple(_parse_item(c) for c in r.split("&")))
+                                  for r in rows))
+  if m.group(1) == "vmatrix":  # a determinant
+    entries = [[cell.expr for cell in row.items] for row in matrix.items]
+    if len({len(r) for r in entries}) != 1 or len(entries) != len(entries[0]) or len(entries) > 6:
+      raise _Refused("determinant of a non-square or large matrix")
+    return _Value(sympy.Matrix(entries).det(), any(c.approx for r in matrix.items for c in r.items))
+  return matrix
 
 
 def _parse(text: str):
@@ -474,65 +710,140 @@ def _parse(text: str):
   text = text.strip()
   if not text:
     raise _Refused("empty")
+  if text == r"\emptyset":
+    return _Group("set", ())
+  if text[0] == "{" and (_braced(text, 0) or ("", 0))[1] == len(text):  # a LaTeX group {1,3}
+    return _parse(text[1:-1])
+  m = re.fullmatch(r"[(\[]\s*(\\begin\{(\w+)\}.*\\end\{\2\})\s*[)\]]", text, re.DOTALL)
+  if m:  # (\begin{pmatrix}..\end{pmatrix}), [\begin{array}..\end{array}]
+    return _parse(m.group(1))
+  approximations = _split_top(text, r"\approx")
+  if len(approximations) > 1:  # x = 1/3 \approx 0.33: the exact value; x \approx 11: x = 11
+    head = approximations[0].strip()
+    return _parse(head if not re.fullmatch(r"[a-zA-Z]", head) else f"{head} = {approximations[-1]}")
+  plus_minus = _split_top(text, r"\pm")
+  if len(plus_minus) == 2:  # a \pm b: both
+    left, right = plus_minus[0].strip(), plus_minus[1].strip()
+    return _Group("list", (_parse_item(f"{left}+({right})"), _parse_item(f"{left}-({right})")))
+  matrix = _matrix(text)
+  if matrix is not None:
+    return matrix
   unions = _split_top(text, r"\cup")
   if len(unions) > 1:
-    return _Group("union", tuple(_parse(u) for u in unions))
+    return _union(tuple(_parse(u) for u in unions))
   if text.startswith(r"\{") and text.endswith(r"\}"):
     inner = text[2:-2]
-    return _Group("set", tuple(_parse_item(p) for p in _split_top(inner, ",")))
+    return _Group("set", tuple(_parse(p) for p in _split_top(inner, ",")))
   if text[0] in "([" and text[-1] in ")]" and _closing(text, 0) == len(text) - 1:
     parts = _split_top(text[1:-1], ",")
     if len(parts) > 1:
       return _Group("bracket", tuple(_parse_item(p) for p in parts), text[0], text[-1])
   parts = _split_top(text, ",")
   if len(parts) > 1:
-    return _Group("list", tuple(_parse(p) for p in parts))
+    items = tuple(_parse(p) for p in parts if p.strip())
+    intervals = [_as_interval(i) if isinstance(i, _Relation) else None for i in items]
+    if all(intervals):  # x < -2, x > 3 (from "x < -2 or x > 3")
+      return _Group("union", tuple(intervals))
+    return _Group("list", items)
   return _parse_item(text)
+
+
+def _union(items: tuple) -> _Group:
+  """A union; of finite sets only, the one set of all their elements."""
+  if all(isinstance(i, _Group) and i.kind == "set" for i in items):
+    return _Group("set", tuple(e for i in items for e in i.items))
+  return _Group("union", items)
 
 
 # --------------------------------------------------------------------------- comparison
 
 
-def _numbers_equal(p, g, approx: bool) -> bool:
-  if p.has(sympy.oo, -sympy.oo, sympy.zoo) or g.has(sympy.oo, -sympy.oo, sympy.zoo):
-    return p == g
-  if approx:
-    pv, gv = complex(sympy.N(p, 30)), complex(sympy.N(g, 30))
-    return abs(pv - gv) <= _REL_TOL * max(1.0, abs(gv))
-  if p == g:
+def _terminates(x) -> bool:
+  """Whether the rational x has a finite decimal expansion (its denominator is 2^a 5^b)."""
+  q = int(x.q)
+  for prime in (2, 5):
+    while q % prime == 0:
+      q //= prime
+  return q == 1
+
+
+def _numbers_equal(p: _Value, g: _Value) -> bool:
+  pe, ge = p.expr, g.expr
+  if pe.has(sympy.oo, -sympy.oo, sympy.zoo) or ge.has(sympy.oo, -sympy.oo, sympy.zoo):
+    return pe == ge
+  if pe == ge:
     return True
-  if p.is_Rational and g.is_Rational:
+  exact_decimals = [x.is_Rational and _terminates(x) for x in (pe, ge)]
+  if all(exact_decimals):  # 1.0000001 != 1, 1e-7 != 2e-7
     return False
-  difference = sympy.N(p - g, 50)
-  if difference != 0 and abs(complex(difference)) > 1e-30 * max(1, abs(complex(sympy.N(g, 30)))):
+  half_unit = None if g.decimals is None else 0.5 * 10.0 ** -g.decimals
+  if half_unit is not None and not exact_decimals[0] and half_unit <= _ROUNDED_GOLD * abs(ge):
+    # a gold rounded to 3 or more significant digits: 33.3 for 100/3 (but 0.3 is not 1/3)
+    return abs(complex(sympy.N(pe - ge, 30))) <= half_unit * (1 + 1e-9)
+  if p.approx or g.approx:  # a decimal for a value without a finite expansion: 0.3333333
+    pv, gv = complex(sympy.N(pe, 30)), complex(sympy.N(ge, 30))
+    return abs(pv - gv) <= (_REL_TOL * abs(gv) if gv != 0 else _ZERO_TOL)
+  if pe.is_Rational and ge.is_Rational:
     return False
-  return sympy.simplify(p - g) == 0
+  difference = abs(complex(sympy.N(pe - ge, _DIGITS)))
+  return difference <= _EXACT_TOL * max(abs(complex(sympy.N(ge, _DIGITS))), 1e-300)
 
 
-def _differ_at_sample_points(pe, ge) -> bool:
-  """Cheap rejection before sympy.simplify: the two differ at some rational point."""
-  symbols = sorted(pe.free_symbols | ge.free_symbols, key=str)
-  for trial in range(3):
-    point = {s: sympy.Rational(37 + 11 * k + 5 * trial, 23 + 3 * trial)
-             for k, s in enumerate(symbols)}
+def _positive(expr):
+  """`expr` with each of its symbols a positive real (the convention for variables), unless
+  it takes an absolute value or a sign, which a positive variable would hide."""
+  if expr.has(sympy.Abs, sympy.sign):
+    return expr
+  return expr.subs({s: sympy.Symbol(s.name, positive=True) for s in expr.free_symbols})
+
+
+def _at_sample_points(exprs, approx: bool) -> list[tuple[complex, ...]]:
+  """The values of `exprs` at _SAMPLE_POINTS rational points of their symbols, positive ones
+  and, where an absolute value or sign could tell them apart, negative ones too. Points where
+  one is undefined are left out."""
+  names = sorted({s.name for e in exprs for s in e.free_symbols})
+  negatives = any(e.has(sympy.Abs, sympy.sign) for e in exprs)
+  values = []
+  for trial in range(_SAMPLE_POINTS):
+    sign = -1 if negatives and trial % 2 else 1
+    point = {name: sign * sympy.Rational(37 + 11 * k + 5 * trial, 23 + 3 * trial)
+             for k, name in enumerate(names)}
     try:
-      pv, gv = complex(sympy.N(pe.subs(point), 30)), complex(sympy.N(ge.subs(point), 30))
-    except (TypeError, ValueError, ZeroDivisionError):
+      row = tuple(complex(sympy.N(e.subs({s: point[s.name] for s in e.free_symbols}),
+                                  30 if approx else _DIGITS)) for e in exprs)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
       continue
-    if abs(pv - gv) > 1e-9 * max(1.0, abs(gv)):
-      return True
-  return False
+    if all(math.isfinite(abs(v)) for v in row):
+      values.append(row)
+  return values
+
+
+def _close(a: complex, b: complex, approx: bool) -> bool:
+  tolerance = _REL_TOL if approx else _EXACT_TOL
+  return abs(a - b) <= tolerance * abs(b) if b != 0 else abs(a) <= _ZERO_TOL
 
 
 def _values_equal(p: _Value, g: _Value) -> bool:
+  """Numbers by value; expressions in variables when they agree at every sample point (taken
+  positive, so \\sqrt{1/n} = 1/\\sqrt{n} and \\sqrt{x^2} = x, but |x| != x)."""
   pe, ge = p.expr, g.expr
+  approx = p.approx or g.approx
   if pe.is_number and ge.is_number:
-    return _numbers_equal(pe, ge, p.approx or g.approx)
+    return _numbers_equal(p, g)
   if pe == ge:
     return True
-  if _differ_at_sample_points(pe, ge):
+  values = _at_sample_points((_positive(pe), _positive(ge)), approx)
+  return len(values) >= _SAMPLE_POINTS // 2 and all(_close(a, b, approx) for a, b in values)
+
+
+def _proportional(pd, gd) -> bool:
+  """Whether pd = c gd for one non-zero constant c (both sides of an equation moved left)."""
+  if gd == 0:
     return False
-  return sympy.simplify(pe - ge) == 0
+  values = _at_sample_points((_positive(pd), _positive(gd)), False)
+  ratios = [a / b for a, b in values if b != 0]
+  return (len(ratios) >= _SAMPLE_POINTS // 2 and ratios[0] != 0
+          and all(_close(r, ratios[0], False) for r in ratios))
 
 
 def _lone_symbol(value: _Value) -> bool:
@@ -565,6 +876,23 @@ def _as_interval(rel: _Relation) -> _Group | None:
   return None
 
 
+def _same_elements(ps, gs) -> bool:
+  """Set equality: repeated elements count once."""
+  return (all(any(_equal(p, g) for g in gs) for p in ps)
+          and all(any(_equal(p, g) for p in ps) for g in gs))
+
+
+def _vector(group: _Group) -> tuple | None:
+  """The entries of a one-column or one-row matrix (else None)."""
+  if group.kind != "matrix":
+    return None
+  if len(group.items) == 1:
+    return group.items[0].items
+  if all(len(row.items) == 1 for row in group.items):
+    return tuple(row.items[0] for row in group.items)
+  return None
+
+
 def _unordered_equal(ps, gs) -> bool:
   if len(ps) != len(gs):
     return False
@@ -577,7 +905,21 @@ def _unordered_equal(ps, gs) -> bool:
   return True
 
 
+def _chain_ends(value):
+  """x = 5+5+1 = 11 as x = 11: a chain of equalities is graded by its ends."""
+  if isinstance(value, _Relation) and len(value.sides) > 2 and set(value.ops) == {"="}:
+    return _Relation(("=",), (value.sides[0], value.sides[-1]))
+  return value
+
+
+def _named(side: _Value) -> bool:
+  """A left side that names the quantity (x, f(x), AB, a_3), with no number in it."""
+  expr = side.expr
+  return bool(expr.free_symbols) and all(abs(n) == 1 for n in expr.atoms(sympy.Number))
+
+
 def _equal(p, g) -> bool:
+  p, g = _chain_ends(p), _chain_ends(g)
   if isinstance(p, _Relation) and isinstance(g, _Relation):
     pi, gi = _as_interval(p), _as_interval(g)
     if pi is not None and gi is not None:
@@ -585,33 +927,44 @@ def _equal(p, g) -> bool:
     if p.ops == g.ops == ("=",):
       if _lone_symbol(p.sides[0]) and _lone_symbol(g.sides[0]):
         return p.sides[0].expr == g.sides[0].expr and _values_equal(p.sides[1], g.sides[1])
-      pd = p.sides[0].expr - p.sides[1].expr
-      gd = g.sides[0].expr - g.sides[1].expr
-      if gd == 0 or pd.free_symbols != gd.free_symbols:
-        return False
-      ratio = sympy.simplify(pd / gd)
-      return bool(ratio.is_number and ratio != 0)
+      return _proportional(p.sides[0].expr - p.sides[1].expr, g.sides[0].expr - g.sides[1].expr)
     return False
   if isinstance(p, _Relation):
     interval = _as_interval(p)
     if interval is not None:
       return _equal(interval, g)
-    if p.ops == ("=",) and _lone_symbol(p.sides[0]) and not isinstance(g, _Relation):
+    if p.ops == ("=",) and _named(p.sides[0]):
       return _equal(p.sides[1], g)
     return False
   if isinstance(g, _Relation):
     interval = _as_interval(g)
     if interval is not None:
       return _equal(p, interval)
-    if g.ops == ("=",) and _lone_symbol(g.sides[0]):
+    if g.ops == ("=",) and _named(g.sides[0]):
       return _equal(p, g.sides[1])
     return False
   if isinstance(p, _Group) and isinstance(g, _Group):
+    if p.kind == g.kind and p.kind in ("matrix", "row"):
+      return len(p.items) == len(g.items) and all(_equal(a, b) for a, b in zip(p.items, g.items))
+    if "matrix" in (p.kind, g.kind):  # a column or row vector against a tuple
+      matrix, other = (p, g) if p.kind == "matrix" else (g, p)
+      entries = _vector(matrix)
+      if entries is None or (other.kind, other.left, other.right) != ("bracket", "(", ")") \
+          or len(entries) != len(other.items):
+        return False
+      pairs = zip(entries, other.items) if matrix is p else zip(other.items, entries)
+      return all(_equal(a, b) for a, b in pairs)
+    unordered = {"list", "set"}
+    if p.kind in unordered and g.kind in unordered:
+      return _same_elements(p.items, g.items)
+    tuple_kinds = {p.kind, g.kind} == {"list", "bracket"}
+    if tuple_kinds and (g.left, g.right) in (("", ""), ("(", ")")) \
+        and (p.left, p.right) in (("", ""), ("(", ")")):  # 1, 3 for the pair (1, 3)
+      return len(p.items) == len(g.items) and all(_equal(a, b) for a, b in zip(p.items, g.items))
     if p.kind == g.kind == "bracket":
       return (p.left == g.left and p.right == g.right and len(p.items) == len(g.items)
               and all(_equal(a, b) for a, b in zip(p.items, g.items)))
-    unordered = {"list", "set"}
-    if (p.kind in unordered and g.kind in unordered) or p.kind == g.kind == "union":
+    if p.kind == g.kind == "union":
       return _unordered_equal(p.items, g.items)
     return False
   if isinstance(p, _Group) or isinstance(g, _Group):
@@ -641,6 +994,16 @@ def is_equivalent(answer: str, gold: str) -> bool:
   answer, gold = normalize(answer), normalize(gold)
   if not answer:
     return False
+  return any(_normalized_equal(a, g) for a in _readings(answer) for g in _readings(gold))
+
+
+def _readings(text: str) -> list[str]:
+  """A normalized answer and, for 1,5, its decimal-comma reading beside the list's."""
+  decimal = _decimal_comma(text)
+  return [text] if decimal is None else [text, decimal]
+
+
+def _normalized_equal(answer: str, gold: str) -> bool:
   if _text_key(answer) == _text_key(gold):
     return True
   answer, answer_pct = _percent(answer)
@@ -667,12 +1030,22 @@ class Verdict:
   reason: str  # extraction reason, "wrong", "correct", "timeout" or "error: ..."
 
 
+def gold_answer(gold: str) -> str:
+  """The gold's final answer: a worked solution (with a box, a closed think block or an
+  answer phrase) gives its answer as a response would; any other gold is the answer."""
+  if _BOX.search(gold) or "</think>" in gold or _PHRASE.search(gold):
+    extracted = extract_answer(gold)
+    if extracted.answer is not None:
+      return extracted.answer
+  return gold
+
+
 def verify(response: str, gold: str) -> Verdict:
   """Extract the final answer from a whole response and compare it with `gold`."""
   extracted = extract_answer(response)
   if extracted.answer is None:
     return Verdict(False, extracted.reason)
-  correct = is_equivalent(extracted.answer, gold)
+  correct = is_equivalent(extracted.answer, gold_answer(gold))
   return Verdict(correct, "correct" if correct else "wrong")
 
 
