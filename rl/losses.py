@@ -151,7 +151,22 @@ def bind(name: str, hparams: dict[str, Any] | None = None):
     raise ConfigError(f"loss {name!r} has no hyper-parameter(s) {unknown}; it takes "
                       f"{sorted(defaults)}")
   _check_aggregation(name, {**defaults, **hparams})
-  return lambda logp, batch: loss.fn(logp, batch, **hparams)
+  bound = lambda logp, batch: loss.fn(logp, batch, **hparams)
+  if loss.advantage is not None:
+    _trace_once(bound, uses_reference(name, hparams))
+  return bound
+
+
+def _trace_once(bound: Callable, with_reference: bool):
+  """Trace a rollout loss on an abstract f32[1, 8] batch (shapes only, nothing compiled), so
+  that a value only the trace reads (a KL estimator, k2.5's window) fails at binding, not
+  after the SFT warm start."""
+  values = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  batch = TrainBatch(tokens=ids, targets=ids, positions=ids, segment_ids=ids, loss_mask=values,
+                     old_logp=values, advantages=values,
+                     ref_logp=values if with_reference else None)
+  jax.eval_shape(bound, values, batch)
 
 
 def _check_aggregation(name: str, hparams: dict[str, Any]):

@@ -150,6 +150,14 @@ def test_bad_aggregation_bindings_fail_when_the_loss_is_bound():
   losses.bind("dr_grpo", {"norm_length": 4096})  # its aggregation is that mode already
 
 
+def test_values_only_the_trace_reads_fail_when_the_loss_is_bound():
+  with pytest.raises(ConfigError, match="unknown KL estimator 'k4'"):
+    losses.bind("grpo", {"kl_estimator": "k4"})
+  with pytest.raises(ConfigError, match="k2.5 window must be 'log_ratio' or 'ratio'"):
+    losses.bind("k2.5", {"window": "logratio"})
+  losses.bind("grpo", {"kl_estimator": "k2"})
+
+
 def test_registry_errors_name_the_problem():
   with pytest.raises(ConfigError, match="unknown loss 'k2'.*grpo.*k1.5"):
     losses.get("k2")
