@@ -10,8 +10,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # and in the subprocesses they start: share compiled executables through JAX's persistent
 # cache, in a directory of this session only.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
   import tempfile
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="longrl-jax-cache-")
+  # Removed by the process that made it (pytest-xdist's controller: workers inherit it).
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
