@@ -1,16 +1,28 @@
 """The field's findings reproduced in small: each is a few RL runs ("arms") on filler-padded
-addition, then a plot, a table and a verdict.
+addition, repeated over seeds, then a plot, a table of intervals and a verdict.
 
-    python experiments/findings.py --all [--tiny] [--report_dir runs/findings]
+    python experiments/findings.py --all [--seeds 5] [--jobs N] [--tiny] [--report_dir DIR]
     python experiments/findings.py a e          # some of them
 
-A finding is an entry of FINDINGS below (the seed result, its arms, how the verdict is read
-off their metrics), its configs experiments/configs/findings/<letter>_*.gin (each arm's config
-runs alone with experiments/run.py) and its notebook experiments/notebooks/findings/<key>.ipynb,
-which calls `run`. The command executes the notebooks headless and writes them, executed, to
-REPORT_DIR, with REPORT_DIR/report.md holding every finding's plot, table and verdict. Arms
-are shared by name between findings and run once per report directory (a finished arm is read
-back, an interrupted one resumes); all start from one SFT warm start of base.gin.
+A finding is an entry of FINDINGS below (the published claim, its arms, how its predicted
+differences are read off their metrics), its configs experiments/configs/findings/<letter>_*.gin
+(each arm's config runs alone with experiments/run.py) and its notebook
+experiments/notebooks/findings/<key>.ipynb, which calls `run`.
+
+Every arm runs once per seed k in REPORT_DIR/runs/<arm>/seed<k> with `train.seed = k`,
+starting from that seed's own SFT warm start (runs/warm_start/seed<k>, base.gin). The command
+first runs every run the named findings need through experiments/seeds.py (subprocesses of
+run.py, eval.py and long2short.py, `--jobs` at a time; finished runs are read back, half-done
+ones resume), then executes the notebooks headless, which only analyse, and writes them,
+executed, to REPORT_DIR, with REPORT_DIR/report.md holding every finding's plot, intervals and
+verdict and REPORT_DIR/<key>/results.json its numbers.
+
+A finding's numbers are computed per seed; each predicted difference (a paired difference
+between arms on the same seeds, or a change within one arm) gets a mean and a 95% interval
+over seeds (experiments/stats.py: t, or `--ci bootstrap`) and a verdict from it: reproduced
+(the interval excludes zero in the predicted direction), not reproduced (it excludes zero
+the other way, or lies within the check's margin: no effect), too wide to tell. A claim of
+several parts is reproduced when every part is. One seed gives "one seed: no interval".
 `--tiny` (LONGRL_FINDINGS_TINY=1 in a notebook) shrinks every run to a smoke test of
 seconds: the tests run it so that nothing here rots.
 """
@@ -34,9 +46,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import gin_externals, run as run_lib  # noqa: E402
+from experiments import compare, run as run_lib, seeds as seeds_lib, stats  # noqa: E402
+from experiments import gin_externals  # noqa: E402, F401  (what _configured parses)
+from experiments.compare import series, smooth  # noqa: E402
 from models.tokenizer import CharTokenizer  # noqa: E402
-from rl import long2short as long2short_lib, metrics as metrics_lib  # noqa: E402
+from rl import long2short as long2short_lib  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "experiments/configs/findings")
 NOTEBOOKS = os.path.join(ROOT, "experiments/notebooks/findings")
@@ -51,6 +65,8 @@ TINY_BINDINGS = ["Arithmetic.filler = 1", "BUDGET = 10", "train.eval_every = 1",
                  "long2short.eval_records = 8", "long2short.max_new_tokens = 16",
                  "long2short.seq_len = 32", "long2short.samples = 4"]
 WARM_START = "warm_start"
+SEEDS = 5  # the default number of seeds: 0..4
+LONG2SHORT_METHODS = ("shortest_rejection", "dpo", "merge")
 
 
 def report_dir() -> str:
@@ -61,13 +77,26 @@ def tiny() -> bool:
   return os.environ.get("LONGRL_FINDINGS_TINY") == "1"
 
 
+def seeds() -> list[int]:
+  """Seeds 0..LONGRL_FINDINGS_SEEDS-1 (default SEEDS)."""
+  return list(range(int(os.environ.get("LONGRL_FINDINGS_SEEDS", SEEDS))))
+
+
+def ci_method() -> str:
+  return os.environ.get("LONGRL_FINDINGS_CI", "t")
+
+
+def _runs_dir() -> str:
+  return os.path.join(report_dir(), "runs")
+
+
 # ----------------------------------------------------------------------------- arms
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
   config: str  # a gin file in experiments/configs/findings
   label: str  # its name in plots and tables
-  init_from: str = WARM_START  # the arm whose final params it starts from
+  init_from: str = WARM_START  # the arm whose final params it starts from (same seed)
 
 
 ARMS = {
@@ -86,43 +115,128 @@ ARMS = {
 }
 
 
+def _files(config: str) -> list[str]:
+  """`config`'s gin file, and tiny.gin in tiny mode."""
+  return [os.path.join(CONFIGS, config)] + ([os.path.join(ROOT, f) for f in TINY]
+                                            if tiny() else [])
+
+
 @contextlib.contextmanager
-def _configured(config: str, run_dir: str | None = None, bindings=()):
-  """gin holding `config` (plus the tiny overrides in tiny mode) and `bindings`, with the
-  repository root as working directory (gin includes are relative to it) until the end."""
+def _configured(config: str):
+  """gin holding `config` (plus the tiny overrides in tiny mode), with the repository root
+  as working directory (gin includes are relative to it) until the end."""
   cwd = os.getcwd()
   os.chdir(ROOT)
   try:
     gin.clear_config()
-    files = [os.path.join(CONFIGS, config)] + ([os.path.join(ROOT, f) for f in TINY]
-                                               if tiny() else [])
-    extra = (TINY_BINDINGS if tiny() else []) + ["train.progress = False", *bindings]
-    run_lib.load_config(files, extra, run_dir)
+    run_lib.load_config(_files(config), TINY_BINDINGS if tiny() else [], run_dir=None)
     yield
   finally:
     os.chdir(cwd)
 
 
-def _finished(run_dir: str, key: str = "rl_accuracy") -> dict | None:
-  """run_dir/summary.json if it exists and holds `key` (written at the end of a run)."""
-  path = os.path.join(run_dir, "summary.json")
-  summary = json.load(open(path)) if os.path.exists(path) else {}
-  return summary if key in summary else None
+def _command(script: str, config: str, bindings) -> list[str]:
+  """experiments/`script` with `config` (+ tiny.gin), the tiny bindings and `bindings`."""
+  argv = [sys.executable, os.path.join(ROOT, "experiments", script)]
+  argv += [a for f in _files(config) for a in ("--gin", f)]
+  return argv + [a for b in [*(TINY_BINDINGS if tiny() else []), *bindings]
+                 for a in ("--gin_param", b)]
 
 
-def _train(config: str, run_dir: str, bindings=()) -> dict:
-  summary = _finished(run_dir)
-  if summary is None:
-    started = time.perf_counter()
-    _log(f"running {os.path.relpath(run_dir, report_dir())} ({config})")
-    with _configured(config, run_dir, bindings):
-      summary = gin_externals.train()
-    seconds = time.perf_counter() - started
-    _log(f"  done in {seconds:.0f} s: held-out accuracy {summary['sft_accuracy']:.3f} -> "
-         f"{summary['rl_accuracy']:.3f}, mean length {summary['sft_length']:.1f} -> "
-         f"{summary['rl_length']:.1f}")
-    _record_time(os.path.basename(run_dir), seconds)
-  return summary
+def _arm_dir(name: str, seed: int) -> str:
+  return seeds_lib.seed_dir(os.path.join(_runs_dir(), name), seed)
+
+
+def _name(out_dir: str) -> str:
+  return os.path.relpath(out_dir, _runs_dir())
+
+
+def _arm_job(name: str, seed: int) -> seeds_lib.Job:
+  """Arm `name` (or the warm start) on `seed`: run.py in runs/<name>/seed<seed>."""
+  out = _arm_dir(name, seed)
+  bindings, after = [f"train.seed = {seed}", "train.progress = False"], ()
+  if name == WARM_START:
+    config, bindings = "base.gin", [*bindings, "train.num_steps = 0"]
+  else:
+    spec = ARMS[name]
+    config, start = spec.config, _arm_dir(spec.init_from, seed)
+    bindings, after = [*bindings, f"train.init_from = {start!r}"], (_name(start),)
+  argv = _command("run.py", config, bindings) + ["--run_dir", out]
+  return seeds_lib.Job(_name(out), tuple(argv), out, after)
+
+
+def _before_rl_dir(name: str, seed: int) -> str:
+  return os.path.join(_arm_dir(name, seed), "before_rl")
+
+
+def _before_rl_job(name: str, seed: int) -> seeds_lib.Job:
+  """Arm `name`'s sampled evaluation (its SampledEval, eval_records, seed) of the model it
+  starts from, before any RL: what the loop measures at its evaluations, at step 0."""
+  spec, out = ARMS[name], _before_rl_dir(name, seed)
+  with _configured(spec.config):
+    records = gin.query_parameter("train.eval_records")
+  start = _arm_dir(spec.init_from, seed)
+  bindings = [f"evaluate.run_dir = {start!r}", "evaluate.task = @Arithmetic()",
+              "evaluate.model = @tiny", "evaluate.spec = @SampledEval()",
+              f"evaluate.num_records = {records}", f"evaluate.seed = {seed}"]
+  argv = _command("eval.py", spec.config, bindings) + ["--out", out]
+  return seeds_lib.Job(_name(out), tuple(argv), out, (_name(start),),
+                       done_file="report.json", done_key=None, resumes=False)
+
+
+def _long2short_dir(method: str, seed: int) -> str:
+  return seeds_lib.seed_dir(os.path.join(_runs_dir(), "long2short", method), seed)
+
+
+def _long2short_job(method: str, seed: int) -> seeds_lib.Job:
+  """long2short `method` applied to the baseline arm's final model of `seed`."""
+  out, long_run = _long2short_dir(method, seed), _arm_dir("baseline", seed)
+  argv = _command("long2short.py", "h_long2short.gin",
+                  [f"long2short.long_run = {long_run!r}", f"long2short.seed = {seed}",
+                   "long2short.progress = False"]) + ["--method", method, "--out_dir", out]
+  after = (_name(long_run),)
+  if method == "merge":
+    short = _long2short_dir("shortest_rejection", seed)
+    argv, after = argv + ["--merge_with", short], (*after, _name(short))
+  return seeds_lib.Job(_name(out), tuple(argv), out, after, done_key="accuracy",
+                       resumes=False)
+
+
+def _needed_arms(names) -> list[str]:
+  """`names`, what they start from, and so on down to the warm start (that first)."""
+  order = []
+  for name in names:
+    chain = [name]
+    while chain[-1] != WARM_START:
+      chain.append(ARMS[chain[-1]].init_from)
+    order += [n for n in reversed(chain) if n not in order]
+  return order
+
+
+def finding_jobs(key: str, seed_list=None) -> list[seeds_lib.Job]:
+  """Every run finding `key` needs on the seeds (default: seeds())."""
+  finding, seed_list = FINDINGS[key], seeds() if seed_list is None else seed_list
+  jobs = [_arm_job(name, k) for name in _needed_arms(finding.arms) for k in seed_list]
+  jobs += [_before_rl_job(name, k) for name in finding.before_rl for k in seed_list]
+  if key == "h_long2short":
+    jobs += [_long2short_job(m, k) for m in LONG2SHORT_METHODS for k in seed_list]
+  return jobs
+
+
+def ensure(keys) -> None:
+  """Run what the findings `keys` need and is not finished yet: LONGRL_FINDINGS_JOBS runs at
+  a time (default: as many as the cores allow at LONGRL_FINDINGS_THREADS cores each)."""
+  jobs = {}
+  for key in keys:
+    for job in finding_jobs(key):
+      jobs.setdefault(job.name, job)
+  _run(list(jobs.values()))
+
+
+def _run(jobs) -> None:
+  seeds_lib.run_jobs(jobs, parallel=int(os.environ.get("LONGRL_FINDINGS_JOBS", 0)) or None,
+                     threads=int(os.environ.get("LONGRL_FINDINGS_THREADS",
+                                                seeds_lib.THREADS)), log=_log)
 
 
 def _log(message: str) -> None:
@@ -134,50 +248,41 @@ def _log(message: str) -> None:
     f.write(f"{time.strftime('%H:%M:%S')} {message}\n")
 
 
-def _record_time(name: str, seconds: float) -> None:
-  """Wall-clock seconds per arm (and long2short method), kept in REPORT_DIR/timings.json."""
-  path = os.path.join(report_dir(), "timings.json")
-  timings = json.load(open(path)) if os.path.exists(path) else {}
-  timings[name] = seconds
-  with open(path, "w") as f:
-    json.dump(timings, f, indent=2)
+def minutes(key: str) -> float | None:
+  """Minutes the runs of finding `key` took, summed over runs and seeds (their wall times,
+  recorded by the runner; None if one of them was not run by it)."""
+  times = [seeds_lib.seconds(job.out_dir) for job in finding_jobs(key)]
+  return None if None in times else sum(times) / 60
 
 
-def minutes(names) -> float | None:
-  """Minutes the named arms took when they ran (None if one was never timed here)."""
-  path = os.path.join(report_dir(), "timings.json")
-  timings = json.load(open(path)) if os.path.exists(path) else {}
-  return (sum(timings[n] for n in names) / 60 if all(n in timings for n in names)
-          else None)
+def _read_seeds(run_dir_of: Callable[[int], str], key: str = "rl_accuracy") -> dict[int, dict]:
+  """{seed: {"summary": run_dir_of(seed)/summary.json}} over seeds(), each holding `key`."""
+  out = {}
+  for k in seeds():
+    summary = seeds_lib.finished(run_dir_of(k), key=key)
+    if summary is None:
+      raise FileNotFoundError(f"{run_dir_of(k)} has not finished (findings.ensure runs it)")
+    out[k] = {"summary": summary}
+  return out
 
 
 def arm(name: str) -> dict:
-  """Run arm `name` (and what it starts from) unless finished; returns {"summary",
-  "records": metrics.jsonl, "label"}."""
-  runs = os.path.join(report_dir(), "runs")
-  if name == WARM_START:
-    _train("base.gin", os.path.join(runs, WARM_START), ["train.num_steps = 0"])
-    return {}
-  spec = ARMS[name]
-  arm(spec.init_from)
-  run_dir = os.path.join(runs, name)
-  summary = _train(spec.config, run_dir, [f"train.init_from = "
-                                          f"{os.path.join(runs, spec.init_from)!r}"])
-  return {"summary": summary, "label": spec.label,
-          "records": metrics_lib.read(os.path.join(run_dir, "metrics.jsonl"))}
+  """Arm `name` over the seeds (run first unless finished): {"label", "seeds": {k:
+  {"summary": summary.json, "records": metrics.jsonl, and "before_rl": the sampled
+  evaluation before RL at the largest budget, where it was measured}}}."""
+  _run([_arm_job(n, k) for n in _needed_arms([name]) for k in seeds()])
+  runs = _read_seeds(lambda k: _arm_dir(name, k))
+  for k, run in runs.items():
+    run["records"] = seeds_lib.read_run(_arm_dir(name, k))["records"]
+    before = seeds_lib.finished(_before_rl_dir(name, k), "report.json", None)
+    if before is not None:
+      run["before_rl"] = before["budgets"][max(before["budgets"], key=int)]
+  return {"label": ARMS[name].label, "seeds": runs}
 
 
-def series(data: dict, key: str):
-  """(steps, values) of `key` over an arm's metrics records."""
-  points = [(r["step"], r[key]) for r in data["records"] if key in r]
-  return np.array([p[0] for p in points]), np.array([p[1] for p in points], float)
-
-
-def smooth(values, window: int = 5):
-  if len(values) < window:
-    return np.asarray(values, float)
-  padded = np.pad(np.asarray(values, float), (window // 2, window - 1 - window // 2), "edge")
-  return np.convolve(padded, np.ones(window) / window, mode="valid")
+def per_seed(data: dict, fn: Callable[[dict], float]) -> dict[int, float]:
+  """{seed: fn(that seed's run)} over an arm's seeds."""
+  return {k: float(fn(run)) for k, run in data["seeds"].items()}
 
 
 def first_step_at_or_below(steps, values, level):
@@ -193,60 +298,168 @@ def tail(values, fraction: float = 0.2) -> float:
   return float(np.mean(values[-max(1, int(len(values) * fraction)):]))
 
 
+def _length_start(run) -> float:
+  return head(smooth(series(run, "completion_length")[1]))
+
+
+def _length_end(run) -> float:
+  return tail(smooth(series(run, "completion_length")[1]))
+
+
+def _final_eval(run: dict, key: str = "eval_accuracy") -> float:
+  """The mean of a run's evaluations over the second half of its run: one evaluation on 128
+  prompts has a standard error of about 0.035 at accuracy 0.8."""
+  steps, values = series(run, key)
+  return float(np.mean(values[steps > steps[-1] / 2])) if steps[-1] else float(values[-1])
+
+
+def _start_eval(run: dict, key: str = "eval_accuracy") -> float:
+  return float(series(run, key)[1][0])
+
+
 # ----------------------------------------------------------------------------- results
+
+@dataclasses.dataclass
+class Check:
+  """One predicted difference: its value per seed, their interval and the verdict."""
+  name: str
+  prediction: stats.Prediction
+  values: dict[int, float]
+  interval: stats.Interval
+  verdict: str
+
+  def reading(self) -> str:
+    """The verdict, saying which of its two reasons a "not reproduced" has."""
+    if self.verdict != stats.NOT_REPRODUCED:
+      return self.verdict
+    p = self.prediction
+    opposite = max(p.direction * (v - p.against)
+                   for v in (self.interval.low, self.interval.high)) < 0
+    reason = "the other way" if opposite else f"within ±{p.margin:g}: no effect"
+    return f"{self.verdict} ({reason})"
+
+  def as_dict(self) -> dict:
+    return {"name": self.name, "predicted": str(self.prediction),
+            "direction": self.prediction.direction, "margin": self.prediction.margin,
+            "against": self.prediction.against, "per_seed": self.values,
+            **self.interval.as_dict(), "interval": str(self.interval),
+            "verdict": self.verdict, "reading": self.reading()}
+
+
+def check(name: str, values: dict[int, float], prediction: stats.Prediction) -> Check:
+  interval = stats.mean_ci(list(values.values()), method=ci_method())
+  return Check(name, prediction, dict(values), interval, stats.verdict(interval, prediction))
+
+
+@dataclasses.dataclass
+class Analysis:
+  """What a finding's rule reads off its arms."""
+  verdict: str
+  rule: str  # how the checks make the verdict, in words
+  checks: list[Check]
+  table: list[dict]  # one row per arm: "arm" its label, other columns {seed: value}
+  figure: plt.Figure
+
 
 @dataclasses.dataclass
 class Result:
   key: str
   title: str
-  seed: str  # the published result being reproduced, with its source
-  verdict: str  # "reproduced", "partially reproduced" or "not reproduced"
-  why: str  # the numbers the verdict rests on
-  table: list[dict]
-  figure: plt.Figure
-  minutes: float | None = None  # the warm start and the arms, as run on this machine
+  claim: str  # the published result being reproduced, with its source
+  analysis: Analysis
+  seeds: list[int]
+  minutes: float | None = None  # the warm starts and the arms, summed over runs
 
-  def markdown_table(self) -> str:
-    columns = list(self.table[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in self.table:
-      lines.append("| " + " | ".join(_cell(row[c]) for c in columns) + " |")
-    return "\n".join(lines)
+  @property
+  def verdict(self) -> str:
+    return self.analysis.verdict
+
+  def as_dict(self) -> dict:
+    """What results.json holds: what the report shows, with the per-seed values."""
+    return {"key": self.key, "title": self.title, "claim": self.claim,
+            "verdict": self.verdict, "rule": self.analysis.rule, "seeds": self.seeds,
+            "ci": ci_method(), "checks": [c.as_dict() for c in self.analysis.checks],
+            "table": [{c: v if isinstance(v, str) else _interval_dict(v)
+                       for c, v in row.items()} for row in self.analysis.table],
+            "minutes": self.minutes, "tiny": tiny()}
 
   def save(self, out_dir: str) -> None:
+    """plot.png and results.json (everything the report shows, with the per-seed values)."""
     os.makedirs(out_dir, exist_ok=True)
-    self.figure.savefig(os.path.join(out_dir, "plot.png"), dpi=110, bbox_inches="tight")
-    with open(os.path.join(out_dir, "result.json"), "w") as f:
-      json.dump({"key": self.key, "title": self.title, "seed": self.seed,
-                 "verdict": self.verdict, "why": self.why, "table": self.table,
-                 "minutes": self.minutes, "tiny": tiny()}, f, indent=2)
+    self.analysis.figure.savefig(os.path.join(out_dir, "plot.png"), dpi=110,
+                                 bbox_inches="tight")
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+      json.dump(self.as_dict(), f, indent=2)
 
   def _repr_markdown_(self) -> str:
-    return (f"**{self.title}: {self.verdict}.** {self.why}\n\n" + self.markdown_table())
+    saved = self.as_dict()
+    return (f"**{self.title}: {self.verdict}** ({_seed_list(self.seeds)}). "
+            f"{self.analysis.rule}\n\n" + _checks_markdown(saved["checks"]) + "\n\n"
+            + _table_markdown(saved["table"]))
 
 
-def _cell(value) -> str:
-  return f"{value:.3f}" if isinstance(value, float) else str(value)
+def _checks_markdown(checks: list[dict]) -> str:
+  """results.json's checks as a table."""
+  return _markdown([{"check": c["name"], "predicted": c["predicted"],
+                     "mean [95% interval]": c["interval"],
+                     "per seed": ", ".join(f"{v:+.3f}" for v in c["per_seed"].values()),
+                     "verdict": c["reading"]} for c in checks])
+
+
+def _table_markdown(table: list[dict]) -> str:
+  """results.json's per-arm table: each number the mean over seeds [95% interval]."""
+  def cell(v):
+    if isinstance(v, str):
+      return v
+    return (f"{v['mean']:.3g}" if v["n"] < 2
+            else f"{v['mean']:.3g} [{v['low']:.3g}, {v['high']:.3g}]")
+  return _markdown([{column: cell(v) for column, v in row.items()} for row in table])
+
+
+def _interval_dict(values: dict[int, float]) -> dict:
+  return {"per_seed": values,
+          **stats.mean_ci(list(values.values()), method=ci_method()).as_dict()}
+
+
+def _markdown(rows: list[dict]) -> str:
+  columns = list(rows[0])
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  return "\n".join(lines + ["| " + " | ".join(str(row[c]) for c in columns) + " |"
+                            for row in rows])
+
+
+def _seed_list(seed_list) -> str:
+  """"seeds 0..4", "seeds 0, 1", "seed 0"."""
+  if len(seed_list) == 1:
+    return f"seed {seed_list[0]}"
+  return "seeds " + (f"{seed_list[0]}..{seed_list[-1]}" if len(seed_list) > 2
+                     else ", ".join(map(str, seed_list)))
+
+
+def _row(data: dict, columns: dict[str, Callable[[dict], float]]) -> dict:
+  return {"arm": data["label"], **{c: per_seed(data, fn) for c, fn in columns.items()}}
 
 
 def _curves(arms: dict, panels: list[tuple[str, str]], title: str, window: int = 5,
-            marks: dict | None = None):
-  """One panel per (metrics key, axis label), one line per arm; eval_* keys unsmoothed."""
+            marks=()):
+  """One panel per (metrics key, axis label), per arm its mean over seeds and the band from
+  the lowest to the highest seed; eval_* keys unsmoothed."""
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.3), squeeze=False)
   for ax, (key, label) in zip(axes[0], panels):
-    for name, data in arms.items():
-      steps, values = series(data, key)
-      if not key.startswith("eval_"):
-        values = smooth(values, window)
-      ax.plot(steps, values, label=data["label"], marker="o" if key.startswith("eval_")
-              else None, markersize=3)
-    for name, step in (marks or {}).items():
+    evaluation = key.startswith("eval_")
+    for data in arms.values():
+      compare.draw(ax, data["seeds"], key, label=data["label"],
+                   window=1 if evaluation else window, marker="o" if evaluation else None,
+                   markersize=3)
+    for step in marks:
       ax.axvline(step, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("RL step")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
+  n = len(next(iter(arms.values()))["seeds"])
   axes[0][0].legend(fontsize=7)
-  fig.suptitle(title, fontsize=10)
+  fig.suptitle(f"{title} (mean over {n} seed{'s' * (n > 1)}"
+               + ("; band: lowest to highest seed)" if n > 1 else ")"), fontsize=10)
   fig.tight_layout()
   return fig
 
@@ -261,208 +474,235 @@ def _label(fig, ax, xlabel: str, ylabel: str, title: str) -> None:
   fig.tight_layout()
 
 
-def _final_eval(data: dict, key: str = "eval_accuracy") -> float:
-  """The mean of an arm's evaluations over the second half of its run: one evaluation on 128
-  prompts has a standard error of about 0.035 at accuracy 0.8."""
-  steps, values = series(data, key)
-  return float(np.mean(values[steps > steps[-1] / 2])) if steps[-1] else float(values[-1])
+ALL_CHECKS = ("Reproduced when every check is, not reproduced when none is, partially "
+              "reproduced between; too wide to tell while any check is.")
 
-
-def _start_eval(data: dict, key: str = "eval_accuracy") -> float:
-  _, values = series(data, key)
-  return float(values[0])
+# Margins: one held-out greedy evaluation on 128 prompts has a standard error of about
+# 0.035, so accuracy differences under ACCURACY_MARGIN count as none; length differences
+# under LENGTH_MARGIN tokens (a filler step is 4) likewise.
+ACCURACY_MARGIN = 0.03
+LENGTH_MARGIN = 1.0
 
 
 # ----------------------------------------------------------------------------- the findings
 
-def two_stages(arms):
-  """a. Under a length budget: length falls first, then accuracy within the budget rises."""
-  budget = arms["budget"]
-  steps, length = series(budget, "completion_length")
-  _, reward = series(budget, "reward")  # = correct and within the budget
-  length_s, reward_s = smooth(length), smooth(reward)
-  start, end = head(length_s), tail(length_s)
-  drop = start - end
-  adapted = first_step_at_or_below(steps, length_s, end + 0.1 * drop)
-  reward_at_adapted = float(reward_s[list(steps).index(adapted)])
-  reward_end = tail(reward_s)
-  eval_steps, acc_eval = series(budget, "eval_accuracy")
-  low = int(np.argmin(acc_eval))
-  fell = drop >= 0.25 * start
-  early = adapted <= 0.6 * steps[-1]
-  refined = reward_end >= reward_at_adapted + 0.03
-  verdict = ("reproduced" if fell and early and refined else
-             "partially reproduced" if fell else "not reproduced")
-  why = (f"mean length {start:.1f} -> {end:.1f} tokens, 90% of the fall done by step "
-         f"{adapted} of {steps[-1]}; within-budget accuracy (train) {reward_at_adapted:.3f} "
-         f"there and {reward_end:.3f} at the end (last 20%); held-out greedy accuracy "
-         f"{acc_eval[0]:.3f} at the start, {acc_eval[low]:.3f} at its lowest (step "
-         f"{eval_steps[low]}), {acc_eval[-1]:.3f} at the end.")
-  table = [{"arm": d["label"], "length start": head(smooth(series(d, "completion_length")[1])),
-            "length end": tail(smooth(series(d, "completion_length")[1])),
-            "train accuracy end": tail(series(d, "accuracy")[1]),
-            "reward end": tail(series(d, "reward")[1]),
-            "held-out acc. start": _start_eval(d), "held-out acc., 2nd half": _final_eval(d)}
-           for d in arms.values()]
+def two_stages(arms) -> Analysis:
+  """a. Under a length budget: length falls first, then accuracy recovers, both measured
+  against the correctness-only arm on the same seeds (RL raises the correctness-only arm's
+  accuracy too, so a recovery against the start would count that)."""
+  budget, base = arms["budget"], arms["baseline"]
+
+  def adapted(run) -> int:  # the step by which 90% of the length fall is done
+    steps, length = series(run, "completion_length")
+    length_s = smooth(length)
+    start, end = head(length_s), tail(length_s)
+    return first_step_at_or_below(steps, length_s, end + 0.1 * (start - end))
+
+  def recovery(k) -> float:  # the accuracy gap to baseline: 2nd half minus after the fall
+    steps, ours = series(budget["seeds"][k], "eval_accuracy")
+    base_steps, theirs = series(base["seeds"][k], "eval_accuracy")
+    common = np.intersect1d(steps, base_steps)
+    gap = ours[np.isin(steps, common)] - theirs[np.isin(base_steps, common)]
+    at = min(np.searchsorted(common, adapted(budget["seeds"][k])), len(common) - 1)
+    return float(np.mean(gap[common > common[-1] / 2]) - gap[at])
+
+  checks = [
+      check("mean length, last 20%: budget - correctness-only (tokens)",
+            stats.paired_differences(per_seed(budget, _length_end), per_seed(base, _length_end)),
+            stats.Prediction(-1, LENGTH_MARGIN)),
+      check("held-out accuracy gap to correctness-only: 2nd half minus at the end of the "
+            "length fall", {k: recovery(k) for k in budget["seeds"]},
+            stats.Prediction(+1, ACCURACY_MARGIN))]
+  table = [_row(d, {"length start": _length_start, "length end": _length_end,
+                    "90% of the length fall by step": adapted,
+                    "train accuracy end": lambda r: tail(series(r, "accuracy")[1]),
+                    "reward end": lambda r: tail(series(r, "reward")[1]),
+                    "held-out acc. start": _start_eval,
+                    "held-out acc., 2nd half": _final_eval}) for d in arms.values()]
+  marks = [float(np.mean(list(per_seed(budget, adapted).values())))]
   fig = _curves(arms, [("completion_length", "mean completion length"),
                        ("reward", "reward (budget arm: correct within budget)"),
                        ("eval_accuracy", "held-out greedy accuracy")],
-                "a. length budget: length first, then accuracy", marks={"adapted": adapted})
-  return verdict, why, table, fig
+                "a. length budget: length first, then accuracy", marks=marks)
+  return Analysis(stats.all_of(c.verdict for c in checks),
+                  "The budget arm must end shorter than the correctness-only arm, and its "
+                  "held-out accuracy relative to that arm must rise after its length fell "
+                  "(the dotted line: the mean step by which 90% of the fall is done). "
+                  + ALL_CHECKS, checks, table, fig)
 
 
-def easy_vs_hard(arms):
+def easy_vs_hard(arms) -> Analysis:
   """b. Length penalty on hard prompts only collapses; on easy prompts it stays stable."""
-  rows, signs = [], {}
-  for name, data in arms.items():
-    _, length = series(data, "completion_length")
-    _, entropy = series(data, "entropy")
-    l0, l1 = head(smooth(length)), tail(smooth(length))
-    e0, emax = head(entropy), float(np.max(smooth(entropy)))
-    a0, a1 = _start_eval(data), _final_eval(data)
-    signs[name] = {"length crash": l1 < 0.5 * l0, "entropy spike": emax > 1.5 * e0,
-                   "accuracy falls": a1 < a0 - 0.1}
-    rows.append({"arm": data["label"], "length start": l0, "length end": l1,
-                 "entropy start": e0, "entropy max": emax, "held-out acc. start": a0,
-                 "held-out acc., 2nd half": a1})
-  hard, easy = signs["penalty_hard"], signs["penalty_easy"]
-  collapsed = hard["accuracy falls"] and (hard["length crash"] or hard["entropy spike"])
-  stable = not any(easy.values())
-  verdict = ("reproduced" if collapsed and stable else
-             "partially reproduced" if collapsed or (stable and any(hard.values()))
-             else "not reproduced")
-  why = ("hard prompts: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in hard.items())
-         + "; easy prompts: " + ", ".join(f"{k} {'yes' if v else 'no'}"
-                                          for k, v in easy.items()) + ".")
+  easy, hard = arms["penalty_easy"], arms["penalty_hard"]
+  spike = lambda run: (float(np.max(smooth(series(run, "entropy")[1])))
+                       / head(series(run, "entropy")[1]))
+  against_easy = lambda fn: stats.paired_differences(per_seed(hard, fn), per_seed(easy, fn))
+  checks = [
+      check("held-out accuracy, 2nd half: hard - easy",
+            against_easy(_final_eval), stats.Prediction(-1, ACCURACY_MARGIN)),
+      check("entropy peak / start: hard - easy", against_easy(spike),
+            stats.Prediction(+1, 0.1)),
+      check("mean length, last 20%: hard - easy (tokens)", against_easy(_length_end),
+            stats.Prediction(-1, LENGTH_MARGIN)),
+      check("easy prompts: held-out accuracy, 2nd half minus start (falls by under 0.05)",
+            per_seed(easy, lambda r: _final_eval(r) - _start_eval(r)),
+            stats.Prediction(+1, against=-0.05))]
+  table = [_row(d, {"length start": _length_start,
+                    "length end": _length_end,
+                    "entropy start": lambda r: head(series(r, "entropy")[1]),
+                    "entropy peak / start": spike, "held-out acc. start": _start_eval,
+                    "held-out acc., 2nd half": _final_eval}) for d in arms.values()]
   fig = _curves(arms, [("completion_length", "mean completion length"),
                        ("entropy", "entropy"), ("eval_accuracy", "held-out greedy accuracy")],
                 "b. length penalty on easy vs hard prompts")
-  return verdict, why, rows, fig
+  return Analysis(stats.all_of(c.verdict for c in checks),
+                  "Hard prompts only must collapse against easy prompts only on the same "
+                  "seeds (accuracy lower, entropy spiking, length crashing) while the easy "
+                  "arm keeps its accuracy. " + ALL_CHECKS, checks, table, fig)
 
 
 def _accuracy_table(arms):
-  return [{"arm": d["label"], "held-out acc. start": _start_eval(d),
-           "held-out acc., 2nd half": _final_eval(d),
-           "train acc. end": tail(series(d, "accuracy")[1]),
-           "length end": tail(series(d, "completion_length")[1])} for d in arms.values()]
+  return [_row(d, {"held-out acc. start": _start_eval, "held-out acc., 2nd half": _final_eval,
+                   "train acc. end": lambda r: tail(series(r, "accuracy")[1]),
+                   "length end": lambda r: tail(series(r, "completion_length")[1])})
+          for d in arms.values()]
 
 
-def negative_gradients(arms):
+def negative_gradients(arms) -> Analysis:
   """c. k1.5 (uses failed samples) vs ReST (successes only) at equal samples."""
-  k15, rest = _final_eval(arms["baseline"]), _final_eval(arms["rest"])
-  verdict = "reproduced" if k15 >= rest + 0.03 else "not reproduced"
-  why = (f"held-out greedy accuracy over the second half of the run (mean of its "
-         f"evaluations): k1.5 {k15:.3f}, ReST {rest:.3f}, from "
-         f"{_start_eval(arms['baseline']):.3f} after SFT; a gap under 0.03 counts as none.")
+  checks = [check("held-out accuracy, 2nd half: k1.5 - ReST", stats.paired_differences(
+      per_seed(arms["baseline"], _final_eval), per_seed(arms["rest"], _final_eval)),
+                  stats.Prediction(+1, ACCURACY_MARGIN))]
   fig = _curves(arms, [("eval_accuracy", "held-out greedy accuracy"),
                        ("accuracy", "train accuracy"), ("entropy", "entropy")],
                 "c. negative gradients: k1.5 vs ReST")
-  return verdict, why, _accuracy_table(arms), fig
+  return Analysis(checks[0].verdict, "k1.5 must beat ReST on held-out accuracy over the "
+                  "second half of the run (the mean of its evaluations), seed by seed.",
+                  checks, _accuracy_table(arms), fig)
 
 
-def samplers(arms):
+def samplers(arms) -> Analysis:
   """d. Curriculum and prioritized sampling vs uniform at equal steps."""
-  uniform = _final_eval(arms["baseline"])
-  gains = {name: _final_eval(arms[name]) - uniform for name in ("prioritized", "curriculum")}
-  wins = [name for name, gain in gains.items() if gain >= 0.03]
-  verdict = ("reproduced" if len(wins) == 2 else "partially reproduced" if wins
-             else "not reproduced")
-  why = (f"held-out greedy accuracy over the second half of the run: uniform {uniform:.3f}, "
-         + ", ".join(f"{name} {uniform + gain:.3f} ({gain:+.3f})"
-                     for name, gain in gains.items()) + "; a gain under 0.03 counts as none.")
+  uniform = per_seed(arms["baseline"], _final_eval)
+  checks = [check(f"held-out accuracy, 2nd half: {name} - uniform",
+                  stats.paired_differences(per_seed(arms[name], _final_eval), uniform),
+                  stats.Prediction(+1, ACCURACY_MARGIN))
+            for name in ("prioritized", "curriculum")]
   fig = _curves(arms, [("eval_accuracy", "held-out greedy accuracy"),
                        ("accuracy", "train accuracy")], "d. prompt sampling at equal steps")
-  return verdict, why, _accuracy_table(arms), fig
+  return Analysis(stats.all_of(c.verdict for c in checks),
+                  "Each sampler must beat uniform sampling on held-out accuracy over the "
+                  "second half, seed by seed. " + ALL_CHECKS, checks, _accuracy_table(arms), fig)
 
 
-def coverage(arms):
-  """e. mean@k rises under RL while pass@k at large k stays flat or falls."""
+# pass@16 starts at about 0.95 here (a ceiling: it can hardly rise, so "flat" would hold
+# trivially); pass@4 starts at about 0.87, with room to move either way.
+COVERAGE_K = 4
+COVERAGE_RISE = 0.02  # the largest rise of pass@k that still counts as flat
+
+
+def coverage(arms) -> Analysis:
+  """e. mean@n rises under RL while pass@k (k = COVERAGE_K) stays flat or falls, both from
+  the model before RL (the warm start, sampled alike) to the second half of RL."""
   data = arms["baseline"]
-  ks = sorted({int(k.split("@")[1]) for r in data["records"] for k in r
+  run0 = next(iter(data["seeds"].values()))
+  ks = sorted({int(k.split("@")[1]) for r in run0["records"] for k in r
                if k.startswith("eval_pass@")})
-  k_max = ks[-1]
-  steps, mean_k = series(data, f"eval_mean@{k_max}")
-  _, pass_k = series(data, f"eval_pass@{k_max}")
-  d_mean, d_pass = mean_k[-1] - mean_k[0], pass_k[-1] - pass_k[0]
-  verdict = ("reproduced" if d_mean >= 0.05 and d_pass <= 0.02 else
-             "partially reproduced" if d_mean >= 0.05 and d_pass < d_mean
-             else "not reproduced")
-  why = (f"over RL, mean@{k_max} {mean_k[0]:.3f} -> {mean_k[-1]:.3f} ({d_mean:+.3f}), "
-         f"pass@{k_max} {pass_k[0]:.3f} -> {pass_k[-1]:.3f} ({d_pass:+.3f}).")
-  table = [{"step": int(s), **{f"pass@{k}": float(series(data, f"eval_pass@{k}")[1][i])
-                               for k in ks},
-            f"mean@{k_max}": float(mean_k[i]),
-            f"maj@{k_max}": float(series(data, f"eval_maj@{k_max}")[1][i])}
-           for i, s in enumerate(steps)]
-  fig, ax = plt.subplots(figsize=(5, 3.4))
-  for k in ks:
-    ax.plot(steps, series(data, f"eval_pass@{k}")[1], marker="o", markersize=3,
-            label=f"pass@{k}")
-  ax.plot(steps, mean_k, marker="s", markersize=3, linestyle="--", label=f"mean@{k_max}")
-  _label(fig, ax, "RL step", "held-out, sampled at T=1",
-         "e. coverage (pass@k) vs sharpening (mean@k)")
-  return verdict, why, table, fig
+  if COVERAGE_K not in ks:
+    raise ValueError(f"finding e reads pass@{COVERAGE_K}; the baseline arm logged pass@k for "
+                     f"k in {ks} (SampledEval.ks)")
+  n = ks[-1]
+  rows = {"before RL": lambda run, key: run["before_rl"][key],
+          "RL, 2nd half": lambda run, key: _final_eval(run, f"eval_{key}")}
+  keys = [*(f"pass@{k}" for k in ks), f"mean@{n}", f"maj@{n}"]
+  change = lambda key: per_seed(data, lambda r: rows["RL, 2nd half"](r, key)
+                                - rows["before RL"](r, key))
+  checks = [check(f"mean@{n}: RL 2nd half minus before RL", change(f"mean@{n}"),
+                  stats.Prediction(+1, 0.02)),
+            check(f"pass@{COVERAGE_K}: RL 2nd half minus before RL (flat or falls: rises by "
+                  f"under {COVERAGE_RISE})", change(f"pass@{COVERAGE_K}"),
+                  stats.Prediction(-1, against=COVERAGE_RISE))]
+  table = [{"arm": f"{data['label']}, {when}",
+            **{key: per_seed(data, lambda r, key=key: fn(r, key)) for key in keys}}
+           for when, fn in rows.items()]
+  fig, ax = plt.subplots(figsize=(5.4, 3.6))
+  for key in [*(f"pass@{k}" for k in ks), f"mean@{n}"]:
+    compare.draw(ax, data["seeds"], f"eval_{key}", label=key, marker="o", markersize=3,
+                 linestyle="--" if key.startswith("mean") else "-")
+    before = np.array(list(per_seed(data, lambda r: r["before_rl"][key]).values()))
+    ax.errorbar([0], [before.mean()], yerr=[[before.mean() - before.min()],
+                                            [before.max() - before.mean()]],
+                fmt="s", color=ax.lines[-1].get_color(), markersize=4, capsize=2)
+  _label(fig, ax, "RL step (step 0: before RL)", "held-out, sampled at T=1",
+         f"e. coverage (pass@k) vs sharpening (mean@{n}), {len(data['seeds'])} seed(s)\n"
+         "mean; band and bars: lowest to highest seed")
+  return Analysis(stats.all_of(c.verdict for c in checks),
+                  f"From before RL to the second half of RL, mean@{n} must rise and "
+                  f"pass@{COVERAGE_K} must not rise by {COVERAGE_RISE} or more"
+                  + (f" (pass@{n} starts near its ceiling). " if n > COVERAGE_K else ". ")
+                  + ALL_CHECKS, checks, table, fig)
 
 
-def masking(arms):
+def masking(arms) -> Analysis:
   """f. -I drives the policy to short nonsense; -L&C keeps longer reasoning."""
-  end = {name: {"length": tail(series(d, "completion_length")[1]),
-                "accuracy": _final_eval(d),
-                "well_formed": tail(series(d, "well_formed")[1])}
-         for name, d in arms.items()}
-  base, minus_i, minus_lc = (end["budget"], end["budget_mask_incorrect"],
-                             end["budget_mask_long_correct"])
-  nonsense = (minus_i["length"] < 0.7 * base["length"]
-              and (minus_i["accuracy"] < base["accuracy"] - 0.1
-                   or minus_i["well_formed"] < 0.8))
-  longer = (minus_lc["length"] > base["length"] + 1.0
-            and minus_lc["accuracy"] >= base["accuracy"] - 0.05)
-  verdict = ("reproduced" if nonsense and longer else
-             "partially reproduced" if nonsense or longer else "not reproduced")
-  why = ("at the end, " + "; ".join(
-      f"{arms[n]['label']}: length {e['length']:.1f}, held-out acc. {e['accuracy']:.3f}, "
-      f"well-formed {e['well_formed']:.2f}" for n, e in end.items()) + ".")
-  table = [{"arm": arms[n]["label"], "length end": e["length"],
-            "held-out acc., 2nd half": e["accuracy"], "well-formed end": e["well_formed"]}
-           for n, e in end.items()]
+  base, minus_i, minus_lc = (arms["budget"], arms["budget_mask_incorrect"],
+                             arms["budget_mask_long_correct"])
+  length = lambda run: tail(series(run, "completion_length")[1])
+  against_base = lambda data, fn: stats.paired_differences(per_seed(data, fn),
+                                                           per_seed(base, fn))
+  checks = [check("mean length, last 20%: -I - budget (tokens)", against_base(minus_i, length),
+                  stats.Prediction(-1, LENGTH_MARGIN)),
+            check("held-out accuracy, 2nd half: -I - budget", against_base(minus_i, _final_eval),
+                  stats.Prediction(-1, ACCURACY_MARGIN)),
+            check("mean length, last 20%: -L&C - budget (tokens)",
+                  against_base(minus_lc, length), stats.Prediction(+1, LENGTH_MARGIN))]
+  table = [_row(d, {"length end": length, "held-out acc., 2nd half": _final_eval,
+                    "well-formed end": lambda r: tail(series(r, "well_formed")[1])})
+           for d in arms.values()]
   fig = _curves(arms, [("completion_length", "mean completion length"),
                        ("eval_accuracy", "held-out greedy accuracy"),
                        ("well_formed", "well-formed fraction")],
                 "f. masking instead of zero reward")
-  return verdict, why, table, fig
+  return Analysis(stats.all_of(c.verdict for c in checks),
+                  "Against the budget arm on the same seeds, -I must end shorter and less "
+                  "accurate (short nonsense) and -L&C longer. " + ALL_CHECKS, checks, table, fig)
 
 
-def staleness(arms):
+def staleness(arms) -> Analysis:
   """g. Stale (off-policy) updates speed up length adaptation but raise entropy later."""
-  stats = {}
-  for name, data in arms.items():
-    steps, length = series(data, "completion_length")
-    _, entropy = series(data, "entropy")
+  def half_fall(run) -> int:  # the step at which the smoothed length has fallen half way
+    steps, length = series(run, "completion_length")
     length_s = smooth(length)
     start, end = head(length_s), tail(length_s)
-    half = first_step_at_or_below(steps, length_s, start - 0.5 * (start - end))
-    stats[name] = {"half": half, "entropy_late": tail(entropy, 0.25), "start": start,
-                   "end": end}
-  on, off = stats["budget"], stats["budget_stale"]
-  faster = off["half"] <= 0.8 * on["half"]
-  hotter = off["entropy_late"] > 1.1 * on["entropy_late"]
-  verdict = ("reproduced" if faster and hotter else
-             "partially reproduced" if faster or hotter else "not reproduced")
-  why = (f"half of the length fall reached at step {on['half']} on-policy vs {off['half']} "
-         f"with 4 updates per batch; entropy over the last quarter {on['entropy_late']:.3f} "
-         f"vs {off['entropy_late']:.3f}.")
-  table = [{"arm": arms[n]["label"], "length start": s["start"], "length end": s["end"],
-            "step at half the fall": s["half"], "entropy, last quarter": s["entropy_late"],
-            "held-out acc., 2nd half": _final_eval(arms[n])} for n, s in stats.items()]
+    return first_step_at_or_below(steps, length_s, start - 0.5 * (start - end))
+
+  late_entropy = lambda run: tail(series(run, "entropy")[1], 0.25)
+  on, off = arms["budget"], arms["budget_stale"]
+  checks = [check("step at half the length fall: stale - on-policy",
+                  stats.paired_differences(per_seed(off, half_fall), per_seed(on, half_fall)),
+                  stats.Prediction(-1, 1.0)),
+            check("entropy, last quarter: stale - on-policy",
+                  stats.paired_differences(per_seed(off, late_entropy),
+                                           per_seed(on, late_entropy)),
+                  stats.Prediction(+1, 0.01))]
+  table = [_row(d, {"length start": _length_start,
+                    "length end": _length_end, "step at half the fall": half_fall,
+                    "entropy, last quarter": late_entropy,
+                    "held-out acc., 2nd half": _final_eval}) for d in arms.values()]
   fig = _curves(arms, [("completion_length", "mean completion length"),
                        ("entropy", "entropy"), ("eval_accuracy", "held-out greedy accuracy")],
                 "g. off-policy staleness")
-  return verdict, why, table, fig
+  return Analysis(stats.all_of(c.verdict for c in checks),
+                  "With 4 updates per batch the length must fall half way at an earlier step "
+                  "(by more than 1) and entropy over the last quarter must be higher (by more "
+                  "than 0.01 nats) than on-policy, seed by seed. " + ALL_CHECKS,
+                  checks, table, fig)
 
 
-def _evaluate_policy(run_dir: str) -> dict:
+def _evaluate_policy(run_dir: str, seed: int) -> dict:
   """rl.long2short.evaluate of `run_dir`'s latest params under h_long2short.gin's task and
-  sizes, cached in run_dir/long2short_eval.json."""
+  sizes with `seed` (what rl.long2short.run measures of its models), cached in
+  run_dir/long2short_eval.json."""
   path = os.path.join(run_dir, "long2short_eval.json")
   if not os.path.exists(path):
     with _configured("h_long2short.gin"):
@@ -473,69 +713,81 @@ def _evaluate_policy(run_dir: str) -> dict:
       result = long2short_lib.evaluate(
           long2short_lib.load(run_dir, cfg), cfg, task, tokenizer,
           num_records=gin.query_parameter("long2short.eval_records"),
-          max_new_tokens=gin.query_parameter("long2short.max_new_tokens"))
+          max_new_tokens=gin.query_parameter("long2short.max_new_tokens"), seed=seed)
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
   return json.load(open(path))
 
 
-def long2short_methods(arms):
-  """h. long2short: every method shortens; RL gives the best accuracy for its length."""
-  runs = os.path.join(report_dir(), "runs")
-  l2s_dir = os.path.join(runs, "long2short")
-  short_dir = os.path.join(l2s_dir, "shortest_rejection")
-  dirs = {"long model": os.path.join(runs, "baseline")}
-  for method, extra in (("shortest_rejection", {}), ("dpo", {}),
-                        ("merge", {"merge_with": short_dir})):
-    out = os.path.join(l2s_dir, method)
-    if _finished(out, "accuracy") is None:
-      _log(f"running long2short {method}")
-      started = time.perf_counter()
-      with _configured("h_long2short.gin",
-                       bindings=[f"long2short.long_run = {dirs['long model']!r}"]):
-        gin_externals.long2short(out, method=method, progress=False, **extra)
-      _record_time(f"long2short_{method}", time.perf_counter() - started)
-    dirs[method.replace("_", " ")] = out
-  dirs["long2short RL"] = os.path.join(runs, "long2short_rl")
-  # Every model measured alike: sampled (T = 1, 4 per prompt) accuracy and mean length, the
-  # quantities long2short trades; greedy decoding shows only the most likely length.
-  measured = {m: _evaluate_policy(d) for m, d in dirs.items()}
-  points = {m: (e["sampled_length"], e["sampled_accuracy"]) for m, e in measured.items()}
-  long_length, long_accuracy = points["long model"]
-  # A method works if it cuts at least 10% of the tokens and loses at most 0.05 accuracy.
-  works = {m: n <= 0.9 * long_length and a >= long_accuracy - 0.05
-           for m, (n, a) in points.items() if m != "long model"}
-  rl_length, rl_acc = points["long2short RL"]
-  dominated = [m for m, (n, a) in points.items()
-               if m != "long2short RL" and n <= rl_length and a >= rl_acc
-               and (n, a) != (rl_length, rl_acc)]
-  verdict = ("reproduced" if all(works.values()) and not dominated else
-             "partially reproduced" if any(works.values()) else "not reproduced")
-  why = ("sampled held-out (accuracy, mean tokens): " + "; ".join(
-      f"{m} ({a:.3f}, {n:.1f})" for m, (n, a) in points.items())
-         + "; cut >= 10% of the tokens within 0.05 accuracy: "
-         + (", ".join(m for m, ok in works.items() if ok) or "none")
-         + (f"; long2short RL is dominated by {', '.join(dominated)}" if dominated else
-            "; no other model is both shorter and more accurate than long2short RL") + ".")
-  table = [{"model": m, "sampled acc.": e["sampled_accuracy"],
-            "sampled mean tokens": e["sampled_length"], "greedy acc.": e["accuracy"],
-            "greedy tokens": e["length"]} for m, e in measured.items()]
+def long2short_models(arms) -> dict:
+  """Finding h's models measured alike, in the shape of arms: {model: {"label", "seeds": {k:
+  {"summary": rl.long2short.evaluate's dict}}}}. The methods' summaries hold that
+  measurement of their model and of the long one (long_*); long2short RL is measured here."""
+  methods = {m: _read_seeds(lambda k, m=m: _long2short_dir(m, k), key="accuracy")
+             for m in LONG2SHORT_METHODS}
+  long = {k: {"summary": {key[len("long_"):]: v for key, v in run["summary"].items()
+                          if key.startswith("long_") and key != "long_run"}}
+          for k, run in methods["shortest_rejection"].items()}
+  rl = {k: {"summary": _evaluate_policy(_arm_dir("long2short_rl", k), k)}
+        for k in arms["long2short_rl"]["seeds"]}
+  models = {"long model": long, **{m.replace("_", " "): runs for m, runs in methods.items()},
+            "long2short RL": rl}
+  return {name: {"label": name, "seeds": runs} for name, runs in models.items()}
+
+
+RELATIVE_CUT = 0.05  # a change in mean tokens under 5% counts as none
+
+
+def long2short_methods(models) -> Analysis:
+  """h. long2short: every method shortens; long2short RL gives the best accuracy for its
+  length (no model is both shorter and more accurate)."""
+  length = lambda name: per_seed(models[name], lambda r: r["summary"]["sampled_length"])
+  accuracy = lambda name: per_seed(models[name], lambda r: r["summary"]["sampled_accuracy"])
+  long_length = length("long model")
+  shortened = [n for n in models if n != "long model"]
+  cuts = [check(f"{n}: mean tokens / long model's - 1",
+                {k: v / long_length[k] - 1 for k, v in length(n).items()},
+                stats.Prediction(-1, RELATIVE_CUT)) for n in shortened]
+  rl = "long2short RL"
+  others = [n for n in shortened if n != rl]
+  beats = [(check(f"long2short RL - {n}: mean tokens", stats.paired_differences(
+                length(rl), length(n)), stats.Prediction(-1, LENGTH_MARGIN)),
+            check(f"long2short RL - {n}: accuracy", stats.paired_differences(
+                accuracy(rl), accuracy(n)), stats.Prediction(+1, ACCURACY_MARGIN)))
+           for n in others]
+  verdict = stats.all_of([c.verdict for c in cuts]
+                         + [stats.either(c.verdict for c in pair) for pair in beats])
+  table = [_row(d, {"sampled acc.": lambda r: r["summary"]["sampled_accuracy"],
+                    "sampled mean tokens": lambda r: r["summary"]["sampled_length"],
+                    "greedy acc.": lambda r: r["summary"]["accuracy"],
+                    "greedy tokens": lambda r: r["summary"]["length"]})
+           for d in models.values()]
   fig, ax = plt.subplots(figsize=(5, 3.6))
-  for m, (n, a) in points.items():
-    ax.scatter(n, a, s=40, label=m, marker="*" if m == "long model" else "o")
+  for name in models:
+    x, y = np.array(list(length(name).values())), np.array(list(accuracy(name).values()))
+    ax.errorbar(x.mean(), y.mean(), xerr=[[x.mean() - x.min()], [x.max() - x.mean()]],
+                yerr=[[y.mean() - y.min()], [y.max() - y.mean()]], label=name, capsize=2,
+                fmt="*" if name == "long model" else "o", markersize=7)
   _label(fig, ax, "mean completion tokens (held-out, sampled)",
          "held-out accuracy (sampled, T=1)",
-         "h. long2short: accuracy vs tokens (k1.5 Fig. 7 shape)")
-  return verdict, why, table, fig
+         f"h. long2short: accuracy vs tokens (k1.5 Fig. 7), {len(long_length)} seed(s)\n"
+         "mean; bars: lowest to highest seed")
+  return Analysis(verdict, "Every method must cut the long model's sampled mean tokens by "
+                  f"more than {RELATIVE_CUT:.0%}, and against each other method long2short "
+                  "RL must be shorter or more accurate (not dominated), seed by seed. "
+                  "Reproduced when all of that holds.", [*cuts, *(c for p in beats for c in p)],
+                  table, fig)
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
   key: str  # also the notebook's name
   title: str
-  seed: str
+  claim: str
   arms: tuple[str, ...]
-  analyse: Callable
+  analyse: Callable[[dict], Analysis]
+  before_rl: tuple[str, ...] = ()  # arms whose starting model is sampled before RL
+  load: Callable[[dict], dict] | None = None  # arms -> what analyse reads (default: arms)
 
 
 FINDINGS = {f.key: f for f in [
@@ -559,7 +811,7 @@ FINDINGS = {f.key: f for f in [
     Finding("e_coverage", "e. Coverage vs sharpening",
             "RL sharpens the distribution: mean@k (pass@1) rises while pass@k at large k "
             "stays flat or falls [Yue et al. 2025, arXiv 2504.13837].",
-            ("baseline",), coverage),
+            ("baseline",), coverage, before_rl=("baseline",)),
     Finding("f_masking", "f. Masking incorrect vs long-correct completions",
             "Masking incorrect answers out of the loss (\"-I\") drives the policy to short "
             "nonsense; masking long correct ones (\"-L&C\") keeps longer reasoning "
@@ -572,20 +824,18 @@ FINDINGS = {f.key: f for f in [
             "From a long-CoT model, shortest-rejection SFT, DPO, weight merging and "
             "long2short RL all cut tokens; long2short RL gives the best accuracy for its "
             "length [Kimi k1.5, sec. 2.4 and Fig. 7].",
-            ("baseline", "long2short_rl"), long2short_methods),
+            ("baseline", "long2short_rl"), long2short_methods, load=long2short_models),
 ]}
 
 
 def run(key: str) -> Result:
-  """Run (or read back) finding `key`'s arms, analyse them, save REPORT_DIR/<key>/."""
+  """Run what finding `key` needs unless finished, analyse it over the seeds, save
+  REPORT_DIR/<key>/ (plot.png, results.json)."""
   finding = FINDINGS[key]
+  ensure([key])
   arms = {name: arm(name) for name in finding.arms}
-  verdict, why, table, figure = finding.analyse(arms)
-  needed = {WARM_START, *finding.arms, *(ARMS[a].init_from for a in finding.arms)}
-  if key == "h_long2short":
-    needed |= {f"long2short_{m}" for m in ("shortest_rejection", "dpo", "merge")}
-  result = Result(key, finding.title, finding.seed, verdict, why, table, figure,
-                  minutes(needed))
+  analysis = finding.analyse(finding.load(arms) if finding.load else arms)
+  result = Result(key, finding.title, finding.claim, analysis, seeds(), minutes(key))
   result.save(os.path.join(report_dir(), key))
   return result
 
@@ -593,14 +843,10 @@ def run(key: str) -> Result:
 # ----------------------------------------------------------------------------- headless
 
 def execute_notebooks(keys, out_dir: str, *, timeout: int = 3600) -> None:
-  """Execute the findings' notebooks with nbclient (they read LONGRL_FINDINGS_DIR and
-  LONGRL_FINDINGS_TINY) and write them, executed, to out_dir."""
+  """Execute the findings' notebooks with nbclient (they read the LONGRL_FINDINGS_*
+  variables) and write them, executed, to out_dir."""
   import nbformat
   from nbclient import NotebookClient
-
-  # The kernels compile the same small programs again and again: share them on disk.
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(out_dir, ".jax_cache"))
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
   for key in keys:
     path = os.path.join(NOTEBOOKS, f"{key}.ipynb")
@@ -611,25 +857,33 @@ def execute_notebooks(keys, out_dir: str, *, timeout: int = 3600) -> None:
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": NOTEBOOKS}}).execute()
     nbformat.write(nb, os.path.join(out_dir, f"{key}.ipynb"))
-    verdict = json.load(open(os.path.join(out_dir, key, "result.json")))["verdict"]
+    verdict = json.load(open(os.path.join(out_dir, key, "results.json")))["verdict"]
     print(f"[{key}] {verdict} ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
 def write_report(keys, out_dir: str) -> str:
+  results = [json.load(open(os.path.join(out_dir, key, "results.json"))) for key in keys]
+  seed_list = sorted({s for r in results for s in r["seeds"]})
+  ci = {"t": "t", "bootstrap": "percentile-bootstrap"}[results[0]["ci"]]
   lines = ["# Findings reproduced in small", "",
-           "Each finding: the published result, what our small run shows, and the verdict. "
-           "Reproduce with `python experiments/findings.py --all`" +
-           (" (this report: --tiny, a smoke test; its numbers mean nothing)" if tiny() else "")
-           + ".", "", "| finding | verdict | minutes on this machine (alone) |", "|---|---|---|"]
-  results = [json.load(open(os.path.join(out_dir, key, "result.json"))) for key in keys]
-  lines += [f"| {r['title']} | {r['verdict']} | {_minutes(r['minutes'])} |" for r in results]
+           f"Reproduce with `python experiments/findings.py --all --seeds {len(seed_list)}`"
+           + (" (this report: --tiny, a smoke test; its numbers mean nothing)" if tiny()
+              else "") + f". Every arm ran on {_seed_list(seed_list)}, each seed from "
+           "its own SFT warm start (`train.seed = k`). Each number is the mean over seeds "
+           f"with its 95% {ci} interval [low, high]; a check is a predicted difference "
+           "(between arms on the same seeds, or within one arm): reproduced when its "
+           "interval excludes zero in the predicted direction, not reproduced when it "
+           "excludes zero the other way or lies within the check's margin (no effect), too "
+           "wide to tell otherwise. Each finding's numbers, per seed, are in "
+           "`<finding>/results.json` beside its plot.", "",
+           "| finding | verdict | seeds | minutes (summed over its runs) |", "|---|---|---|---|"]
+  lines += [f"| {r['title']} | {r['verdict']} | {len(r['seeds'])} | {_minutes(r['minutes'])} |"
+            for r in results]
   for r in results:
-    columns = list(r["table"][0])
-    lines += ["", f"## {r['title']}", "", f"Seed result: {r['seed']}", "",
-              f"**{r['verdict'].capitalize()}.** {r['why']}", "",
-              f"![{r['key']}]({r['key']}/plot.png)", "",
-              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in r["table"]]
+    lines += ["", f"## {r['title']}", "", f"Claim: {r['claim']}", "",
+              f"**{r['verdict'].capitalize()}.** {r['rule']}", "",
+              _checks_markdown(r["checks"]), "", f"![{r['key']}]({r['key']}/plot.png)", "",
+              _table_markdown(r["table"])]
   path = os.path.join(out_dir, "report.md")
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
@@ -644,6 +898,14 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("keys", nargs="*", help="findings by letter (a..h) or name")
   parser.add_argument("--all", action="store_true", help="every finding")
+  parser.add_argument("--seeds", type=int, default=SEEDS,
+                      help=f"seeds 0..SEEDS-1 per arm (default {SEEDS})")
+  parser.add_argument("--jobs", type=int, default=None,
+                      help="runs at once (default: cores / threads)")
+  parser.add_argument("--threads", type=int, default=seeds_lib.THREADS,
+                      help=f"cores per run (default {seeds_lib.THREADS})")
+  parser.add_argument("--ci", choices=stats.METHODS, default="t",
+                      help="interval over seeds: t (default) or bootstrap")
   parser.add_argument("--tiny", action="store_true", help="a smoke test of seconds each")
   parser.add_argument("--report_dir", default=None, help="default: runs/findings")
   args = parser.parse_args(argv)
@@ -653,12 +915,23 @@ def main(argv=None):
   if not keys or unknown:
     parser.error(f"unknown finding(s) {unknown}; valid: {', '.join(FINDINGS)} (or a..h), "
                  "or --all" if unknown else "name findings (a..h) or give --all")
+  if args.seeds < 1:
+    parser.error(f"--seeds must be at least 1, got {args.seeds}")
   os.environ["LONGRL_FINDINGS_DIR"] = os.path.abspath(args.report_dir or report_dir())
+  os.environ["LONGRL_FINDINGS_SEEDS"] = str(args.seeds)
+  os.environ["LONGRL_FINDINGS_CI"] = args.ci
+  os.environ["LONGRL_FINDINGS_THREADS"] = str(args.threads)
+  if args.jobs:
+    os.environ["LONGRL_FINDINGS_JOBS"] = str(args.jobs)
   if args.tiny:
     os.environ["LONGRL_FINDINGS_TINY"] = "1"
   out_dir = report_dir()
   os.makedirs(out_dir, exist_ok=True)
-  execute_notebooks(keys, out_dir)
+  # The runs compile the same small programs again and again: share them on disk.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(out_dir, ".jax_cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  ensure(keys)  # every run first, in parallel
+  execute_notebooks(keys, out_dir)  # then the analyses
   print(f"report: {write_report(keys, out_dir)}")
 
 
