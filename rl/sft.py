@@ -16,12 +16,15 @@ from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from rl import losses
+from rl.envs import encode_text
 from rl.eval import prompt_ids
 from rl.packing import trajectory_batch
 from rl.train_step import init_train_state, make_train_step
 
-# An SFT example: (prompt token ids, target token ids with <eos> where the model should stop).
-Example = tuple[Sequence[int], Sequence[int]]
+# An SFT example: (prompt token ids, target token ids with <eos> where the model should
+# stop), optionally with a bool mask over the targets (False: in the sequence, out of the
+# loss, e.g. an agentic demonstration's observation tokens).
+Example = tuple[Sequence, ...]
 
 
 def sft_batches(example: Callable[[int], Example], num_examples: int, *, batch_size: int,
@@ -30,11 +33,12 @@ def sft_batches(example: Callable[[int], Example], num_examples: int, *, batch_s
   [0, num_examples)."""
   rng = np.random.default_rng(seed)
   while True:
-    prompts, targets = zip(*(example(int(i)) for i in rng.integers(0, num_examples,
-                                                                   batch_size)))
+    examples = [example(int(i)) for i in rng.integers(0, num_examples, batch_size)]
+    prompts, targets = [e[0] for e in examples], [e[1] for e in examples]
+    masks = [e[2] if len(e) == 3 else True for e in examples]
     zeros = [np.zeros(len(t), np.float32) for t in targets]
-    batch, _ = trajectory_batch(prompts, targets, zeros, [0.0] * batch_size,
-                                [True] * batch_size, seq_len, row_multiple=row_multiple)
+    batch, _ = trajectory_batch(prompts, targets, zeros, [0.0] * batch_size, masks, seq_len,
+                                row_multiple=row_multiple)
     yield batch
 
 
@@ -65,15 +69,30 @@ def fit(params, cfg: ModelConfig, example: Callable[[int], Example], num_example
   return state.params, loss
 
 
+def solution_example(task, tokenizer, record) -> Example:
+  """The SFT example of `record`'s reference solution. An agentic task (one with an
+  `environment`) gives it as `solution_segments(record)`, (text, policy's) spans, encoded as an
+  episode's tokens are (no <bos>, no chat template); the observation spans are in the
+  sequence and out of the loss (the example's mask)."""
+  prompt = prompt_ids(task, tokenizer, record)
+  if getattr(task, "environment", None) is None:
+    return prompt, tokenizer.encode(task.solution(record), add_eos=True)
+  targets, mask = [], []
+  for text, policy in task.solution_segments(record):
+    ids = encode_text(tokenizer, text)
+    targets += ids
+    mask += [policy] * len(ids)
+  return prompt, targets + [tokenizer.eos_id], np.array(mask + [True], bool)
+
+
 def warm_start(params, cfg: ModelConfig, task, tokenizer, *, steps: int, batch_size: int = 64,
                learning_rate: float = 3e-3, seq_len: int = 128, seed: int = 0,
                progress: bool = True):
-  """`fit` on the task's reference solutions (task.train). Returns (params, final loss)."""
+  """`fit` on the task's reference solutions (task.train, see `solution_example`). Returns
+  (params, final loss)."""
 
   def example(i: int) -> Example:
-    record = task.train[i]
-    return (prompt_ids(task, tokenizer, record),
-            tokenizer.encode(task.solution(record), add_eos=True))
+    return solution_example(task, tokenizer, task.train[i])
 
   return fit(params, cfg, example, len(task.train), steps=steps, batch_size=batch_size,
              learning_rate=learning_rate, seq_len=seq_len, seed=seed, progress=progress,

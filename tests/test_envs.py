@@ -1,0 +1,512 @@
+"""Multi-turn episodes (rl/envs): the driver's round trip and budgets, tool-call formats, tools
+that fail, the sandboxed Python tool, training on episodes (masks, log-probs, metrics), the
+same episode on the embedded engine and on a server process, and the agentic recipe through
+rl.loop.train."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import hf
+from rl import ConfigError, envs, eval as eval_lib, loop, losses, rewards, sampling, sft
+from rl.packing import trajectory_batch
+from rl.tasks.agentic import ToolArithmetic
+from rl.tasks.arithmetic import Arithmetic
+from rl.train_step import make_train_step, policy_logprobs
+from rl.verifiers.code import Limits
+from rollouts.engine import Completion, SamplingParams
+from rollouts.jax_engine import JaxEngine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@envs.register_tool("boom")
+def _boom(arguments: str) -> str:
+  raise RuntimeError("the tool broke")
+
+
+_RELEASE = threading.Event()  # set at the end of the test that hangs a tool
+
+
+@envs.register_tool("hang")
+def _hang(arguments: str) -> str:
+  _RELEASE.wait(60)
+  return "late"
+
+
+@envs.register_tool("flood")
+def _flood(arguments: str) -> str:
+  return "x" * 1_000_000
+
+
+class ScriptedEngine:
+  """A RolloutEngine whose policy is a function: `policy(context_text) -> (text, eos)`, the
+  rest of what it means to write in its current turn given the decoded context (prompt and
+  episode so far). Emits those tokens up to max_new or the first stop token (included);
+  log-prob of the i-th token of a call: -0.01 * (i + 1). Records every call."""
+
+  def __init__(self, tokenizer, policy, version: int = 0):
+    self.tokenizer, self.policy, self._version = tokenizer, policy, version
+    self.calls = []
+
+  @property
+  def version(self):
+    return self._version
+
+  def update_weights(self, params, version):
+    self._version = version
+    return 0.0
+
+  def close(self):
+    pass
+
+  def generate(self, prompts, sampling, *, seed, affinity=None):
+    self.calls.append({"prompts": [tuple(p) for p in prompts],
+                       "max_new": sampling.max_new_tokens, "affinity": affinity})
+    out = []
+    for prompt in prompts:
+      text, eos = self.policy(self.tokenizer.decode(prompt))
+      ids = self.tokenizer.encode(text) + ([self.tokenizer.eos_id] if eos else [])
+      stopped = False
+      for k, token in enumerate(ids[:sampling.max_new_tokens]):
+        if token in sampling.stop_token_ids:
+          ids, stopped = ids[:k + 1], True
+          break
+      ids = ids[:sampling.max_new_tokens]
+      out.append(Completion(np.array(ids, np.int32), -0.01 * np.arange(1, len(ids) + 1,
+                                                                        dtype=np.float32),
+                            "stop" if stopped else "length",
+                            np.full(len(ids), self._version, np.int32)))
+    return out
+
+
+def calculator_policy(context: str):
+  """The winning policy of ToolArithmetic: call calc on the question, copy its result."""
+  question, _, episode = context.partition("=")
+  result = re.search(r"<result>(.*?)</result>", episode)
+  full = f"<calc>{question}</calc>" + (f"<result>{result.group(1)}</result>#"
+                                       f"{result.group(1)}" if result else "")
+  assert full.startswith(episode), (full, episode)
+  return full[len(episode):], result is not None
+
+
+class ScriptedEnvironment:
+  """Answers turn k with observations[k] and rewards[k]; done after the last one."""
+
+  def __init__(self, observations, rewards, stop_strings=(";",), max_turn_tokens=None):
+    self.observations, self.rewards = observations, rewards
+    self.stop_strings, self.max_turn_tokens = stop_strings, max_turn_tokens
+    self.turns = []
+
+  def reset(self, record):
+    return 0
+
+  def step(self, state, turn, tokenizer):
+    self.turns.append(turn)
+    k = turn.index
+    done = k == len(self.observations) - 1
+    return state + 1, envs.Observation(self.observations[k], self.rewards[k], done=done,
+                                       counts={"scripted": 1})
+
+  def close(self):
+    pass
+
+
+def greedy(max_new, tokenizer):
+  return SamplingParams(max_new, temperature=0.0, stop_token_ids=(tokenizer.eos_id,))
+
+
+# --- the driver
+
+
+def test_scripted_round_trip_masks_exactly_the_policy_tokens(tokenizer):
+  """Known turns in, known observation ids out; the packed loss mask covers exactly the
+  policy's targets, per-turn rewards sit on each turn's last policy token."""
+  enc = tokenizer.encode
+  observations = [(40, 41), (42,), ()]
+  policy_turns = [enc("ab;"), enc("cd;"), enc("ef") + [tokenizer.eos_id]]
+  transcript = policy_turns[0] + [40, 41] + policy_turns[1] + [42] + policy_turns[2]
+  prompt = [tokenizer.bos_id] + enc("q=")
+
+  def policy(context):  # the rest of the transcript up to the end of the current turn
+    done = tokenizer.encode(context)[len(prompt) - 1:]
+    assert transcript[:len(done)] == done
+    rest = transcript[len(done):]
+    end = next(i for i, t in enumerate(rest) if t in (enc(";")[0], tokenizer.eos_id)) + 1
+    return tokenizer.decode(rest[:end]), rest[end - 1] == tokenizer.eos_id
+
+  env = ScriptedEnvironment(observations, [0.5, None, 1.0])
+  engine = ScriptedEngine(tokenizer, policy, version=3)
+  (episode,) = envs.run_episodes(engine, env, tokenizer, [{}], [prompt], greedy(32, tokenizer),
+                                 seed=0)
+  assert episode.token_ids.tolist() == transcript
+  policy_mask = [True] * 3 + [False] * 2 + [True] * 3 + [False] + [True] * 3
+  assert episode.policy_mask.tolist() == policy_mask
+  assert episode.finish_reason == "stop" and episode.turns == 3
+  assert [t.text for t in env.turns] == ["ab;", "cd;", "ef"]
+  assert [t.finish_reason for t in env.turns] == ["stop"] * 3
+  assert episode.turn_ends == (3, 8, 12) and episode.turn_rewards == (0.5, None, 1.0)
+  assert dict(episode.counts) == {"scripted": 3}
+  np.testing.assert_array_equal(episode.logprobs[~episode.policy_mask], 0.0)
+  assert (episode.logprobs[episode.policy_mask] < 0).all()
+  assert episode.versions.tolist() == [3] * len(transcript)
+  # Every continuation went to the same server (one affinity key per episode).
+  assert {tuple(c["affinity"]) for c in engine.calls} == {(hash(tuple(prompt)) & 0x7FFFFFFF,)}
+  # Training: the loss mask is the policy mask, shifted onto targets.
+  masks = loop.offpolicy_mask(np.array([True]), [episode], 3, "keep")
+  batch, _ = trajectory_batch([prompt], [episode.token_ids], [episode.logprobs], [1.0], masks,
+                              32, completion_fields={
+                                  "turn_rewards": [episode.turn_reward_tokens()]})
+  p, n = len(prompt), len(transcript)
+  assert batch.loss_mask[0, p - 1:p - 1 + n].tolist() == policy_mask
+  assert batch.loss_mask[0].sum() == sum(policy_mask)
+  assert batch.targets[0, p - 1:p - 1 + n].tolist() == transcript
+  rewards_at = {int(i): float(batch.turn_rewards[0, i]) for i in
+                np.flatnonzero(batch.turn_rewards[0])}
+  assert rewards_at == {p - 1 + 2: 0.5, p - 1 + 11: 1.0}
+  # "mask" mode drops older tokens and still never trains on observations.
+  older = loop.offpolicy_mask(np.array([True]), [episode], 4, "mask")[0]
+  assert not older.any()
+
+
+def test_stop_strings_budgets_and_truncation(tokenizer):
+  """A multi-token stop string stops at its last token and the turn goes on when the text
+  does not end with it (`<calc>`); a turn budget cuts a turn; the sequence budget cuts the
+  observation and truncates the episode."""
+  task = ToolArithmetic(Arithmetic(digits=3, operands=2))
+  records = [task.train[i] for i in range(3)]
+  prompts = [eval_lib.prompt_ids(task, tokenizer, r) for r in records]
+  engine = ScriptedEngine(tokenizer, calculator_policy)
+  episodes = envs.run_episodes(engine, task.environment, tokenizer, records, prompts,
+                               greedy(64, tokenizer), seed=0)
+  for record, episode in zip(records, episodes):
+    text = tokenizer.decode(episode.token_ids)
+    assert text == f"<calc>{record['question']}</calc><result>{record['answer']}</result>" \
+                   f"#{record['answer']}"
+    assert task.verify(text, record) and episode.finish_reason == "stop"
+    assert dict(episode.counts) == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}
+    observed = tokenizer.decode(episode.token_ids[~episode.policy_mask])
+    assert observed == f"<result>{record['answer']}</result>"
+  # Three waves: to '>' of <calc>, on to </calc>, then the answer.
+  assert len(engine.calls) == 3
+  # A turn budget of 8 tokens: the call never closes, the episode is truncated (not by the
+  # episode's budget).
+  cut = envs.ToolEnvironment(("calc",), max_turn_tokens=8)
+  (episode,) = envs.run_episodes(ScriptedEngine(tokenizer, calculator_policy), cut, tokenizer,
+                                 records[:1], prompts[:1], greedy(64, tokenizer), seed=0)
+  assert episode.finish_reason == "length" and not episode.budget_truncated
+  assert len(episode.token_ids) == 8 and episode.turns == 1
+  # The row holds the call and 3 observation tokens: truncated by the budget.
+  call = len(f"<calc>{records[0]['question']}</calc>")
+  (episode,) = envs.run_episodes(ScriptedEngine(tokenizer, calculator_policy),
+                                 task.environment, tokenizer, records[:1], prompts[:1],
+                                 greedy(64, tokenizer), seed=0,
+                                 max_sequence_tokens=len(prompts[0]) + call + 3)
+  assert episode.finish_reason == "length" and episode.budget_truncated
+  assert tokenizer.decode(episode.token_ids[call:]) == "<re"
+  # The policy's budget: 10 tokens in all, counted across turns.
+  (episode,) = envs.run_episodes(ScriptedEngine(tokenizer, calculator_policy),
+                                 task.environment, tokenizer, records[:1], prompts[:1],
+                                 greedy(10, tokenizer), seed=0)
+  assert envs.policy_tokens(episode) == 10 and episode.budget_truncated
+
+
+def test_waves_batch_episodes_and_refill_slots(tokenizer):
+  """max_in_flight=2 of 3 episodes: the third starts when the first ends; each wave is one
+  generate call holding every active episode."""
+  env = ScriptedEnvironment([(40,), ()], [None, None])
+  plans = {"a": ["x;", "y"], "b": ["x;", "y"], "c": ["x;", "y"]}
+
+  def policy(context):
+    name, _, done = context.partition("=")
+    turns = done.count(";")
+    return plans[name][turns], turns == 1
+
+  engine = ScriptedEngine(tokenizer, policy)
+  prompts = [[tokenizer.bos_id] + tokenizer.encode(f"{n}=") for n in "abc"]
+  episodes = envs.run_episodes(engine, env, tokenizer, [{}] * 3, prompts,
+                               greedy(16, tokenizer), seed=0, max_in_flight=2)
+  assert [len(c["prompts"]) for c in engine.calls] == [2, 2, 1, 1]
+  assert all(e.finish_reason == "stop" and e.turns == 2 for e in episodes)
+
+
+def test_pause_at_an_iteration_boundary_and_resume(tokenizer):
+  """advance with a token budget pauses between waves; resumed after a weight update, the
+  episodes finish as an uninterrupted run does, each token keeping its version."""
+  task = ToolArithmetic(Arithmetic(digits=3, operands=2))
+  records = [task.train[i] for i in range(4)]
+  prompts = [eval_lib.prompt_ids(task, tokenizer, r) for r in records]
+  whole = envs.run_episodes(ScriptedEngine(tokenizer, calculator_policy), task.environment,
+                            tokenizer, records, prompts, greedy(64, tokenizer), seed=0)
+  engine = ScriptedEngine(tokenizer, calculator_policy)
+  states = envs.start(task.environment, records, prompts)
+  first = envs.advance(engine, task.environment, tokenizer, states, greedy(64, tokenizer),
+                       seed=0, token_budget=1)
+  assert first["paused"] and first["waves"] == 1
+  assert all(not s.over and s.episode().finish_reason == "abort" for s in states)
+  engine.update_weights(None, 1)
+  rest = envs.advance(engine, task.environment, tokenizer, states, greedy(64, tokenizer),
+                      seed=1)
+  assert not rest["paused"]
+  for state, reference in zip(states, whole):
+    episode = state.episode()
+    assert episode.token_ids.tolist() == reference.token_ids.tolist()
+    assert episode.policy_mask.tolist() == reference.policy_mask.tolist()
+    assert episode.versions[:len("<calc>")].tolist() == [0] * len("<calc>")
+    assert set(episode.versions[len("<calc>"):].tolist()) == {1}
+
+
+# --- formats, tools, registries
+
+
+def test_tool_call_formats():
+  tagged = envs.FORMATS["tagged"]
+  assert tagged.stop_strings(("calc", "python")) == ("</calc>", "</python>")
+  assert tagged.parse("so <calc>1+2</calc>", ("calc",)) == [envs.ToolCall("calc", "1+2")]
+  assert tagged.parse("<calc>1+2</calc> and then", ("calc",)) == []
+  assert tagged.parse("1+2</calc>", ("calc",))[0].error
+  assert tagged.observation_text(["3"]) == "<result>3</result>"
+  qwen = envs.FORMATS["qwen"]
+  assert qwen.stop_strings(("calc",)) == ()
+  turn = ('<tool_call>\n{"name": "calc", "arguments": {"expression": "2+2"}}\n</tool_call>'
+          '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}'
+          '</tool_call>')
+  assert qwen.parse(turn, ()) == [envs.ToolCall("calc", {"expression": "2+2"}),
+                                  envs.ToolCall("python", {"code": "print(1)"})]
+  assert "not JSON" in qwen.parse("<tool_call>{nope</tool_call>", ())[0].error
+  assert "without </tool_call>" in qwen.parse("<tool_call>{", ())[0].error
+  assert qwen.parse("just an answer", ()) == []
+  call = qwen.call_text("calc", "2+2", "expression")
+  assert qwen.parse(call, ()) == [envs.ToolCall("calc", {"expression": "2+2"})]
+  assert qwen.observation_text(["4"]) == ("\n<|im_start|>user\n<tool_response>\n4\n"
+                                          "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_calculator():
+  assert envs.calc("123456789012345678901234567890+987654321098765432109876543210") == \
+      "1111111110111111111011111111100"
+  assert envs.calc(" (2+3)*4-6/3 ") == "18" and envs.calc("1/3") == "0.333333333333"
+  for bad, message in (("1/0", "division by zero"), ("2**100000", "too large"),
+                       ("__import__('os')", "only numbers"), ("1+", "cannot parse"),
+                       ("9" * 1200, "too large")):
+    with pytest.raises(envs.ToolError, match=message):
+      envs.calc(bad)
+
+
+def test_registries_fail_loudly():
+  with pytest.raises(ValueError, match="'calc' is registered twice"):
+    envs.register_tool("calc")(lambda arguments: "")
+  with pytest.raises(ValueError, match="'tools' is registered twice"):
+    envs.register_environment("tools")(envs.ToolEnvironment)
+  with pytest.raises(ConfigError, match=r"unknown tool\(s\) \['abacus'\].*calc.*python"):
+    envs.ToolEnvironment(("calc", "abacus"))
+  with pytest.raises(ConfigError, match="unknown tool-call format 'xml'; valid: qwen, tagged"):
+    envs.ToolEnvironment(call_format="xml")
+  with pytest.raises(ConfigError, match="unknown environment 'gym'; registered .*tools"):
+    envs.make_environment("gym")
+  assert isinstance(envs.make_environment("tools", tools=("calc",)), envs.ToolEnvironment)
+
+
+def _tool_episode(tokenizer, env, calls, *, max_sequence_tokens=None):
+  """One episode whose policy makes `calls` (tagged texts) in turn, then answers #1."""
+  def policy(context):  # the rest of the current turn: a call, or the answer at the end
+    made = context.count("</result>")
+    so_far = context.split("</result>")[-1] if made else context.partition("=")[2]
+    turn = calls[made] if made < len(calls) else "#1"
+    return turn[len(so_far):], made == len(calls)
+
+  prompt = [tokenizer.bos_id] + tokenizer.encode("1=")
+  (episode,) = envs.run_episodes(ScriptedEngine(tokenizer, policy), env, tokenizer, [{}],
+                                 [prompt], greedy(200, tokenizer), seed=0,
+                                 max_sequence_tokens=max_sequence_tokens)
+  results = re.findall(r"<result>(.*?)</result>", tokenizer.decode(episode.token_ids))
+  return episode, results
+
+
+def test_a_tool_that_raises_hangs_or_floods_gives_an_observation(tokenizer):
+  env = envs.ToolEnvironment(("calc", "boom", "hang", "flood"), max_turns=6,
+                             max_result_tokens=40, tool_timeout=0.5)
+  try:
+    episode, results = _tool_episode(tokenizer, env, [
+        "<boom>1</boom>", "<hang>1</hang>", "<flood>1</flood>", "<calc>1/0</calc>",
+        "<nope>1</nope><calc>2*3</calc>"])
+  finally:
+    _RELEASE.set()
+  assert episode.finish_reason == "stop" and episode.turns == 6
+  assert results[0] == "error: runtimeerror: the tool broke"  # lower-cased for CharTokenizer
+  assert results[1] == "error: hang did not answer within 0.5 s"
+  assert results[2] == "x" * 37 + "..."
+  assert results[3] == "error: division by zero"
+  assert results[4] == "6"  # an unknown closing tag is text, not a call
+  assert dict(episode.counts) == {"tool_calls": 5, "tool_errors": 2, "tool_timeouts": 1}
+  # A flood that does not fit the row: the episode is truncated, not the run.
+  episode, _ = _tool_episode(tokenizer, env, ["<flood>1</flood>"],
+                             max_sequence_tokens=3 + len("<flood>1</flood>") + 10)
+  assert episode.finish_reason == "length" and episode.budget_truncated
+  # A call in the last allowed turn is not run: no turn would be left for the answer.
+  short = envs.ToolEnvironment(("calc",), max_turns=1)
+  episode, results = _tool_episode(tokenizer, short, ["<calc>1+1</calc>"])
+  assert episode.finish_reason == "length" and results == []
+  assert episode.counts["tool_calls"] == 0
+
+
+def test_python_tool_runs_in_the_sandbox_and_kills_an_infinite_loop(tokenizer):
+  env = envs.ToolEnvironment(("python",), max_turns=4, tool_options={
+      "python": {"workers": 1, "limits": Limits(wall_seconds=1.0)}})
+  try:
+    episode, results = _tool_episode(tokenizer, env, [
+        "<python>print(6*7)</python>", "<python>while 1: pass</python>",
+        "<python>print(1/0)</python>"])
+  finally:
+    env.close()
+  assert results[0] == "42 "  # its newline, as a CharTokenizer space
+  assert results[1] == "error: the program ran past its 1 s limit and was killed"
+  assert results[2] == "error: runtime error: zerodivisionerror: division by zero"
+  assert dict(episode.counts) == {"tool_calls": 3, "tool_errors": 1, "tool_timeouts": 1}
+  assert episode.finish_reason == "stop"
+
+
+# --- training and evaluation on episodes
+
+
+def test_trainer_logprobs_equal_engine_logprobs_on_a_multi_turn_episode(tokenizer, tiny_cfg,
+                                                                         tiny_params):
+  observations = [tuple(tokenizer.encode("<result>7</result>")), (30, 31, 32), ()]
+  env = ScriptedEnvironment(observations, [None] * 3, stop_strings=(), max_turn_tokens=6)
+  prompts = [[tokenizer.bos_id] + tokenizer.encode(q) for q in ("12+3=", "4+56=", "7=")] * 2
+  episodes = envs.run_episodes(JaxEngine(tiny_cfg, tiny_params), env, tokenizer,
+                               [{}] * len(prompts), prompts,
+                               SamplingParams(18, temperature=1.0,
+                                              stop_token_ids=(tokenizer.eos_id,)), seed=5)
+  assert all(e.turns == 3 and (~e.policy_mask).sum() == 21 for e in episodes)
+  masks = loop.offpolicy_mask(np.ones(len(episodes), bool), episodes, 0, "keep")
+  batch, _ = trajectory_batch(prompts, [e.token_ids for e in episodes],
+                              [e.logprobs for e in episodes], [0.0] * len(episodes), masks, 64)
+  trainer = np.asarray(jax.jit(policy_logprobs, static_argnums=1)(
+      tiny_params, tiny_cfg, jax.tree.map(jnp.asarray, batch))[0])
+  mask = batch.loss_mask > 0
+  assert mask.sum() == sum(envs.policy_tokens(e) for e in episodes)
+  assert np.abs(trainer - batch.old_logp)[mask].max() < 1e-4
+
+
+def test_rl_steps_train_on_episodes_and_log_their_metrics(tokenizer, tiny_cfg, tiny_params):
+  task = ToolArithmetic(Arithmetic(digits=3, operands=2, num_train=64, num_test=16))
+  seen = []
+  inner = make_train_step(tiny_cfg, loop.rl_optimizer(1e-4), losses.bind("grpo"))
+
+  def train_step(state, batch, ref_params):
+    seen.append(batch)
+    return inner(state, batch, ref_params)
+
+  reward = rewards.named_chain({"correctness": rewards.correctness(),
+                                "length": rewards.k15_length_penalty()})
+  state = loop.init_loop_state(tiny_params, loop.rl_optimizer(1e-4), num_prompts=64,
+                               sampler=sampling.uniform(), reward=reward, seed=0)
+  steps = loop.rl_steps(state, engine=ScriptedEngine(tokenizer, calculator_policy), task=task,
+                        tokenizer=tokenizer, train_step=train_step, advantage="group_normalized",
+                        reward=reward, sampler=sampling.uniform(), ref_params=tiny_params,
+                        config=loop.RLConfig(prompts_per_step=2, samples_per_prompt=2,
+                                             max_new_tokens=32, seq_len=64))
+  record = next(steps)
+  m = record.metrics
+  assert m["accuracy"] == 1.0 and m["episode_tool_calls"] == 1.0 and m["episode_turns"] == 2
+  assert m["episode_tool_errors"] == m["episode_tool_timeouts"] == 0.0
+  assert m["episode_budget_truncated"] == 0.0
+  lengths = [envs.policy_tokens(c) for c in record.scored.completions]
+  assert m["completion_length"] == np.mean(lengths) == m["episode_policy_tokens"]
+  assert m["episode_observation_tokens"] == np.mean(
+      [len(c.token_ids) - n for c, n in zip(record.scored.completions, lengths)])
+  (batch,) = seen
+  assert batch.loss_mask.sum() == sum(lengths) and batch.turn_rewards is not None
+  # Out of the loss: the prompts' targets and every observation token.
+  placed = np.asarray(batch.segment_ids) > 0
+  assert (placed & (np.asarray(batch.loss_mask) == 0)).sum() == sum(
+      len(p) - 1 for p in record.scored.prompt_ids) + 4 * m["episode_observation_tokens"]
+  assert np.isfinite(m["loss"]) and m["engine_logp_diff_max"] >= 0
+
+
+def test_sampled_eval_reports_budgets_on_episodes(tokenizer):
+  task = ToolArithmetic(Arithmetic(digits=2, operands=2))
+  records = [task.test[i] for i in range(3)]
+  spec = eval_lib.SampledEval(samples=2, ks=(1, 2), budgets=(8, 64))
+  report = eval_lib.sampled_eval(ScriptedEngine(tokenizer, calculator_policy), task, tokenizer,
+                                 records, spec)
+  assert report["budgets"][64]["pass@2"] == 1.0 and report["budgets"][64]["maj@2"] == 1.0
+  assert report["budgets"][8]["pass@1"] == 0.0  # the policy's tokens exceed 8
+  assert all(n <= 30 for n in report["lengths"]["correct"])  # observations not counted
+
+
+def test_sft_demonstrations_keep_observations_out_of_the_loss(tokenizer):
+  task = ToolArithmetic(Arithmetic(digits=6, operands=2), call_fraction=1.0,
+                        call_min_digits=1)
+  record = task.train[0]
+  prompt, targets, mask = sft.solution_example(task, tokenizer, record)
+  text = tokenizer.decode(targets)
+  observation = f"<result>{record['answer']}</result>"
+  assert text == f"<calc>{record['question']}</calc>{observation}#{record['answer']}"
+  assert targets[-1] == tokenizer.eos_id
+  start = text.index(observation)
+  assert mask.tolist() == ([True] * start + [False] * len(observation) +
+                           [True] * (len(text) - start - len(observation) + 1))
+  direct = ToolArithmetic(Arithmetic(digits=6, operands=2), call_fraction=0.0)
+  _, targets, mask = sft.solution_example(direct, tokenizer, record)
+  assert tokenizer.decode(targets) == f"#{record['answer']}" and mask.all()
+
+
+# --- the server process, the recipe
+
+
+def test_an_episode_on_the_embedded_engine_and_on_the_server_is_the_same(tokenizer, tiny_cfg,
+                                                                          tiny_params,
+                                                                          tmp_path):
+  from rollouts.server import launch
+  from rollouts.sglang import SGLangClient, SGLangEngine
+  path = hf.save(tiny_params, tiny_cfg, str(tmp_path / "v0"))
+  process, url = launch(["--hf_checkpoint", path, "--weight_version", "0"])
+  try:
+    remote = SGLangEngine(SGLangClient([url]), tiny_cfg, weights_dir=str(tmp_path))
+    env = ScriptedEnvironment([(30, 31), (32,), ()], [None] * 3, stop_strings=("5",),
+                              max_turn_tokens=7)
+    prompts = [[tokenizer.bos_id] + tokenizer.encode(q) for q in ("12+3=", "4+56=")]
+    runs = [envs.run_episodes(engine, env, tokenizer, [{}, {}], prompts,
+                              greedy(20, tokenizer), seed=0)
+            for engine in (JaxEngine(tiny_cfg, tiny_params), remote)]
+    for local, served in zip(*runs):
+      assert local.token_ids.tolist() == served.token_ids.tolist()
+      assert local.policy_mask.tolist() == served.policy_mask.tolist()
+      np.testing.assert_allclose(local.logprobs, served.logprobs, atol=1e-5)
+      assert local.turns == served.turns == 3
+    # The client sends each episode's continuations with one affinity key.
+    requests = remote.requests([[1, 2], [1, 2, 3]], 4, seed=0, affinity=[7, 7])
+    assert [r.affinity for r in requests] == [7, 7]
+    remote.close()
+  finally:
+    process.kill()
+    process.wait()
+
+
+@pytest.mark.slow
+def test_agentic_config_runs_through_train_and_logs_episode_metrics(tmp_path):
+  run_dir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments/run.py"),
+       "--gin", os.path.join(ROOT, "experiments/configs/agentic.gin"),
+       "--gin", os.path.join(ROOT, "experiments/configs/tiny.gin"),
+       "--run_dir", str(run_dir), "--gin_param", "train.progress = False"],
+      capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][1:]
+  assert [m["step"] for m in steps] == [1, 2, 3]
+  for key in ("episode_turns", "episode_tool_calls", "episode_tool_errors",
+              "episode_tool_timeouts", "episode_policy_tokens", "episode_observation_tokens",
+              "episode_budget_truncated"):
+    assert all(key in m for m in steps), key
+  assert all(m["episode_turns"] >= 1 for m in steps)
