@@ -5,12 +5,14 @@ Owns how verifier verdicts become scalar rewards, and the combinators. A transfo
 only; its state is a pytree the loop threads through and checkpoints.
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from rl import ConfigError
 from rl.types import Rollouts
 
 
@@ -203,6 +205,102 @@ def adaptive_target_length(*, quantile: float = 0.5, rho: float = 0.0) -> Reward
     return rollouts.replace(reward=jnp.where(over, rho, rollouts.reward)), state
 
   return RewardTransform(lambda: (), update)
+
+
+# ----------------------------------------------------------------------------- effort budgets
+# Reasoning effort as a budget the policy is trained to obey (Kimi K3's successors, issue 24):
+# each record names an effort level in its prompt (rl/effort.py), each (problem, level) has a
+# length budget, and a completion over its budget gets a fixed reward whatever its
+# correctness, so that the policy learns to fit the level's budget instead of being cut there.
+
+def budget_from_lengths(lengths, multiplier, *, quantile: float):
+  """Budgets from sampled lengths: the `quantile` (linear interpolation, numpy's default) of
+  each row's lengths times its multiplier. lengths: [R, k]; multiplier: [R] -> f32[R]."""
+  return (jnp.quantile(jnp.asarray(lengths, jnp.float32), quantile, axis=-1)
+          * jnp.asarray(multiplier, jnp.float32))
+
+
+def _group_quantile(values, group_ids, num_groups: int, q: float):
+  """Each entry's group `q`-quantile of `values` (linear interpolation, as jnp.quantile):
+  f32[N]. One sort, not an [N, N] pool."""
+  order = jnp.lexsort((values, group_ids))
+  ordered = values[order]
+  sizes = jax.ops.segment_sum(jnp.ones_like(values), group_ids, num_groups)
+  starts = jnp.cumsum(sizes) - sizes
+  position = q * jnp.maximum(sizes - 1, 0)
+  below = jnp.floor(position)
+  last = values.shape[0] - 1
+  lo = ordered[jnp.clip((starts + below).astype(jnp.int32), 0, last)]
+  hi = ordered[jnp.clip((starts + jnp.ceil(position)).astype(jnp.int32), 0, last)]
+  return (lo + (position - below) * (hi - lo))[group_ids]
+
+
+def tightening(*, loose: float = 2.0, tight: float = 1.0, steps: int = 100,
+               hold: int = 0) -> optax.Schedule:
+  """The budget multiplier by step, for `effort_budget(schedule=...)`: `loose` for `hold`
+  steps, then linearly down to `tight` over `steps` steps, then `tight` (never increasing)."""
+  if not loose >= tight > 0 or steps < 0 or hold < 0:
+    raise ConfigError(f"tightening needs loose >= tight > 0 and steps, hold >= 0; got "
+                     f"loose={loose}, tight={tight}, steps={steps}, hold={hold}")
+  return optax.join_schedules([optax.constant_schedule(loose),
+                               optax.linear_schedule(loose, tight, steps)], [hold])
+
+
+def effort_budget(*, levels, multipliers: tuple[float, ...] = (0.5, 1.0, 2.0),
+                  quantile: float = 0.5, over_reward: float = 0.0,
+                  schedule: Optional[optax.Schedule] = None,
+                  budgets=None) -> RewardTransform:
+  """Over its budget, a completion's reward is `over_reward` whatever its correctness; at or
+  under it, the reward is unchanged:
+
+      reward_i = over_reward  if length_i > budget[record_i] * schedule(step)  else reward_i
+
+  `levels`: i32[R], the effort level of each task.train record (rl.effort.level_ids);
+  `multipliers[l]` scales level l's budgets. `budgets`: f32[R], the budget of each record
+  (e.g. rl.effort.estimate_budgets at the start of training, K3's way); NaN entries, or all
+  when None, are estimated from the record's first group: budget_from_lengths of its
+  samples' lengths (k = samples_per_prompt) times its level's multiplier, then fixed. (A
+  record first drawn late gets its budget from the policy of then, not of the start.) The
+  budgets are the transform's state (`{"budget": f32[R]}`), checkpointed with the loop.
+  `schedule` (step -> multiplier of every budget, e.g. `tightening()`: loose, then tight;
+  default 1). Needs `Rollouts.record_ids`, which the loop fills. Multipliers, quantile and
+  schedule are ours: the reports give no values.
+  """
+  level_ids = np.asarray(levels, np.int32)
+  if level_ids.ndim != 1 or not level_ids.size:
+    raise ConfigError(f"effort_budget.levels must be one level id per record, got shape "
+                     f"{level_ids.shape}")
+  if level_ids.min() < 0 or level_ids.max() >= len(multipliers):
+    raise ConfigError(f"effort_budget.levels must lie in [0, {len(multipliers)}) (one "
+                     f"multiplier per level, multipliers={tuple(multipliers)}), got "
+                     f"[{level_ids.min()}, {level_ids.max()}]")
+  if not 0.0 <= quantile <= 1.0:
+    raise ConfigError(f"effort_budget.quantile must be in [0, 1], got {quantile}")
+  if budgets is not None and np.shape(budgets) != level_ids.shape:
+    raise ConfigError(f"effort_budget.budgets must hold one budget per record "
+                     f"{level_ids.shape}, got shape {np.shape(budgets)}")
+  per_record = jnp.asarray(multipliers, jnp.float32)[level_ids]
+  schedule = schedule or optax.constant_schedule(1.0)
+
+  def init():
+    return {"budget": jnp.full(level_ids.shape, jnp.nan, jnp.float32) if budgets is None
+            else jnp.asarray(budgets, jnp.float32)}
+
+  def update(rollouts: Rollouts, state, *, step):
+    if rollouts.record_ids is None:
+      raise ValueError("effort_budget needs Rollouts.record_ids (each completion's index in "
+                       "task.train); rl.loop fills them")
+    record = rollouts.record_ids
+    length = rollouts.lengths.astype(jnp.float32)
+    estimate = _group_quantile(length, rollouts.group_ids, rollouts.num_groups,
+                               quantile) * per_record[record]
+    known = state["budget"][record]
+    budget = jnp.where(jnp.isnan(known), estimate, known)
+    over = length > budget * schedule(step)
+    return (rollouts.replace(reward=jnp.where(over, over_reward, rollouts.reward)),
+            {"budget": state["budget"].at[record].set(budget)})
+
+  return RewardTransform(init, update)
 
 
 # ----------------------------------------------------------------------------- masks

@@ -67,8 +67,15 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
       mb = mb.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
 
     def objective(p):
-      logp, entropy = policy_logprobs(p, cfg, mb, chunk_size=logprob_chunk)
-      weighted, metrics = loss_fn(logp, mb)
+      hidden = transformer.forward(p, cfg, mb.tokens, mb.positions, mb.segment_ids)
+      unembed = transformer.output_projection(p, cfg)
+      logp, entropy = logprobs_lib.token_logprobs(hidden, unembed, mb.targets,
+                                                  chunk_size=logprob_chunk)
+      batch = mb
+      if mb.teacher_topk_ids is not None:  # top-k distillation: the student on those tokens
+        batch = mb.replace(student_topk_logp=logprobs_lib.logprobs_of(
+            hidden, unembed, mb.teacher_topk_ids, chunk_size=logprob_chunk))
+      weighted, metrics = loss_fn(logp, batch)
       return weighted.total, (weighted, metrics, logp, entropy)
 
     grads, (weighted, metrics, logp, entropy) = jax.grad(objective, has_aux=True)(params)

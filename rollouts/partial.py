@@ -1,17 +1,22 @@
-"""Kimi k1.5 partial rollouts (arXiv 2501.12599, sec. 2.6.2): long trajectories do not hold
-up an iteration.
+"""Partial rollouts: long trajectories do not hold up an iteration.
 
-Owns the per-iteration output-token budget and the replay buffer. An iteration sends every
-unfinished trajectory (new ones, and ones resumed from the buffer as prompt + partial
-completion with `max_new_tokens` reduced by what they already have); once the completions
-received hold `token_budget` tokens, the rest are aborted on the servers and come back with
-the tokens and log-probs generated so far. Every token keeps the weight version that
+Owns when an iteration pauses, and the replay buffer. An iteration sends every unfinished
+trajectory (new ones, and ones resumed from the buffer as prompt + partial completion with
+`max_new_tokens` reduced by what they already have) and ends in one of two ways:
+- Kimi k1.5 (arXiv 2501.12599, sec. 2.6.2): once the completions received hold
+  `token_budget` tokens;
+- Kimi K3's lambda mode: once ceil(lambda * n) of the iteration's n trajectories have
+  finished (stop token or length limit).
+The rest are then aborted on the servers and come back with the tokens and log-probs
+generated so far (a request that finishes before its abort lands counts as finished, so an
+iteration can end with a few more than the count). Every token keeps the weight version that
 produced it, so the loss can mask or re-weight tokens of older policies (RLConfig
 .offpolicy_tokens). The buffer is a pytree of fixed-size arrays saved with the loop state.
 It does not own the HTTP (rollouts/sglang.py) or what the trainer does with groups.
 """
 
 import dataclasses
+import math
 from typing import Sequence
 
 import flax.struct
@@ -53,11 +58,24 @@ def new_group(group: int, record: int, prompt_ids: Sequence[int], size: int
                      empty(np.int32)) for s in range(size)]
 
 
+def finish_target(num_trajectories: int, finish_fraction: float) -> int:
+  """How many of an iteration's trajectories must finish before lambda mode pauses it:
+  ceil(lambda * n), at least 1 (rounded first, so that 0.3 * 10 is 3, not 4)."""
+  return max(1, math.ceil(round(finish_fraction * num_trajectories, 9)))
+
+
 def run_iteration(engine: SGLangEngine, trajectories: Sequence[Trajectory],
-                  sampling: SamplingParams, *, token_budget: int, seed: int) -> dict:
+                  sampling: SamplingParams, *, seed: int, token_budget: int = 0,
+                  finish_fraction: float = 0.0) -> dict:
   """Advance the unfinished `trajectories` (in place) by one iteration; returns
-  {"received_tokens", "finished", "aborted"}. `sampling.max_new_tokens` is the whole
-  trajectory's limit, not the iteration's."""
+  {"received_tokens", "finished", "aborted"}. It pauses once the completions received hold
+  `token_budget` tokens (k1.5), or once finish_target(n, `finish_fraction`) of its n
+  unfinished trajectories have finished (K3's lambda); give exactly one.
+  `sampling.max_new_tokens` is the whole trajectory's limit, not the iteration's."""
+  if (token_budget > 0) == (finish_fraction > 0) or not finish_fraction <= 1.0:
+    raise ValueError(f"run_iteration: give token_budget > 0 (k1.5) or finish_fraction in "
+                     f"(0, 1] (K3's lambda), not both; got token_budget={token_budget}, "
+                     f"finish_fraction={finish_fraction}")
   todo = [t for t in trajectories if not t.finished]
   prefix = f"{engine.rid_prefix}-it{seed}-"
   requests = [Request(rid=f"{prefix}{t.group}-{t.sample}",
@@ -66,14 +84,16 @@ def run_iteration(engine: SGLangEngine, trajectories: Sequence[Trajectory],
                       affinity=hash(t.prompt_ids) & 0x7FFFFFFF,
                       sampling_seed=(seed * 1_000_003 + t.group * 101 + t.sample) % 2**31)
               for t in todo]
-  received = 0
+  received = finished = 0
+  target = finish_target(len(todo), finish_fraction) if finish_fraction else 0
 
-  def budget_spent(_, completion: Completion) -> bool:
-    nonlocal received
+  def pause(_, completion: Completion) -> bool:
+    nonlocal received, finished
     received += len(completion.token_ids)
-    return received >= token_budget
+    finished += completion.finish_reason != "abort"
+    return finished >= target if finish_fraction else received >= token_budget
 
-  completions = engine.client.generate(requests, sampling, stop_when=budget_spent,
+  completions = engine.client.generate(requests, sampling, stop_when=pause,
                                        abort_prefix=prefix)
   aborted = 0
   for t, c in zip(todo, completions):

@@ -5,7 +5,13 @@ record, which is grain's RandomAccessDataSource protocol), `prompt(record) -> st
 `verify(completion_text, record) -> bool`, `well_formed(completion_text) -> bool` (the
 format check of format rewards), `answer(completion_text) -> str | None` (the final answer
 majority voting compares, None when there is none), and `solution(record) -> str`, the
-reference completion used for the SFT warm start.
+reference completion used for the SFT warm start. A task may also have
+`verify_batch(completions, records) -> list[bool]`, which the loop then calls once per step
+instead of `verify` per completion (a model-scored verifier batches its judge's calls:
+rl/verifiers/judge.py). An agentic task has an `environment` (rl.envs.Environment): the loop
+and the evaluation then run multi-turn episodes, `verify` sees an episode's whole text, and
+`solution_segments(record) -> [(text, policy's)]` gives the SFT demonstrations with their
+observation spans marked (rl/tasks/agentic.py).
 """
 
 from typing import Any, Protocol

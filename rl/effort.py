@@ -1,0 +1,174 @@
+"""Reasoning effort (low / high / max) as a budget condition the policy is trained to obey.
+
+Owns the effort field of prompts (`EffortTask`, a wrapper around any Task), the per-record
+level ids the budget transform reads (`level_ids`), budgets estimated from the model's own
+lengths at the start of training (`estimate_budgets`, Kimi K3's recipe) and the sampled
+evaluation's budget sweep run once per level (`sampled_eval_by_level`, with one curve per
+level in `write_level_plot`). The reward rule itself, over budget -> a fixed reward, and its
+tightening schedule are rl.rewards.effort_budget and rl.rewards.tightening.
+
+Record layout: `EffortTask(inner).train[i]` is problem `i // L` of `inner.train` at level
+`i % L` (L levels), so every problem is trained at every level and a record index names a
+(problem, level) pair, the key of its budget. A record is the inner record plus "effort"
+(the level's name), "effort_level" (its index) and "problem" (the inner index). The verifier
+is the inner task's, unchanged (its `verify_batch` too, when it has one): effort changes what
+is rewarded, not what is correct. Multi-turn (agentic) tasks are not wrapped yet.
+"""
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from rl import ConfigError
+from rl import eval as eval_lib
+from rl import rewards
+from rollouts.engine import RolloutEngine, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EffortSource:
+  """grain random-access source: record i = `source[i // L]` at level `i % L`."""
+  source: Any
+  levels: tuple[str, ...]
+
+  def __len__(self) -> int:
+    return len(self.source) * len(self.levels)
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    if not 0 <= index < len(self):
+      raise IndexError(f"EffortSource index {index} out of range [0, {len(self)})")
+    problem, level = divmod(index, len(self.levels))
+    return {**self.source[problem], "effort": self.levels[level], "effort_level": level,
+            "problem": problem}
+
+
+@dataclasses.dataclass(frozen=True)
+class EffortTask:
+  """`inner` (any Task) with an effort level named in every prompt: `template` (formatted
+  with `level`) comes before the inner prompt. The default suits CharTokenizer tasks
+  ("effort:low 47+85="); with a chat template, e.g. "Reasoning effort: {level}.\\n\\n" starts
+  the user message."""
+  inner: Any
+  levels: tuple[str, ...] = ("low", "high", "max")
+  template: str = "effort:{level} "
+
+  def __post_init__(self):
+    if not self.levels or len(set(self.levels)) != len(self.levels):
+      raise ConfigError(f"EffortTask.levels must be distinct names, got {self.levels}")
+    if "{level}" not in self.template:
+      raise ConfigError(f"EffortTask.template must contain {{level}}, got {self.template!r}")
+    if getattr(self.inner, "environment", None) is not None:
+      raise ConfigError(f"EffortTask wraps single-turn tasks; {type(self.inner).__name__} runs "
+                       "multi-turn episodes (an environment)")
+
+  def __getattr__(self, name):
+    # The inner task's batched verifier, when it has one (Task's optional verify_batch).
+    if name == "verify_batch":
+      return self.inner.verify_batch
+    raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+  @property
+  def train(self) -> EffortSource:
+    return EffortSource(self.inner.train, tuple(self.levels))
+
+  @property
+  def test(self) -> EffortSource:
+    return EffortSource(self.inner.test, tuple(self.levels))
+
+  def prompt(self, record: dict[str, Any]) -> str:
+    return self.template.format(level=record["effort"]) + self.inner.prompt(record)
+
+  def solution(self, record: dict[str, Any]) -> str:
+    return self.inner.solution(record)
+
+  def verify(self, completion: str, record: dict[str, Any]) -> bool:
+    return self.inner.verify(completion, record)
+
+  def well_formed(self, completion: str) -> bool:
+    return self.inner.well_formed(completion)
+
+  def answer(self, completion: str) -> str | None:
+    return self.inner.answer(completion)
+
+
+def level_ids(task: EffortTask, split: str = "train") -> np.ndarray:
+  """The level index of every record of `split`: i32[len(split)] (rewards.effort_budget's
+  `levels`)."""
+  return (np.arange(len(getattr(task, split))) % len(task.levels)).astype(np.int32)
+
+
+def estimate_budgets(engine: RolloutEngine, task: EffortTask, tokenizer, *, samples: int,
+                     max_new_tokens: int, multipliers: Sequence[float] = (0.5, 1.0, 2.0),
+                     quantile: float = 0.5, records: Sequence[int] | None = None,
+                     temperature: float = 1.0, batch_size: int = 64,
+                     seed: int = 0) -> np.ndarray:
+  """K3's budgets, from the model's own lengths at the start: for each record (a problem at
+  a level) `samples` completions, budget = rewards.budget_from_lengths(their lengths, the
+  level's multiplier). f32[len(task.train)], NaN for records not in `records` (default all;
+  rewards.effort_budget estimates those from their first group)."""
+  records = range(len(task.train)) if records is None else records
+  levels = level_ids(task)
+  sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                            stop_token_ids=(tokenizer.eos_id,))
+  budgets = np.full(len(task.train), np.nan, np.float32)
+  records = [int(i) for i in records]
+  for start in range(0, len(records), batch_size):
+    chunk = records[start:start + batch_size]
+    scored = eval_lib.generate_and_verify(engine, task, tokenizer,
+                                          [task.train[i] for i in chunk], sampling,
+                                          samples=samples, seed=seed + start)
+    multiplier = np.asarray(multipliers, np.float32)[levels[chunk]]
+    budgets[chunk] = np.asarray(rewards.budget_from_lengths(
+        scored.lengths.reshape(len(chunk), samples), multiplier, quantile=quantile))
+  return budgets
+
+
+def sampled_eval_by_level(engine: RolloutEngine, task: EffortTask, tokenizer,
+                          spec: eval_lib.SampledEval, *, num_problems: int,
+                          split: str = "test", seed: int = 0) -> dict[str, dict]:
+  """{level: eval.sampled_eval's report} on the first `num_problems` problems of `split`,
+  the same problems at every level: accuracy vs token budget for each level of one model."""
+  source = getattr(task, split)
+  if num_problems > len(source.source):
+    raise ValueError(f"sampled_eval_by_level: {num_problems} problems asked, the {split} "
+                     f"split has {len(source.source)}")
+  count = len(task.levels)
+  return {level: eval_lib.sampled_eval(engine, task, tokenizer,
+                                       [source[p * count + index] for p in range(num_problems)],
+                                       spec, seed=seed)
+          for index, level in enumerate(task.levels)}
+
+
+def mean_length(report: dict) -> float:
+  """Mean completion length of a sampled_eval report (at its largest budget)."""
+  lengths = report["lengths"]["correct"] + report["lengths"]["incorrect"]
+  return float(np.mean(lengths)) if lengths else 0.0
+
+
+def write_level_plot(by_level: dict[str, dict], out_dir: str, *, title: str = "") -> str:
+  """accuracy_vs_budget_by_effort.png in `out_dir`: accuracy (mean correctness within the
+  budget) vs token budget, one curve per effort level, each labelled with its mean length."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "accuracy_vs_budget_by_effort.png")
+  fig, ax = plt.subplots(figsize=(6, 4))
+  budgets = []
+  for level, report in by_level.items():
+    keys = sorted(report["budgets"], key=int)  # ints in memory, strings from report.json
+    budgets = [int(b) for b in keys]
+    ax.plot(budgets, [report["budgets"][b]["accuracy"] for b in keys], marker="o",
+            label=f"{level} (mean {mean_length(report):.1f} tokens)")
+  ax.set(xlabel="token budget", ylabel="accuracy", ylim=(-0.02, 1.02),
+         title=title or "accuracy vs budget per effort level")
+  if len(budgets) > 1 and budgets[-1] / budgets[0] >= 8:
+    ax.set_xscale("log", base=2)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
