@@ -6,7 +6,9 @@ gin bindings the run used, e.g. by including its config file) or a Hugging Face 
 directory (config, safetensors and tokenizer; prompts go through its chat template), draws
 `samples` completions per prompt at the largest token budget and writes to the output
 directory report.json (pass@k, maj@k, mean@k per budget, lengths by correctness) and
-accuracy_vs_budget.png, lengths.png, pass_at_k.png. See experiments/configs/eval.gin.
+accuracy_vs_budget.png, lengths.png, pass_at_k.png; for an EffortTask (rl/effort.py) the
+sweep once per effort level too (accuracy_vs_budget_by_effort.png). See
+experiments/configs/eval.gin.
 """
 
 import argparse
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gin  # noqa: E402
 
 from experiments import gin_externals  # noqa: E402
+from rl import effort  # noqa: E402
 
 
 def main(argv=None):
@@ -42,6 +45,10 @@ def main(argv=None):
     raise SystemExit(f"error: {e}") from None
   top = report["budgets"][max(report["budgets"])]
   print(" ".join(f"{key}={value:.3f}" for key, value in top.items()))
+  for level, by_level in report.get("effort", {}).items():  # an rl.effort.EffortTask
+    at = by_level["budgets"][max(by_level["budgets"])]
+    print(f"effort {level}: accuracy={at['accuracy']:.3f} mean_length="
+          f"{effort.mean_length(by_level):.1f}")
   print("wrote " + ", ".join(paths))
   return report
 

@@ -1,7 +1,10 @@
 """Registers the library's configurable pieces with gin. Importing this module is what makes
-names such as `train`, `Arithmetic`, `tiny`, `make_mesh`, `RLConfig`, `rewards.k15_length_penalty` or
-`sampling.prioritized` usable in .gin files; models/ and rl/ never import gin themselves.
-Where two pieces share a name (`named_chain`), qualify it: `rewards.named_chain`."""
+names such as `train`, `Arithmetic`, `tiny`, `make_mesh`, `RLConfig`,
+`rewards.k15_length_penalty`, `sampling.prioritized` or `monitors.entropy_collapse` usable in
+.gin files; models/ and rl/ never import gin themselves. Where two pieces share a name
+(`named_chain`), qualify it: `rewards.named_chain`. Monitors go in as a dict, stops by name:
+`train.monitors = {'entropy_collapse': @entropy_collapse()}`,
+`train.stop_on = ['entropy_collapse']`."""
 
 import gin
 import optax
@@ -9,11 +12,16 @@ import optax
 from models import config
 from models import sharding
 from models import tokenizer
+from rl import distill
+from rl import effort
+from rl import envs
 from rl import eval as eval_lib
 from rl import long2short as long2short_lib
 from rl import loop
+from rl import monitors
 from rl import rewards
 from rl import sampling
+from rl.tasks import agentic
 from rl.tasks import arithmetic
 from rl.tasks import code as code_task
 from rl.tasks import math as math_task
@@ -28,16 +36,21 @@ local_engine = gin.external_configurable(server.local_engine, module="rollouts")
 remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts")
 
 _REGISTERED = {
-    "rl": [loop.RLConfig, eval_lib.SampledEval],
+    "rl": [loop.RLConfig, eval_lib.SampledEval, distill.from_checkpoints],
     "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer, sharding.make_mesh],
-    "tasks": [arithmetic.Arithmetic, math_task.MathTask, code_task.CodeTask],
+    "tasks": [arithmetic.Arithmetic, math_task.MathTask, code_task.CodeTask, effort.EffortTask,
+              agentic.ToolArithmetic],
+    "envs": list(envs.ENVIRONMENTS.values()),  # every registered environment
+    "effort": [effort.level_ids],
     "rewards": [rewards.correctness, rewards.format_reward, rewards.named_chain,
                 rewards.k15_length_penalty, rewards.truncation, rewards.laser, rewards.laser_d,
                 rewards.dapo_overlong, rewards.adaptive_target_length, rewards.mask_incorrect,
                 rewards.mask_long_correct, rewards.mask_over_length, rewards.masked,
-                rewards.accuracy_at_least, rewards.k15, rewards.dapo],
+                rewards.accuracy_at_least, rewards.k15, rewards.dapo, rewards.effort_budget,
+                rewards.tightening],
     "sampling": [sampling.uniform, sampling.prioritized, sampling.pass_rate_band,
                  sampling.curriculum, sampling.field_difficulty, sampling.named_chain],
+    "monitors": list(monitors.MONITORS.values()),
     "optax": [optax.constant_schedule, optax.linear_schedule, optax.join_schedules,
               optax.piecewise_constant_schedule],
 }

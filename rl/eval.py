@@ -2,7 +2,9 @@
 
 Owns generate-then-verify over a list of records (shared with the loop's rollouts) and
 held-out greedy accuracy. A completion counts as correct only if it finished on a stop
-token and the task's verifier accepts it: a truncated answer never scores.
+token and the task's verifier accepts it: a truncated answer never scores. For an agentic
+task the completions are multi-turn episodes (rl/envs), verified on the episode's whole text;
+their lengths, and so the token budgets of `sampled_eval`, count the policy's tokens.
 """
 
 import dataclasses
@@ -10,6 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rl import envs
 from rollouts.engine import Completion, RolloutEngine, SamplingParams
 
 
@@ -20,9 +23,10 @@ class Scored:
   completions: list[Completion]
   texts: list[str]
   correct: np.ndarray  # bool[n]
-  lengths: np.ndarray  # i32[n]
+  lengths: np.ndarray  # i32[n] the policy's tokens (an episode's observations not counted)
   truncated: np.ndarray  # bool[n]
   well_formed: np.ndarray  # bool[n]
+  records: list[dict] = dataclasses.field(default_factory=list)  # each completion's record
 
 
 def prompt_ids(task, tokenizer, record: dict[str, Any]) -> list[int]:
@@ -30,12 +34,24 @@ def prompt_ids(task, tokenizer, record: dict[str, Any]) -> list[int]:
 
 
 def generate_and_verify(engine: RolloutEngine, task, tokenizer, records: Sequence[dict],
-                        sampling: SamplingParams, *, samples: int = 1, seed: int = 0) -> Scored:
+                        sampling: SamplingParams, *, samples: int = 1, seed: int = 0,
+                        max_sequence_tokens: int | None = None) -> Scored:
+  """`samples` completions per record, verified. A task with an `environment` (agentic:
+  rl/tasks/agentic.py) gets multi-turn episodes instead (rl/envs/driver.py), with
+  sampling.max_new_tokens their budget of policy tokens and `max_sequence_tokens` the most
+  tokens a prompt and its episode may hold (the packed row's room; single-turn completions
+  ignore it)."""
   prompts = [prompt_ids(task, tokenizer, r) for r in records]
   requests = [p for p in prompts for _ in range(samples)]
-  completions = engine.generate(requests, sampling, seed=seed)
-  return score(task, tokenizer, [r for r in records for _ in range(samples)], requests,
-               completions)
+  repeated = [r for r in records for _ in range(samples)]
+  environment = getattr(task, "environment", None)
+  if environment is None:
+    completions = engine.generate(requests, sampling, seed=seed)
+  else:
+    completions = envs.run_episodes(engine, environment, tokenizer, repeated, requests,
+                                    sampling, seed=seed,
+                                    max_sequence_tokens=max_sequence_tokens)
+  return score(task, tokenizer, repeated, requests, completions)
 
 
 def score(task, tokenizer, records: Sequence[dict], prompts: Sequence[Sequence[int]],
@@ -43,13 +59,19 @@ def score(task, tokenizer, records: Sequence[dict], prompts: Sequence[Sequence[i
   """Verify each completion against its record (one record per completion)."""
   texts = [tokenizer.decode(c.token_ids) for c in completions]
   truncated = np.array([c.finish_reason != "stop" for c in completions], bool)
-  correct = np.array([(not cut) and task.verify(text, record)
-                      for text, cut, record in zip(texts, truncated, records)], bool)
+  finished = np.flatnonzero(~truncated)
+  correct = np.zeros(len(completions), bool)
+  verify_batch = getattr(task, "verify_batch", None)  # a task that verifies in one batch
+  if verify_batch is not None and len(finished):
+    correct[finished] = verify_batch([texts[i] for i in finished],
+                                     [records[i] for i in finished])
+  else:
+    correct[finished] = [task.verify(texts[i], records[i]) for i in finished]
   well_formed = np.array([(not cut) and task.well_formed(text)
                           for text, cut in zip(texts, truncated)], bool)
-  lengths = np.array([len(c.token_ids) for c in completions], np.int32)
+  lengths = np.array([envs.policy_tokens(c) for c in completions], np.int32)
   return Scored([list(p) for p in prompts], list(completions), texts, correct, lengths,
-                truncated, well_formed)
+                truncated, well_formed, list(records))
 
 
 def greedy_accuracy(engine: RolloutEngine, task, tokenizer, *, num_records: int,
@@ -215,7 +237,9 @@ def evaluate_checkpoint(out_dir: str, *, task, spec: SampledEval = SampledEval()
   """`sampled_eval` of a checkpoint on the first `num_records` of `split`, written to
   `out_dir` (see `write_report`). Give `run_dir` (a longrl run: its latest RL checkpoint,
   with `model` the same config factory the run used, e.g. models.config.tiny) or
-  `hf_checkpoint` (a Hugging Face checkpoint directory)."""
+  `hf_checkpoint` (a Hugging Face checkpoint directory). For an rl.effort.EffortTask the
+  sweep also runs once per effort level on the first `num_records` problems (report
+  "effort", plot accuracy_vs_budget_by_effort.png: one curve per level)."""
   import os
 
   from models import hf
@@ -247,7 +271,15 @@ def evaluate_checkpoint(out_dir: str, *, task, spec: SampledEval = SampledEval()
     raise ValueError(f"evaluate_checkpoint: {num_records} records asked, the {split} split "
                      f"has {len(source)}")
   records = [source[i] for i in range(num_records)]
-  report = sampled_eval(JaxEngine(cfg, params), task, tokenizer, records, spec, seed=seed)
+  engine = JaxEngine(cfg, params)
+  report = sampled_eval(engine, task, tokenizer, records, spec, seed=seed)
   report["checkpoint"] = run_dir or hf_checkpoint
-  paths = write_report(report, out_dir, title=f"{name} on {type(task).__name__}")
+  from rl import effort  # rl.effort imports this module
+  if isinstance(task, effort.EffortTask):  # the sweep once per level, the same problems each
+    report["effort"] = effort.sampled_eval_by_level(engine, task, tokenizer, spec, seed=seed,
+                                                    num_problems=num_records, split=split)
+  title = f"{name} on {type(task).__name__}"
+  paths = write_report(report, out_dir, title=title)
+  if "effort" in report:
+    paths.append(effort.write_level_plot(report["effort"], out_dir, title=title))
   return report, paths

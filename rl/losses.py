@@ -101,12 +101,13 @@ def masked_mean(values, batch: TrainBatch) -> Weighted:
 class LossDef:
   fn: Callable[..., tuple[Weighted, dict[str, Weighted]]]
   advantage: str | None  # a key of rl.advantages.ESTIMATORS; None: not a rollout loss
+  teacher: bool = False  # reads batch.teacher_logp: the loop needs teachers to score
 
 
 LOSSES: dict[str, LossDef] = {}
 
 
-def register(name: str, *, advantage: str | None):
+def register(name: str, *, advantage: str | None, teacher: bool = False):
   if advantage is not None and advantage not in advantages_lib.ESTIMATORS:
     raise ValueError(f"loss {name!r}: unknown advantage estimator {advantage!r}; valid: "
                      f"{sorted(advantages_lib.ESTIMATORS)}")
@@ -114,7 +115,7 @@ def register(name: str, *, advantage: str | None):
   def add(fn):
     if name in LOSSES:
       raise ValueError(f"loss {name!r} is registered twice")
-    LOSSES[name] = LossDef(fn, advantage)
+    LOSSES[name] = LossDef(fn, advantage, teacher)
     return fn
   return add
 
@@ -165,7 +166,10 @@ def _trace_once(bound: Callable, with_reference: bool):
   ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   batch = TrainBatch(tokens=ids, targets=ids, positions=ids, segment_ids=ids, loss_mask=values,
                      old_logp=values, advantages=values,
-                     ref_logp=values if with_reference else None)
+                     ref_logp=values if with_reference else None, teacher_logp=values,
+                     teacher_topk_ids=jax.ShapeDtypeStruct((1, 8, 2), jnp.int32),
+                     teacher_topk_logp=jax.ShapeDtypeStruct((1, 8, 2), jnp.float32),
+                     student_topk_logp=jax.ShapeDtypeStruct((1, 8, 2), jnp.float32))
   jax.eval_shape(bound, values, batch)
 
 
@@ -404,6 +408,54 @@ def kimi_k25(logp, batch: TrainBatch, *, alpha: float = -1.0, beta: float = 1.0,
   token_loss = -policy_term + tau * jnp.square(log_ratio)
   metrics = {"clip_fraction": masked_mean((~inside).astype(jnp.float32), batch)}
   return aggregate(token_loss, batch, "token-mean"), metrics
+
+
+@register("opd", advantage="group_normalized", teacher=True)
+def on_policy_distillation(logp, batch: TrainBatch, *, advantage_clip: float = 5.0,
+                           reward_weight: float = 0.0, eps_low: float = 0.2,
+                           eps_high: float = 0.2, kl_coef: float = 0.0,
+                           kl_estimator: str = "k3", aggregation: str = "token-mean",
+                           norm_length: float | None = None, topk_coef: float = 0.0):
+  """On-policy distillation (MOPD, arXiv 2606.30406; Kimi K3's merge of its experts): the
+  student samples, a teacher scores the same tokens, and the clipped teacher-minus-student
+  log-prob is a dense per-token advantage,
+
+      A_t = clip(teacher_logp_t - old_logp_t, -advantage_clip, advantage_clip)
+            + reward_weight * A_outcome,
+
+  in PPO's clipped surrogate. Its expected gradient at A_outcome = 0 is that of the reverse
+  KL(student || teacher) on the student's own samples. old_logp is the student's sampling
+  log-prob (the engine's); A_outcome is the task reward's group-normalised advantage, mixed
+  in when reward_weight > 0. The clip of 5 nats is ours.
+
+  topk_coef > 0 adds topk_coef * KL(teacher || student) over the teacher's top-k next tokens
+  at each position (both renormalised over those k; the teachers must give them:
+  Teachers(top_k=k)). K3 reports no gain from it over the sampled-token form alone.
+  """
+  if batch.teacher_logp is None:
+    raise ValueError("loss 'opd' needs teacher log-probs (batch.teacher_logp): give "
+                     "rl.loop.train teachers to score the student's trajectories")
+  gap = batch.teacher_logp - batch.old_logp
+  dense = jnp.clip(gap, -advantage_clip, advantage_clip) + reward_weight * batch.advantages
+  token_loss, metrics = clipped_surrogate(_ratio(logp, batch), batch.replace(advantages=dense),
+                                          eps_low=eps_low, eps_high=eps_high)
+  metrics["teacher_minus_student"] = masked_mean(gap, batch)
+  metrics["advantage_clip_fraction"] = masked_mean(
+      (jnp.abs(gap) > advantage_clip).astype(jnp.float32), batch)
+  if kl_coef:
+    kl = _kl_to_reference(logp, batch, kl_estimator, "opd")
+    token_loss = token_loss + kl_coef * kl
+    metrics["kl"] = masked_mean(kl, batch)
+  if topk_coef:
+    if batch.teacher_topk_logp is None or batch.student_topk_logp is None:
+      raise ValueError("loss 'opd' with topk_coef > 0 needs the teachers' top-k tokens: give "
+                       "rl.distill.Teachers top_k > 0")
+    teacher = jax.nn.log_softmax(batch.teacher_topk_logp, axis=-1)
+    student = jax.nn.log_softmax(batch.student_topk_logp, axis=-1)
+    topk_kl = jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1)
+    token_loss = token_loss + topk_coef * topk_kl
+    metrics["topk_kl"] = masked_mean(topk_kl, batch)
+  return aggregate(token_loss, batch, aggregation, norm_length=norm_length), metrics
 
 
 @register("dpo", advantage=None)

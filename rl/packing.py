@@ -6,7 +6,7 @@ count rounded up to `row_multiple` so that a run compiles a handful of shapes. P
 pairs (DPO) keep both halves of a pair in one row: segments 2k+1 and 2k+2.
 """
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -14,10 +14,11 @@ from rl.types import TrainBatch
 
 
 def pack(sequences: Sequence[dict[str, np.ndarray]], seq_len: int, *, row_multiple: int = 1):
-  """Pack sequences (dicts of equal-length 1-D arrays with the same keys) into rows.
+  """Pack sequences (dicts of arrays with the same keys, equally long on their first axis)
+  into rows.
 
   Returns (fields, placements): fields maps each key, plus "segment_ids" and "positions", to
-  an array [rows, seq_len] (zeros where nothing is placed); placements[i] = (row, start).
+  an array [rows, seq_len, ...] (zeros where nothing is placed); placements[i] = (row, start).
   """
   if not sequences:
     raise ValueError("pack: no sequences")
@@ -36,7 +37,8 @@ def pack(sequences: Sequence[dict[str, np.ndarray]], seq_len: int, *, row_multip
     placements[i] = (row, seq_len - free[row])
     free[row] -= lengths[i]
   rows = -(-len(free) // row_multiple) * row_multiple
-  fields = {k: np.zeros((rows, seq_len), v.dtype) for k, v in sequences[0].items()}
+  fields = {k: np.zeros((rows, seq_len) + v.shape[1:], v.dtype)
+            for k, v in sequences[0].items()}
   fields["segment_ids"] = np.zeros((rows, seq_len), np.int32)
   fields["positions"] = np.zeros((rows, seq_len), np.int32)
   segments_in_row = [0] * rows
@@ -58,18 +60,24 @@ def unpack(packed: np.ndarray, placements: Sequence[tuple[int, int]],
 def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                      completion_logp: Sequence[np.ndarray], advantages: Sequence[float],
                      train_mask: Sequence, seq_len: int, *, row_multiple: int = 1,
-                     token_weights: Sequence[np.ndarray] | None = None):
+                     token_weights: Sequence[np.ndarray] | None = None,
+                     completion_fields: Mapping[str, Sequence[np.ndarray] | None] = {}):
   """A TrainBatch (numpy) of prompt + completion trajectories.
 
   The inputs are trajectory[:-1] and the targets trajectory[1:]; the loss mask covers the
   completion's targets (all zero when train_mask is False; a train_mask entry may also be a
   bool[n] per completion token). token_weights (f32[n] per completion, e.g. importance
-  weights) multiply the advantage of each completion token. Returns (batch, placements).
+  weights) multiply the advantage of each completion token. completion_fields name further
+  TrainBatch fields given per completion token, [n] or [n, k] per completion, zero on the
+  prompt: teacher_logp (a teacher's log-probs), teacher_topk_ids and teacher_topk_logp (its
+  top k), turn_rewards (an episode's per-turn rewards); a None entry is left out.
+  Returns (batch, placements).
   """
+  fields = {name: values for name, values in completion_fields.items() if values is not None}
   sequences = []
   weights = token_weights if token_weights is not None else [1.0] * len(prompts)
-  for prompt, completion, logp, adv, keep, weight in zip(prompts, completions, completion_logp,
-                                                         advantages, train_mask, weights):
+  for i, (prompt, completion, logp, adv, keep, weight) in enumerate(zip(
+      prompts, completions, completion_logp, advantages, train_mask, weights)):
     full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(completion, np.int32)])
     n, p = len(full) - 1, len(prompt)
     mask = np.zeros((n,), np.float32)
@@ -78,10 +86,15 @@ def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
     old_logp[p - 1:] = logp
     token_adv = np.full((n,), adv, np.float32)
     token_adv[p - 1:] *= np.asarray(weight, np.float32)
-    sequences.append({"tokens": full[:-1], "targets": full[1:], "loss_mask": mask,
-                      "old_logp": old_logp, "advantages": token_adv})
-  fields, placements = pack(sequences, seq_len, row_multiple=row_multiple)
-  return TrainBatch(**fields), placements
+    sequence = {"tokens": full[:-1], "targets": full[1:], "loss_mask": mask,
+                "old_logp": old_logp, "advantages": token_adv}
+    for name, values in fields.items():
+      value = np.asarray(values[i])
+      sequence[name] = np.zeros((n,) + value.shape[1:], value.dtype)
+      sequence[name][p - 1:] = value
+    sequences.append(sequence)
+  packed, placements = pack(sequences, seq_len, row_multiple=row_multiple)
+  return TrainBatch(**packed), placements
 
 
 def pair_batch(prompts: Sequence[Sequence[int]], chosen: Sequence[Sequence[int]],

@@ -21,6 +21,8 @@ class Rollouts:
   well_formed: bool[N] the task's format check (e.g. an answer in the expected place).
   reward: f32[N] the scalar outcome reward (reward transforms write it).
   loss_mask: bool[N] False excludes the whole completion from the gradient.
+  record_ids: i32[N] index of the completion's record in task.train (the loop fills it; per-
+    record transforms such as rewards.effort_budget read it), or None.
   """
 
   group_ids: jax.Array
@@ -31,6 +33,7 @@ class Rollouts:
   reward: jax.Array
   loss_mask: jax.Array
   num_groups: int = flax.struct.field(pytree_node=False, default=0)
+  record_ids: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
@@ -45,6 +48,15 @@ class TrainBatch:
   advantages: f32[rows, seq] the trajectory's advantage on each of its tokens.
   ref_logp: f32[rows, seq] reference-policy log-prob, filled by the train step when a loss
     uses a KL to a reference; None otherwise.
+  teacher_logp: f32[rows, seq] the teacher's log-prob of each completion target (on-policy
+    distillation: a teacher engine scores the student's trajectories); None otherwise.
+  teacher_topk_ids, teacher_topk_logp: i32 / f32[rows, seq, k] the teacher's k most likely
+    next tokens at each completion target and their log-probs (top-k distillation); None
+    otherwise. student_topk_logp: f32[rows, seq, k] the current policy's log-probs of those
+    tokens, filled by the train step (with gradient) when the teacher's are present.
+  turn_rewards: f32[rows, seq] a multi-turn episode's per-turn rewards, each on the target of
+    its turn's last policy token (0 elsewhere), for a loss that wants them; filled for
+    episodes (rl/envs), None for single-turn completions.
   """
 
   tokens: jax.Array
@@ -55,3 +67,8 @@ class TrainBatch:
   old_logp: jax.Array
   advantages: jax.Array
   ref_logp: Optional[jax.Array] = None
+  teacher_logp: Optional[jax.Array] = None
+  teacher_topk_ids: Optional[jax.Array] = None
+  teacher_topk_logp: Optional[jax.Array] = None
+  student_topk_logp: Optional[jax.Array] = None
+  turn_rewards: Optional[jax.Array] = None

@@ -1,4 +1,5 @@
-"""The RolloutEngine protocol: what every generator of completions promises the trainer.
+"""The RolloutEngine protocol: what every generator of completions promises the trainer, and
+the Scorer protocol of engines that score given tokens (teachers).
 
 Owns the request and result types. It does not own sampling (each engine does) or
 anything about training.
@@ -38,12 +39,16 @@ class Completion:
   logprobs: f32[n] log-prob of each token under the engine's policy at temperature 1
     (before temperature and top-p), which is what the trainer recomputes.
   versions: i32[n] the weight version that produced each token.
+  policy_mask: bool[n] True on the tokens the policy generated, False on tokens an
+    environment inserted (a multi-turn episode's observations: log-prob 0, out of the loss);
+    None when every token is the policy's.
   """
 
   token_ids: np.ndarray
   logprobs: np.ndarray
   finish_reason: FinishReason
   versions: np.ndarray
+  policy_mask: np.ndarray | None = None
 
 
 class RolloutEngine(Protocol):
@@ -53,7 +58,11 @@ class RolloutEngine(Protocol):
   def version(self) -> int: ...
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-               seed: int) -> list[Completion]: ...
+               seed: int, affinity: Sequence[int] | None = None) -> list[Completion]:
+    """One completion per prompt. `affinity` (one key per prompt) picks the server where an
+    engine has several: the same key, the same server, so that the continuations of one
+    multi-turn episode find their prefix in its cache. Engines with one model ignore it."""
+    ...
 
   def update_weights(self, params, version: int) -> float:
     """Take new weights; returns the seconds the update took (export and sync included)."""
@@ -61,4 +70,18 @@ class RolloutEngine(Protocol):
 
   def close(self) -> None:
     """Release what the engine started (server processes, connections)."""
+    ...
+
+
+class Scorer(Protocol):
+  """Scores given tokens without generating: a prefill that returns their log-probs (a
+  teacher in on-policy distillation). JaxEngine and SGLangEngine are both."""
+
+  @property
+  def version(self) -> int: ...
+
+  def score(self, prompts: Sequence[Sequence[int]],
+            continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """f32[len(continuation)] per pair: log p(token | prompt, the continuation before it) at
+    temperature 1."""
     ...

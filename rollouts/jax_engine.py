@@ -1,6 +1,7 @@
 """The embedded JAX engine: batched sampling with a KV cache, in the trainer's process.
 
-Owns the prefill/decode loop and the token choice (temperature, top-p, greedy). It is the
+Owns the prefill/decode loop, the token choice (temperature, top-p, greedy) and scoring of
+given tokens (a prefill returning their log-probs: a teacher's or a judge's). It is the
 default engine on CPU and TPU and the one the tests use. Batch size and prompt length are
 rounded up to buckets so that a run compiles a few shapes, not one per call.
 """
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import logprobs as logprobs_lib
 from models import transformer
 from models.config import ModelConfig
 from rollouts.engine import Completion, SamplingParams
@@ -100,6 +102,67 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
   return tokens, logp, lengths, stopped
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def sequence_logprobs(params, tokens, lengths, *, cfg: ModelConfig):
+  """log p(tokens[b, t] | tokens[b, :t]) of right-padded sequences (a prefill, nothing
+  generated): f32[batch, seq], 0 at t = 0 and past each row's length.
+
+  tokens: i32[batch, seq]; lengths: i32[batch] (>= 1).
+  """
+  batch, seq = tokens.shape
+  real = jnp.arange(seq)[None, :] < lengths[:, None]
+  positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+  hidden = transformer.forward(params, cfg, tokens, positions, real.astype(jnp.int32))
+  following = jnp.roll(tokens, -1, axis=1)  # the token each position predicts
+  logp, _ = logprobs_lib.token_logprobs(hidden, transformer.output_projection(params, cfg),
+                                        following)
+  logp = jnp.concatenate([jnp.zeros((batch, 1), logp.dtype), logp[:, :-1]], axis=1)
+  return jnp.where(real & (jnp.arange(seq)[None, :] > 0), logp, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def sequence_top_k(params, tokens, lengths, *, cfg: ModelConfig, k: int):
+  """The k most likely tokens at each position of right-padded sequences and their
+  log-probs, as predicted from the tokens before it: (i32[batch, seq, k], f32[batch, seq,
+  k]); zeros at t = 0 and past each row's length."""
+  batch, seq = tokens.shape
+  real = jnp.arange(seq)[None, :] < lengths[:, None]
+  positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+  hidden = transformer.forward(params, cfg, tokens, positions, real.astype(jnp.int32))
+  ids, logp = logprobs_lib.top_k(hidden, transformer.output_projection(params, cfg), k)
+  shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+  keep = (real & (jnp.arange(seq)[None, :] > 0))[..., None]
+  return jnp.where(keep, shift(ids), 0), jnp.where(keep, shift(logp), 0.0)
+
+
+def _padded(sequences, pad_id: int, min_batch: int, min_len: int):
+  rows, width = bucket(len(sequences), min_batch), bucket(max(map(len, sequences)), min_len)
+  tokens = np.full((rows, width), pad_id, np.int32)
+  lengths = np.ones((rows,), np.int32)
+  for row, s in enumerate(sequences):
+    tokens[row, :len(s)] = s
+    lengths[row] = len(s)
+  return jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+def score_continuations(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+                        continuations: Sequence[Sequence[int]], *, pad_id: int = 0,
+                        min_batch: int = 8, min_len: int = 16) -> list[np.ndarray]:
+  """The log-prob of each continuation token after its prompt and the tokens before it
+  (temperature 1): one f32[len(continuation)] per pair, in batches of bucketed shape."""
+  if len(prompts) != len(continuations):
+    raise ValueError(f"score: {len(prompts)} prompts for {len(continuations)} continuations")
+  if any(len(p) == 0 for p in prompts):
+    raise ValueError("score: every prompt needs at least one token")
+  sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+  if not sequences:
+    return []
+  tokens, lengths = _padded(sequences, pad_id, min_batch, min_len)
+  logp = jax.device_get(sequence_logprobs(params, tokens, lengths, cfg=cfg))
+  return [logp[row, len(p):len(p) + len(c)].copy()
+          for row, (p, c) in enumerate(zip(prompts, continuations))]
+
+
 class JaxEngine:
   """RolloutEngine over `rollouts.jax_engine.sample`; weights are held in memory."""
 
@@ -128,8 +191,30 @@ class JaxEngine:
   def close(self) -> None:
     pass
 
+  def score(self, prompts: Sequence[Sequence[int]],
+            continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Teacher scoring: f32[len(continuation)] log-probs of each continuation's tokens."""
+    return score_continuations(self._params, self._cfg, prompts, continuations,
+                               pad_id=self._pad_id, min_batch=self._min_batch,
+                               min_len=self._min_prompt_len)
+
+  def score_top_k(self, prompts: Sequence[Sequence[int]],
+                  continuations: Sequence[Sequence[int]], k: int
+                  ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Top-k distillation's teacher side: for each continuation token, the k tokens this
+    model finds most likely in its place and their log-probs, (i32[n, k], f32[n, k])."""
+    sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+    if not sequences:
+      return []
+    tokens, lengths = _padded(sequences, self._pad_id, self._min_batch, self._min_prompt_len)
+    ids, logp = jax.device_get(sequence_top_k(self._params, tokens, lengths, cfg=self._cfg,
+                                              k=k))
+    spans = [slice(len(p), len(p) + len(c)) for p, c in zip(prompts, continuations)]
+    return [(ids[row, span].copy(), logp[row, span].copy()) for row, span in enumerate(spans)]
+
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-               seed: int) -> list[Completion]:
+               seed: int, affinity: Sequence[int] | None = None) -> list[Completion]:
+    del affinity  # one model in this process: nothing to route
     if not prompts:
       return []
     if any(len(p) == 0 for p in prompts):

@@ -42,7 +42,7 @@ import numpy as np
 
 from models import hf, transformer
 from models.config import ModelConfig
-from rollouts.jax_engine import bucket, nucleus
+from rollouts.jax_engine import bucket, nucleus, score_continuations
 
 SAMPLING_KEYS = {  # api_types.SamplingParams: anything else is a 400, as in SGLang
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -84,6 +84,8 @@ class Request:
   stop_token_ids: tuple[int, ...]
   seed: int
   return_logprob: bool
+  logprob_start_len: int = -1  # >= 0: also the log-probs of input tokens from there on
+  input_logprobs: list = dataclasses.field(default_factory=list)  # [logprob | None, token]
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[str] = dataclasses.field(default_factory=list)
@@ -153,8 +155,17 @@ def expand_request(body: dict) -> tuple[list[Request], bool]:
       raise BadRequest("list-valued return_logprob is not allowed with n > 1")
   else:
     return_logprob = [bool(return_logprob)] * len(prompts)
+  start_len = body.get("logprob_start_len", -1)
+  if isinstance(start_len, list):
+    if n > 1 or len(start_len) != len(prompts):
+      raise BadRequest("a list-valued logprob_start_len needs n == 1 and one entry per prompt")
+  else:
+    start_len = [start_len] * len(prompts)
+  if not all(isinstance(s, int) and not isinstance(s, bool) for s in start_len):
+    raise BadRequest("logprob_start_len must be an integer")
   requests = []
-  for prompt, params, item_rid, want_logprob in zip(prompts, per_item, rids, return_logprob):
+  for prompt, params, item_rid, want_logprob, start in zip(prompts, per_item, rids,
+                                                            return_logprob, start_len):
     for _ in range(n):
       temperature = float(params.get("temperature", 1.0))
       seed = params.get("sampling_seed")
@@ -166,7 +177,7 @@ def expand_request(body: dict) -> tuple[list[Request], bool]:
           stop_token_ids=() if params.get("ignore_eos") else tuple(
               params.get("stop_token_ids") or ()),
           seed=int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little"),
-          return_logprob=bool(want_logprob)))
+          return_logprob=bool(want_logprob), logprob_start_len=start))
   return requests, batched or n > 1
 
 
@@ -244,6 +255,18 @@ class Scheduler:
   # --- control, from HTTP threads
 
   def submit(self, requests: list[Request]):
+    scored = [r for r in requests if r.return_logprob and 0 <= r.logprob_start_len]
+    if scored:  # a prefill of the inputs (teacher scoring: max_new_tokens 0)
+      with self.lock:
+        params = self.params
+      starts = [max(1, min(r.logprob_start_len, len(r.input_ids))) for r in scored]
+      logprobs = score_continuations(params, self.cfg, [r.input_ids[:s] for r, s in
+                                                        zip(scored, starts)],
+                                     [r.input_ids[s:] for r, s in zip(scored, starts)])
+      for r, s, lp in zip(scored, starts, logprobs):
+        # SGLang's first entry, for the first input token, has no log-prob.
+        head = [[None, r.input_ids[0]]] if r.logprob_start_len == 0 else []
+        r.input_logprobs = head + [[float(v), t] for v, t in zip(lp, r.input_ids[s:])]
     with self.lock:
       for r in requests:
         if r.max_new_tokens == 0:
@@ -529,7 +552,7 @@ def response(r: Request, weight_version: str) -> dict:
       and r.finish_reason.get("message") == "Abort in waiting queue":
     del meta["prompt_tokens"], meta["cached_tokens"]
   if r.return_logprob:
-    meta["input_token_logprobs"] = []
+    meta["input_token_logprobs"] = [[lp, t, None] for lp, t in r.input_logprobs]
     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.tokens)]
     meta["output_token_logprobs_length"] = len(r.tokens)
   return {"output_ids": list(r.tokens), "meta_info": meta}

@@ -102,6 +102,20 @@ def parse_response(server: str, body: Any) -> Completion:
                     versions=versions)
 
 
+def parse_scores(server: str, body: Any, tokens: Sequence[int]) -> tuple[np.ndarray, int]:
+  """(log-probs of `tokens`, weight version) from a prompt-scoring /generate response."""
+  entries = body.get("meta_info", {}).get("input_token_logprobs") if isinstance(body, dict) \
+      else None
+  if not isinstance(entries, list) or [e[1] if isinstance(e, list) and len(e) == 3 else None
+                                       for e in entries] != list(tokens):
+    raise ServerError(f"{server}/generate: input_token_logprobs do not cover the "
+                      f"{len(tokens)} scored tokens: {str(body)[:300]}")
+  if any(e[0] is None for e in entries):
+    raise ServerError(f"{server}/generate: a scored token has no log-prob")
+  return (np.array([e[0] for e in entries], np.float32),
+          _version(body["meta_info"].get("weight_version")))
+
+
 class SGLangClient:
   """Talks to SGLang workers `urls` (each a base URL such as http://10.0.0.5:30000).
 
@@ -182,49 +196,40 @@ class SGLangClient:
 
   # --- generation
 
-  async def _generate(self, requests: Sequence[Request], sampling: SamplingParams,
-                      stop_when: Callable[[int, Completion], bool] | None, abort_prefix: str):
-    results: dict[int, Completion] = {}
-    stopping = False
+  async def _post_generate(self, body: dict, affinity: int, limits: dict, results: dict,
+                           total: int, cancelled: Callable[[], bool] = lambda: False):
+    """(server, JSON reply) of one /generate call: through the router, else on the live
+    worker `affinity` picks, the same rid moving to the next live worker when one fails;
+    None once `cancelled()` before it was sent. Errors carry the `results` received."""
+    while True:
+      if cancelled():
+        return None
+      if self.router:
+        server, limit = self.router, limits[None]
+      else:
+        live = self._live()
+        if not live:
+          raise ServerError(f"every server is down ({', '.join(self.urls)}); {len(results)} "
+                            f"of {total} results were received and are kept",
+                            completed=results)
+        server = live[affinity % len(live)]
+        limit = limits[server]
+      async with limit:
+        try:
+          return server, await self._call(self._http, server, "POST", "/generate", body)
+        except ConnectionError as e:
+          if self.router:
+            raise ServerError(f"router {server} failed: {e}", completed=results) from None
+          self.down.add(server)
+
+  def _limits(self) -> dict:
+    """In-flight limits per worker, and for the router (key None)."""
     limits = {u: asyncio.Semaphore(self.max_in_flight) for u in self.urls}
-    router_limit = asyncio.Semaphore(self.max_in_flight * len(self.urls))
-    http = self._http
+    limits[None] = asyncio.Semaphore(self.max_in_flight * len(self.urls))
+    return limits
 
-    async def one(index: int, request: Request):
-      nonlocal stopping
-      body = request_body(request, sampling)
-      while True:
-        if stopping:  # the iteration ended before this request was sent
-          results[index] = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32),
-                                      "abort", np.zeros(0, np.int32))
-          return
-        if self.router:
-          server, limit = self.router, router_limit
-        else:
-          live = self._live()
-          if not live:
-            raise ServerError(f"every server is down ({', '.join(self.urls)}); "
-                              f"{len(results)} of {len(requests)} completions were "
-                              "received and are kept", completed=results)
-          server = live[request.affinity % len(live)]
-          limit = limits[server]
-        async with limit:
-          try:
-            reply = await self._call(http, server, "POST", "/generate", body)
-          except ConnectionError as e:
-            if self.router:
-              raise ServerError(f"router {server} failed: {e}", completed=results) from None
-            self.down.add(server)  # the same rid goes to the next live server
-            continue
-        completion = parse_response(server, reply)
-        results[index] = completion
-        if stop_when is not None and not stopping and stop_when(index, completion):
-          stopping = True  # the rest come back aborted, with what they generated so far
-          await self._each_async(self._control, "POST", "/abort_request",
-                                 {"rid": abort_prefix})
-        return
-
-    tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
+  async def _gather(self, calls, results: dict, total: int) -> list:
+    tasks = [asyncio.create_task(c) for c in calls]
     try:
       await asyncio.gather(*tasks)
     except ServerError as e:
@@ -232,7 +237,55 @@ class SGLangClient:
         t.cancel()
       e.completed = results
       raise
-    return [results[i] for i in range(len(requests))]
+    return [results[i] for i in range(total)]
+
+  async def _generate(self, requests: Sequence[Request], sampling: SamplingParams,
+                      stop_when: Callable[[int, Completion], bool] | None, abort_prefix: str):
+    results: dict[int, Completion] = {}
+    stopping = False
+    limits = self._limits()
+
+    async def one(index: int, request: Request):
+      nonlocal stopping
+      sent = await self._post_generate(request_body(request, sampling), request.affinity,
+                                       limits, results, len(requests), lambda: stopping)
+      if sent is None:  # the iteration ended before this request was sent
+        results[index] = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort",
+                                    np.zeros(0, np.int32))
+        return
+      completion = parse_response(*sent)
+      results[index] = completion
+      if stop_when is not None and not stopping and stop_when(index, completion):
+        stopping = True  # the rest come back aborted, with what they generated so far
+        await self._each_async(self._control, "POST", "/abort_request", {"rid": abort_prefix})
+
+    return await self._gather([one(i, r) for i, r in enumerate(requests)], results,
+                              len(requests))
+
+  async def _score(self, requests: Sequence[Request], starts: Sequence[int]):
+    results: dict[int, tuple[np.ndarray, int]] = {}
+    limits = self._limits()
+
+    async def one(index: int, request: Request, start: int):
+      body = {"rid": request.rid, "input_ids": list(request.input_ids),
+              "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "n": 1},
+              "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 0,
+              "return_text_in_logprobs": False, "stream": False}
+      server, reply = await self._post_generate(body, request.affinity, limits, results,
+                                                len(requests))
+      results[index] = parse_scores(server, reply, request.input_ids[start:])
+
+    return await self._gather([one(i, r, s) for i, (r, s) in enumerate(zip(requests, starts))],
+                              results, len(requests))
+
+  def score(self, requests: Sequence[Request], starts: Sequence[int]
+            ) -> list[tuple[np.ndarray, int]]:
+    """(log-probs f32[len(input_ids) - start], weight version) per request: SGLang's prompt
+    scoring, a /generate with max_new_tokens 0 and logprob_start_len = start (>= 1)."""
+    if any(s < 1 for s in starts):
+      raise ValueError("SGLangClient.score: every start must be >= 1 (the first token has "
+                       "no log-prob)")
+    return self._run(self._score(requests, starts))
 
   def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
                stop_when: Callable[[int, Completion], bool] | None = None,
@@ -327,6 +380,7 @@ class SGLangEngine:
     self.weights_dir, self.copy_from = weights_dir, copy_from
     self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
     self._version = version
+    self._scored = 0  # scoring calls so far (unique rids)
     self.sync_seconds: list[float] = []
     self.processes: list[subprocess.Popen] = []  # servers this engine started (closed with it)
 
@@ -335,18 +389,40 @@ class SGLangEngine:
     return self._version
 
   def requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
-               tag: str = "") -> list[Request]:
+               tag: str = "", affinity: Sequence[int] | None = None) -> list[Request]:
+    """Requests with unique rids; each goes to the server its affinity key picks (default:
+    its prompt's hash, so the samples of a group share a server and its prefix cache)."""
+    if affinity is not None and len(affinity) != len(prompts):
+      raise ValueError(f"SGLangEngine: {len(affinity)} affinity keys for {len(prompts)} prompts")
+    keys = affinity if affinity is not None else [hash(tuple(p)) & 0x7FFFFFFF for p in prompts]
     return [Request(rid=f"{self.rid_prefix}-{tag}s{seed}-{i}", input_ids=tuple(p),
-                    max_new_tokens=max_new_tokens, affinity=hash(tuple(p)) & 0x7FFFFFFF,
+                    max_new_tokens=max_new_tokens, affinity=int(key),
                     sampling_seed=(seed * 1_000_003 + i) % 2**31)
-            for i, p in enumerate(prompts)]
+            for i, (p, key) in enumerate(zip(prompts, keys))]
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-               seed: int) -> list[Completion]:
+               seed: int, affinity: Sequence[int] | None = None) -> list[Completion]:
     if not prompts:
       return []
-    return self.client.generate(self.requests(prompts, sampling.max_new_tokens, seed),
-                                sampling)
+    return self.client.generate(self.requests(prompts, sampling.max_new_tokens, seed,
+                                              affinity=affinity), sampling)
+
+  def score(self, prompts: Sequence[Sequence[int]],
+            continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Teacher scoring on the servers: f32[len(continuation)] log-probs per pair; the
+    servers' weight version must be this engine's."""
+    self._scored += 1
+    # Each pair goes to its prompt's server (the one that generated it: its prefix cache).
+    requests = [Request(rid=f"{self.rid_prefix}-score{self._scored}-{i}",
+                        input_ids=tuple(p) + tuple(c), max_new_tokens=0,
+                        affinity=hash(tuple(p)) & 0x7FFFFFFF)
+                for i, (p, c) in enumerate(zip(prompts, continuations))]
+    scored = self.client.score(requests, [len(p) for p in prompts])
+    stale = {v for _, v in scored if v != self._version}
+    if stale:
+      raise ServerError(f"teacher scoring: servers answered at weight version(s) "
+                        f"{sorted(stale)}, not {self._version}")
+    return [logprobs for logprobs, _ in scored]
 
   def export(self, params, version: int) -> str:
     from models import hf

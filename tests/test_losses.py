@@ -21,6 +21,7 @@ LOGP = [-1.0, -0.5, -1.2, -2.0, -0.3, -0.9, -4.0]
 OLD = [-1.0, -0.7, -1.0, -2.0, -0.4, -0.6, 0.0]
 REF = [-1.0, -0.6, -1.5, -2.0, -0.2, -0.8, 0.0]
 ADV = [0.5, 0.5, 0.5, -0.5, -0.5, -0.5, 0.0]
+TEACHER = [-1.0, -0.2, -9.0, -2.0, -0.4, -0.1, 0.0]  # teacher - old: 0.5, -8, 0, 0.5 on the mask
 
 
 def _batch():
@@ -28,7 +29,8 @@ def _batch():
   return TrainBatch(tokens=row([0] * 7, jnp.int32), targets=row([0] * 7, jnp.int32),
                     positions=row([0, 1, 2, 0, 1, 2, 0], jnp.int32),
                     segment_ids=row(SEGMENTS, jnp.int32), loss_mask=row(MASK),
-                    old_logp=row(OLD), advantages=row(ADV), ref_logp=row(REF))
+                    old_logp=row(OLD), advantages=row(ADV), ref_logp=row(REF),
+                    teacher_logp=row(TEACHER))
 
 
 def _trajectories():
@@ -49,6 +51,26 @@ def test_k15_matches_hand_computation():
   weighted, _ = losses.get("k1.5").fn(jnp.asarray([LOGP]), _batch(), tau=tau)
   assert float(weighted.count) == 2
   np.testing.assert_allclose(float(weighted.total), sum(expected), rtol=1e-6)
+
+
+@pytest.mark.parametrize("reward_weight", [0.0, 0.5])
+def test_on_policy_distillation_matches_hand_computation(reward_weight):
+  """A_t = clip(teacher - old, -5, 5) + w A_outcome in PPO's clipped surrogate, token mean;
+  at the sampling policy (ratio 1) the gradient is -m A_t / sum(m) on every token."""
+  eps, clip = 0.2, 5.0
+  dense = [min(max(t - o, -clip), clip) + reward_weight * a for t, o, a in zip(TEACHER, OLD, ADV)]
+  fn = lambda lp: losses.get("opd").fn(lp, _batch(), reward_weight=reward_weight)[0]
+  expected = 0.0
+  for lp, old, a, m in zip(LOGP, OLD, dense, MASK):
+    ratio = math.exp(lp - old)
+    expected += m * -min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
+  weighted = fn(jnp.asarray([LOGP]))
+  assert float(weighted.count) == sum(MASK)
+  np.testing.assert_allclose(float(weighted.total), expected, rtol=1e-5)
+  grad = jax.grad(lambda lp: fn(lp).total / fn(lp).count)(jnp.asarray([OLD]))[0]
+  np.testing.assert_allclose(grad, [-m * a / sum(MASK) for m, a in zip(MASK, dense)], atol=1e-6)
+  with pytest.raises(ValueError, match="needs teacher log-probs"):
+    losses.get("opd").fn(jnp.asarray([LOGP]), _batch().replace(teacher_logp=None))
 
 
 def test_k15_gradient_is_minus_paper_eq3():
@@ -189,8 +211,16 @@ def test_train_step_is_invariant_to_micro_batching_and_packing(name, tiny_cfg, t
   logp = [rng.normal(-2, 0.5, len(c)).astype(np.float32) for c in completions]
   adv = rng.normal(size=8).tolist()
   keep = [True] * 7 + [False]
+  # Teacher scores for the distillation loss (ignored by the others), its top-2 term on.
+  fields = {"teacher_logp": [rng.normal(-2, 0.5, len(c)).astype(np.float32)
+                             for c in completions]}
+  hparams = {}
+  if losses.get(name).teacher:
+    fields["teacher_topk_ids"] = [rng.integers(3, 40, (len(c), 2)) for c in completions]
+    fields["teacher_topk_logp"] = [rng.normal(-2, 0.5, (len(c), 2)) for c in completions]
+    hparams = {"topk_coef": 0.5}
   optimizer = optax.sgd(0.1)
-  loss_fn = losses.bind(name)
+  loss_fn = losses.bind(name, hparams)
   results = []
   steps = {micro: make_train_step(tiny_cfg, optimizer, loss_fn, micro_batches=micro)
            for micro in (1, 4)}  # the permuted packing reuses the compiled micro=1 step
@@ -198,7 +228,8 @@ def test_train_step_is_invariant_to_micro_batching_and_packing(name, tiny_cfg, t
                                      (1, [5, 2, 7, 0, 3, 6, 1, 4], 4)):
     pick = lambda xs: [xs[i] for i in order]
     batch, _ = trajectory_batch(pick(prompts), pick(completions), pick(logp), pick(adv),
-                                pick(keep), seq_len=16, row_multiple=row_multiple)
+                                pick(keep), seq_len=16, row_multiple=row_multiple,
+                                completion_fields={k: pick(v) for k, v in fields.items()})
     step = steps[micro]
     state, metrics = step(init_train_state(tiny_params, optimizer),
                           jax.tree.map(jnp.asarray, batch), tiny_params)

@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
-from models import config
-from rl import ConfigError, loop, losses
+from models import config, transformer
+from rl import ConfigError, distill, loop, losses
 from rl.tasks.arithmetic import Arithmetic
+from rollouts.jax_engine import JaxEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,19 +22,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 @pytest.mark.parametrize("name", losses.rollout_losses())
 def test_three_quickstart_steps_with_every_rollout_loss(name, tmp_path):
+  # A distillation loss gets a teacher: a second tiny model (random weights) that scores.
+  teachers = None if not losses.get(name).teacher else lambda cfg: distill.Teachers(
+      {"other": JaxEngine(cfg, transformer.init_params(cfg, jax.random.PRNGKey(7)))},
+      {"*": "other"})
   summary = loop.train(
       str(tmp_path / name), task=Arithmetic(digits=1, num_train=200, num_test=20),
       model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
       loss=name, rl=loop.RLConfig(prompts_per_step=4, samples_per_prompt=4, minibatches=2,
                                   max_new_tokens=16, seq_len=32),
       num_steps=3, sft_steps=5, sft_batch_size=16, eval_records=16, checkpoint_every=3,
-      progress=False)
+      progress=False, teachers=teachers)
   assert summary["steps"] == 3
   records = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")][1:]
   assert [r["step"] for r in records] == [1, 2, 3]
   for r in records:
     for key in ("loss", "entropy", "ratio_mean", "kl_to_old", "logp_diff_max", "grad_norm"):
       assert key in r and r[key] == r[key], (key, r)  # present and not NaN
+    if teachers is not None:
+      assert r["teacher_share/other"] == 1.0 and r["student_teacher_kl"] == r["student_teacher_kl"]
 
 
 def test_an_aggregation_the_loss_cannot_take_stops_the_run_before_it_starts(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from models import config, transformer
-from rl import loop, losses, rewards, sampling, sft
+from rl import distill, loop, losses, rewards, sampling, sft
 from rl.checkpoint import Checkpointer
 from rl.tasks.arithmetic import Arithmetic
 from rl.packing import trajectory_batch
@@ -49,9 +49,23 @@ def digit_model(tokenizer):
   return cfg, params
 
 
-@pytest.mark.parametrize("name", losses.rollout_losses())
-def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer, digit_model):
+@pytest.fixture(scope="module")
+def seven_teacher(tokenizer, digit_model):
+  """For the distillation loss: a teacher SFT'd to always answer 7 (the rewarded digit)."""
   cfg, params = digit_model
+  sevens = PickADigit(10)
+  sevens.train = [{"digit": "7"}] * 10
+  params, _ = sft.warm_start(params, cfg, sevens, tokenizer, steps=40, batch_size=32,
+                             seq_len=16, progress=False)
+  return distill.Teachers({"seven": JaxEngine(cfg, params)}, {"*": "seven"})
+
+
+@pytest.mark.parametrize("name", losses.rollout_losses())
+def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer, digit_model, request):
+  """Every rollout loss learns to pick 7; the distillation loss (reward_weight 0: it never
+  sees the reward) by matching a teacher that picks 7."""
+  cfg, params = digit_model
+  teachers = request.getfixturevalue("seven_teacher") if losses.get(name).teacher else None
   optimizer = loop.rl_optimizer(2e-3)
   reward = rewards.named_chain({"correctness": rewards.correctness()})
   sampler = sampling.uniform()
@@ -63,7 +77,8 @@ def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer, digit_model
       advantage=losses.get(name).advantage, reward=reward, sampler=sampler,
       config=loop.RLConfig(prompts_per_step=1, samples_per_prompt=32, max_new_tokens=4,
                            seq_len=16),
-      ref_params=params)  # used by losses with a KL to the reference
+      ref_params=params,  # used by losses with a KL to the reference
+      teachers=teachers)
   history = [next(steps).metrics["reward"] for _ in range(60)]
   assert history[0] < 0.5
   assert max(history) == 1.0

@@ -15,6 +15,9 @@ TINY = os.path.join(ROOT, "experiments/configs/tiny.gin")
 CONTEXT_PARALLEL = os.path.join(ROOT, "experiments/configs/context_parallel.gin")
 SERVER = os.path.join(ROOT, "experiments/configs/quickstart_server.gin")
 PARTIAL = os.path.join(ROOT, "experiments/configs/partial_rollouts.gin")
+PARTIAL_LAMBDA = os.path.join(ROOT, "experiments/configs/partial_lambda.gin")
+EFFORT = os.path.join(ROOT, "experiments/configs/effort.gin")
+EFFORT_EVAL = os.path.join(ROOT, "experiments/configs/effort_eval.gin")
 
 
 def run(*args, env_extra=None):
@@ -41,6 +44,10 @@ def run(*args, env_extra=None):
     (["--gin", QUICKSTART, "--gin", PARTIAL], "an engine that can abort requests"),
     (["--gin", QUICKSTART, "--gin_param", "RLConfig.offpolicy_tokens = 'drop'"],
      "RLConfig.offpolicy_tokens='drop'"),
+    (["--gin", QUICKSTART, "--gin", SERVER, "--gin", PARTIAL_LAMBDA,
+      "--gin_param", "RLConfig.partial_lambda = 1.5"], "needs partial_lambda in (0, 1]"),
+    (["--gin", QUICKSTART, "--gin", SERVER, "--gin", PARTIAL_LAMBDA,
+      "--gin_param", "RLConfig.trust_region = (0.0, 1.0)"], "low < 0 < high"),
 ])
 def test_bad_configuration_fails_before_any_compile(tmp_path, args, message):
   run_dir = str(tmp_path / "run")
@@ -113,4 +120,38 @@ def test_partial_rollouts_through_a_server_process(tmp_path):
     # Trainer (at the step's start, for every minibatch) vs engine on the same tokens: fp32
     # rounding only. Trainer log-probs taken after a minibatch's update differed by ~1e-3.
     assert r["weight_sync_s"] > 0 and r["engine_logp_diff_max"] < 1e-5
+    assert {"partial_aborted", "replay_size", "stale_token_fraction"} <= set(r)
+
+
+@pytest.mark.slow
+def test_effort_recipe_trains_and_its_evaluation_sweeps_each_level(tmp_path):
+  run_dir, out = str(tmp_path / "run"), str(tmp_path / "eval")
+  small = ["--gin_param", "Arithmetic.filler = 2", "--gin_param", "RLConfig.seq_len = 64"]
+  result = run("--gin", EFFORT, "--gin", TINY, "--run_dir", run_dir, *small,
+               "--gin_param", "train.progress = False")
+  assert result.returncode == 0, result.stderr[-3000:]
+  result = subprocess.run(
+      [sys.executable, "experiments/eval.py", "--gin", EFFORT, "--gin", TINY, "--gin",
+       EFFORT_EVAL, *small, "--gin_param", f"evaluate.run_dir = '{run_dir}'", "--out", out,
+       "--gin_param", "evaluate.num_records = 4", "--gin_param", "SampledEval.samples = 2",
+       "--gin_param", "SampledEval.ks = (1, 2)", "--gin_param", "SampledEval.budgets = (8, 16)"],
+      capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "effort low: accuracy=" in result.stdout and "effort max: accuracy=" in result.stdout
+  report = json.load(open(os.path.join(out, "report.json")))
+  assert list(report["effort"]) == ["low", "high", "max"]
+  assert os.path.exists(os.path.join(out, "accuracy_vs_budget_by_effort.png"))
+
+@pytest.mark.slow
+def test_lambda_partial_rollouts_with_the_trust_region_through_a_server_process(tmp_path):
+  run_dir = str(tmp_path / "run")
+  result = run("--gin", QUICKSTART, "--gin", TINY, "--gin", SERVER, "--gin", PARTIAL_LAMBDA,
+               "--run_dir", run_dir, "--gin_param", "train.progress = False",
+               "--gin_param", "train.num_steps = 2")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
+  assert [r["step"] for r in records] == [1, 2]
+  for r in records:
+    assert r["engine_logp_diff_max"] < 1e-5  # as above: the window (-1, 1) masks nothing
+    assert r["trust_region_masked"] == 0.0
     assert {"partial_aborted", "replay_size", "stale_token_fraction"} <= set(r)

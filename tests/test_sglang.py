@@ -485,6 +485,113 @@ def test_offpolicy_tokens_masked_or_importance_weighted():
   np.testing.assert_array_equal(tis.advantages[untouched], batch.advantages[untouched])
 
 
+def test_lambda_partial_rollouts_pause_at_the_count_and_resume_intact(model, servers):
+  cfg, params, paths, root = model
+  urls, _ = servers
+  engine = SGLangEngine(SGLangClient(urls[:1]), cfg, weights_dir=root)  # one batch, in order
+  sampling = SamplingParams(120, temperature=1.0)  # no stop token: every sample runs 120
+  # N x K = 4 groups x 4 = 16. Groups 0 and 1 were resumed 3..10 tokens short of the limit,
+  # so they finish one after another while groups 2 and 3 are still young.
+  trajectories = [t for g in range(4) for t in partial.new_group(g, 10 + g, PROMPTS[g % 3], 4)]
+  for i, t in enumerate(trajectories[:8]):
+    n = 120 - 3 - i
+    t.token_ids, t.logprobs = np.full(n, 9, np.int32), np.full(n, -0.5, np.float32)
+    t.versions = np.zeros(n, np.int32)
+  result = partial.run_iteration(engine, trajectories, sampling, finish_fraction=0.5, seed=0)
+  # lambda = 0.5: paused once 8 of the 16 had finished; the other 8 were aborted.
+  assert (result["finished"], result["aborted"]) == (8, 8)
+  assert all(t.finished for t in trajectories[:8])
+  young = trajectories[8:]
+  assert not any(t.finished for t in young)
+  assert all(len(t.token_ids) < 120 for t in young) and any(len(t.token_ids) for t in young)
+  done, rest = partial.complete_groups(trajectories)
+  assert [g[0].group for g in done] == [0, 1] and rest == young
+  kept = {(t.group, t.sample): (t.token_ids.copy(), t.logprobs.copy(), t.versions.copy())
+          for t in rest}
+  # Into the replay buffer (as the loop stores it) and out at the next iteration.
+  buffer = partial.ReplayBuffer.empty(16, 16, 120).store(rest)
+  resumed = buffer.trajectories()
+  assert [(t.group, t.sample, t.record) for t in resumed] == [(t.group, t.sample, t.record)
+                                                               for t in rest]
+  for t in resumed:
+    for got, want in zip((t.token_ids, t.logprobs, t.versions), kept[(t.group, t.sample)]):
+      np.testing.assert_array_equal(got, want)
+  engine.client.sync_weights(paths[1], 1)
+  try:
+    result = partial.run_iteration(engine, resumed, sampling, finish_fraction=1.0, seed=1)
+    assert result["finished"] == 8 and all(t.finished for t in resumed)
+    for t in resumed:
+      tokens, logprobs, versions = kept[(t.group, t.sample)]
+      n = len(tokens)
+      assert len(t.token_ids) == len(t.logprobs) == len(t.versions) == 120
+      np.testing.assert_array_equal(t.token_ids[:n], tokens)
+      np.testing.assert_array_equal(t.logprobs[:n], logprobs)
+      assert t.versions[:n].tolist() == versions.tolist() == [0] * n
+      assert t.versions[n:].tolist() == [1] * (120 - n)  # the rest by the new weights
+  finally:
+    engine.client.sync_weights(paths[0], 0)
+
+
+def test_lambda_finish_target_and_run_iteration_arguments():
+  assert [partial.finish_target(n, lam) for n, lam in
+          [(16, 0.5), (10, 0.3), (3, 0.5), (5, 0.01), (16, 1.0), (7, 0.7)]] == [8, 3, 2, 1, 16, 5]
+  for kwargs in ({}, {"token_budget": 8, "finish_fraction": 0.5}, {"finish_fraction": 1.5}):
+    with pytest.raises(ValueError, match="give token_budget > 0 .* or finish_fraction in"):
+      partial.run_iteration(None, [], greedy(4), seed=0, **kwargs)
+
+
+def test_trust_region_masks_exactly_the_tokens_outside_the_window():
+  batch, _ = trajectory_batch([[1, 2], [1]], [[5, 6, 7, 8], [5, 6]],
+                              [np.log([0.5] * 4), np.log([0.25] * 2)], [2.0, -1.0],
+                              [np.array([True] * 4), np.array([True, True])], 16)
+  inside = batch.loss_mask > 0
+  assert inside.sum() == 6
+  # trainer - engine log-ratio per loss token, in order: window (-1, 1).
+  ratio = np.array([-1.5, -0.999, 0.3, 1.001, 0.999, -2.0], np.float32)
+  trainer = np.array(batch.old_logp, np.float32)
+  trainer[inside] += ratio
+  out, (mean, worst, masked) = loop.trust_region(batch, trainer, (-1.0, 1.0))
+  expect = np.array(batch.loss_mask)
+  expect[inside] = [0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+  np.testing.assert_array_equal(out.loss_mask, expect)
+  np.testing.assert_array_equal(out.old_logp, batch.old_logp)  # "keep" for the rest
+  np.testing.assert_array_equal(out.advantages, batch.advantages)
+  assert masked == pytest.approx(3 / 6)
+  np.testing.assert_allclose([mean, worst], [np.abs(ratio).mean(), 2.0], rtol=1e-5)
+  # A window holding every ratio masks nothing.
+  out, (_, _, masked) = loop.trust_region(batch, trainer, (-3.0, 3.0))
+  assert masked == 0.0
+  np.testing.assert_array_equal(out.loss_mask, batch.loss_mask)
+
+
+def test_partial_and_offpolicy_bindings_that_cannot_run_fail_before_compiling(tmp_path):
+  from rl import ConfigError
+  for kwargs, message in [
+      ({"partial_mode": "lambda"}, r"partial_mode='lambda' needs partial_lambda in \(0, 1\]"),
+      ({"partial_mode": "lambda", "partial_lambda": 1.5}, r"partial_lambda in \(0, 1\]"),
+      ({"partial_mode": "fraction"}, "partial_mode='fraction'; valid: 'tokens'"),
+      ({}, "partial_mode='tokens' needs rollout_token_budget > 0"),
+      ({"offpolicy_tokens": "trust_region", "trust_region": (0.5, 1.0)}, "low < 0 < high"),
+      ({"offpolicy_tokens": "drop"}, "valid: 'keep', 'mask', 'tis', 'trust_region'")]:
+    with pytest.raises(ConfigError, match=message):
+      loop.check_offpolicy_and_partial(loop.RLConfig(partial_rollouts=True, **kwargs),
+                                       has_abort_engine=True)
+  with pytest.raises(ConfigError, match="needs an engine that can abort"):
+    loop.check_offpolicy_and_partial(
+        loop.RLConfig(partial_rollouts=True, partial_mode="lambda", partial_lambda=0.5),
+        has_abort_engine=False)
+  loop.check_offpolicy_and_partial(  # fine: lambda mode needs no token budget
+      loop.RLConfig(partial_rollouts=True, partial_mode="lambda", partial_lambda=0.5,
+                    offpolicy_tokens="trust_region"), has_abort_engine=True)
+  # Through train: before the run directory exists, let alone a compile.
+  from rl.tasks.arithmetic import Arithmetic
+  with pytest.raises(ConfigError, match="partial_lambda in"):
+    loop.train(str(tmp_path / "run"), task=Arithmetic(), model=config.tiny,
+               rl=loop.RLConfig(partial_rollouts=True, partial_mode="lambda",
+                                partial_lambda=0.0), progress=False)
+  assert not (tmp_path / "run").exists()
+
+
 def test_server_from_a_gin_file(tmp_path):
   config_file = tmp_path / "server.gin"
   config_file.write_text("load_model.model = @tiny\ntiny.hidden_size = 32\n"
