@@ -25,6 +25,7 @@ from rl.tasks import agentic
 from rl.tasks import arithmetic
 from rl.tasks import code as code_task
 from rl.tasks import math as math_task
+from rl.tasks import mixture
 from rollouts import server
 from rollouts import sglang
 
@@ -38,8 +39,8 @@ remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts
 _REGISTERED = {
     "rl": [loop.RLConfig, eval_lib.SampledEval, distill.from_checkpoints],
     "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer, sharding.make_mesh],
-    "tasks": [arithmetic.Arithmetic, math_task.MathTask, code_task.CodeTask, effort.EffortTask,
-              agentic.ToolArithmetic],
+    "tasks": [arithmetic.Arithmetic, mixture.Mixture, math_task.MathTask, code_task.CodeTask,
+              effort.EffortTask, agentic.ToolArithmetic],
     "envs": list(envs.ENVIRONMENTS.values()),  # every registered environment
     "effort": [effort.level_ids],
     "rewards": [rewards.correctness, rewards.format_reward, rewards.named_chain,

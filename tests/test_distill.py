@@ -173,3 +173,22 @@ def test_top_k_teacher_scores_and_the_students_top_k_term(tiny_cfg, tiny_params)
                              rtol=1e-4)
   with pytest.raises(ConfigError, match="cannot give top-k"):
     distill.Teachers({"t": _Recorder(0.0, 0)}, {"*": "t"}, top_k=2)
+
+
+def test_a_mixture_tags_each_record_with_its_domain_and_dispatches_to_its_task():
+  from rl.tasks.arithmetic import Arithmetic
+  from rl.tasks.mixture import Mixture
+  two, three = Arithmetic(operands=2, num_train=10, num_test=4), Arithmetic(operands=3,
+                                                                           num_train=6)
+  mixture = Mixture({"add2": two, "add3": three})
+  assert len(mixture.train) == 12 and len(mixture.test) == 8
+  records = [mixture.train[i] for i in range(4)]
+  assert [r["domain"] for r in records] == ["add2", "add3", "add2", "add3"]
+  assert records[1] == {**three.train[0], "domain": "add3"}
+  assert records[1]["question"].count("+") == 2
+  for r in records:
+    assert mixture.prompt(r) == r["question"] + "="
+    assert mixture.verify(f"#{r['answer']}", r) and not mixture.verify("#0", r)
+  assert [r["domain"] for r in (mixture.only("add3").test[i] for i in range(2))] == ["add3"] * 2
+  with pytest.raises(ValueError, match="no domain 'add4'"):
+    mixture.only("add4")
