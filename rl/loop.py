@@ -587,6 +587,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if init_from and not os.path.isdir(os.path.join(init_from, "checkpoints")):
     raise ConfigError(f"train.init_from={init_from!r}: no checkpoints/ directory there")
 
+  # Teachers load before the warm start: a wrong path or shape fails before anything trains.
+  teacher_table = None if teachers is None else teachers(cfg)
+
   mesh_shape = "one device" if mesh is None else dict(mesh.shape)
   print(f"train step: mesh {mesh_shape}, attention {kernel}")
   os.makedirs(run_dir, exist_ok=True)
@@ -682,7 +685,6 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   train_step = sharding.on_mesh(
       mesh, make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches,
                             state_shardings=state_shardings, donate_state=True))
-  teacher_table = None if teachers is None else teachers(cfg)
   steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
                    advantage=advantage, reward=reward, sampler=sampler,
                    config=rl, ref_params=ref_params, reference_logprobs=reference_logprobs,

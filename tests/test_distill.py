@@ -192,3 +192,21 @@ def test_a_mixture_tags_each_record_with_its_domain_and_dispatches_to_its_task()
   assert [r["domain"] for r in (mixture.only("add3").test[i] for i in range(2))] == ["add3"] * 2
   with pytest.raises(ValueError, match="no domain 'add4'"):
     mixture.only("add4")
+
+
+def test_a_wrong_teacher_stops_the_run_before_it_starts(tmp_path):
+  import os
+
+  from models import config
+  from rl import loop
+  from rl.tasks.arithmetic import Arithmetic
+  teachers = lambda cfg: distill.from_checkpoints(cfg, paths={"t": str(tmp_path / "nowhere")},
+                                                  routes={"*": "t"})
+  with pytest.raises(ConfigError, match="nowhere.*neither a longrl run"):
+    loop.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=64, num_test=4),
+               model=config.tiny, loss="opd", teachers=teachers, eval_records=4,
+               progress=False)
+  with pytest.raises(ConfigError, match="loss 'opd' reads teacher log-probs"):
+    loop.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=64, num_test=4),
+               model=config.tiny, loss="opd", eval_records=4, progress=False)
+  assert not os.path.exists(tmp_path / "run")
