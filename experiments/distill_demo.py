@@ -12,7 +12,7 @@ from that warm start on its domain alone; then from the same warm start
   tokens as the student generated.
 Held-out greedy accuracy per domain (256 problems each) for every model, and the student's
 over distillation steps, go to DOCS/results.json and DOCS/plot.png. Runs resume: a finished
-stage is read back from OUT_DIR.
+stage is read back from OUT_DIR, the student's curve from OUT_DIR/student/curve.json.
 """
 
 import argparse
@@ -53,7 +53,7 @@ def model(vocab: int):
 
 def run(run_dir: str, **kwargs) -> dict:
   summary = os.path.join(run_dir, "summary.json")
-  if os.path.exists(summary) and json.load(open(summary)).get("steps") == kwargs["num_steps"]:
+  if os.path.exists(summary) and json.load(open(summary)).get("steps", -1) >= kwargs["num_steps"]:
     return json.load(open(summary))
   return loop.train(run_dir, model=model, rl=RL, eval_records=EVAL_RECORDS, eval_every=0,
                     checkpoint_every=10, sft_steps=600, sft_batch_size=64, progress=False,
@@ -109,12 +109,26 @@ def main(argv=None):
         num_steps=args.expert_steps)
   teachers = lambda c: distill.from_checkpoints(
       c, paths={n: out(f"expert_{n}") for n in DOMAINS}, routes={n: n for n in DOMAINS})
-  curve = {0: per_domain(load("sft"), cfg, tokenizer, task)}
+  # The curve is kept in OUT_DIR: a finished student's earlier steps cannot be evaluated again
+  # (only its last checkpoints are kept), so a rerun reads them back instead.
+  curve_path = os.path.join(out("student"), "curve.json")
+  saved = ({int(k): v for k, v in json.load(open(curve_path)).items()}
+           if os.path.exists(curve_path) else {})
+  curve = {0: saved.get(0) or per_domain(load("sft"), cfg, tokenizer, task)}
   for steps in range(args.chunk, args.student_steps + 1, args.chunk):
-    run(out("student"), task=task, init_from=out("sft"), loss="opd", teachers=teachers,
-        num_steps=steps)
+    if steps in saved:
+      curve[steps] = saved[steps]
+      continue
+    summary = run(out("student"), task=task, init_from=out("sft"), loss="opd",
+                  teachers=teachers, num_steps=steps)
+    if summary["steps"] != steps:
+      print(f"student is at step {summary['steps']}, not {steps}, and {curve_path} has no "
+            f"evaluation of step {steps}: that point is left out")
+      continue
     curve[steps] = per_domain(load("student"), cfg, tokenizer, task)
     print(f"student at step {steps}: {curve[steps]}")
+    with open(curve_path, "w") as f:
+      json.dump({str(k): v for k, v in sorted(curve.items())}, f, indent=1)
   records = [json.loads(line) for line in open(os.path.join(out("student"), "metrics.jsonl"))]
   student_tokens = int(sum(r["completion_length"] * RL.prompts_per_step * RL.samples_per_prompt
                            for r in records if r.get("step", 0) > 0))
