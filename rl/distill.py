@@ -100,11 +100,12 @@ def teacher_logprobs(teachers: Teachers, records: Sequence[Mapping[str, Any]],
     index = [i for i, n in enumerate(names) if n == name]
     engine = teachers.engines[name]
     asked = ([prompts[i] for i in index], [completions[i].token_ids for i in index])
-    for i, s in zip(index, engine.score(*asked)):
-      scores[i] = np.asarray(s, np.float32)
-    if teachers.top_k:
-      for i, top in zip(index, engine.score_top_k(*asked, teachers.top_k)):
-        tops[i] = top
+    if teachers.top_k:  # one prefill for both
+      for i, (s, ids, top_logp) in zip(index, engine.score_top_k(*asked, teachers.top_k)):
+        scores[i], tops[i] = np.asarray(s, np.float32), (ids, top_logp)
+    else:
+      for i, s in zip(index, engine.score(*asked)):
+        scores[i] = np.asarray(s, np.float32)
     metrics[f"teacher_version/{name}"] = float(engine.version)
     metrics[f"teacher_share/{name}"] = len(index) / len(records)
   gaps = [c.logprobs - s for c, s in zip(completions, scores) if len(s)]

@@ -163,12 +163,6 @@ def write_level_plot(by_level: dict[str, dict], out_dir: str, *, title: str = ""
     budgets = [int(b) for b in keys]
     ax.plot(budgets, [report["budgets"][b]["accuracy"] for b in keys], marker="o",
             label=f"{level} (mean {mean_length(report):.1f} tokens)")
-  ax.set(xlabel="token budget", ylabel="accuracy", ylim=(-0.02, 1.02),
-         title=title or "accuracy vs budget per effort level")
-  if len(budgets) > 1 and budgets[-1] / budgets[0] >= 8:
-    ax.set_xscale("log", base=2)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  eval_lib.save_budget_plot(fig, ax, budgets, title or "accuracy vs budget per effort level",
+                            path)
   return path

@@ -196,14 +196,7 @@ def write_report(report: dict[str, Any], out_dir: str, *, title: str = "") -> li
   fig, ax = plt.subplots(figsize=(6, 4))
   for metric in ("mean@1", f"pass@{ks[-1]}", f"maj@{ks[-1]}"):
     ax.plot(budgets, [report["budgets"][b][metric] for b in budgets], marker="o", label=metric)
-  ax.set(xlabel="token budget", ylabel="accuracy", ylim=(-0.02, 1.02),
-         title=title or "accuracy vs budget")
-  if len(budgets) > 1 and budgets[-1] / budgets[0] >= 8:
-    ax.set_xscale("log", base=2)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(paths[1], dpi=100)
-  plt.close(fig)
+  save_budget_plot(fig, ax, budgets, title or "accuracy vs budget", paths[1])
 
   fig, ax = plt.subplots(figsize=(6, 4))
   lengths = report["lengths"]
@@ -228,6 +221,18 @@ def write_report(report: dict[str, Any], out_dir: str, *, title: str = "") -> li
   fig.savefig(paths[3], dpi=100)
   plt.close(fig)
   return paths
+
+
+def save_budget_plot(fig, ax, budgets: Sequence[int], title: str, path: str) -> None:
+  """Finish an accuracy-vs-token-budget figure (log2 budgets when they span 8x) and save it."""
+  import matplotlib.pyplot as plt
+  ax.set(xlabel="token budget", ylabel="accuracy", ylim=(-0.02, 1.02), title=title)
+  if len(budgets) > 1 and budgets[-1] / budgets[0] >= 8:
+    ax.set_xscale("log", base=2)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 def evaluate_checkpoint(out_dir: str, *, task, spec: SampledEval = SampledEval(),

@@ -102,10 +102,12 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
   return tokens, logp, lengths, stopped
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def sequence_logprobs(params, tokens, lengths, *, cfg: ModelConfig):
-  """log p(tokens[b, t] | tokens[b, :t]) of right-padded sequences (a prefill, nothing
-  generated): f32[batch, seq], 0 at t = 0 and past each row's length.
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def sequence_scores(params, tokens, lengths, *, cfg: ModelConfig, k: int = 0):
+  """One prefill of right-padded sequences, nothing generated: log p(tokens[b, t] |
+  tokens[b, :t]) f32[batch, seq] and, with k > 0, the k most likely tokens at each position
+  and their log-probs, i32 / f32[batch, seq, k] (else None). Zeros at t = 0 and past each
+  row's length.
 
   tokens: i32[batch, seq]; lengths: i32[batch] (>= 1).
   """
@@ -113,26 +115,18 @@ def sequence_logprobs(params, tokens, lengths, *, cfg: ModelConfig):
   real = jnp.arange(seq)[None, :] < lengths[:, None]
   positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
   hidden = transformer.forward(params, cfg, tokens, positions, real.astype(jnp.int32))
+  unembed = transformer.output_projection(params, cfg)
   following = jnp.roll(tokens, -1, axis=1)  # the token each position predicts
-  logp, _ = logprobs_lib.token_logprobs(hidden, transformer.output_projection(params, cfg),
-                                        following)
-  logp = jnp.concatenate([jnp.zeros((batch, 1), logp.dtype), logp[:, :-1]], axis=1)
-  return jnp.where(real & (jnp.arange(seq)[None, :] > 0), logp, 0.0)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "k"))
-def sequence_top_k(params, tokens, lengths, *, cfg: ModelConfig, k: int):
-  """The k most likely tokens at each position of right-padded sequences and their
-  log-probs, as predicted from the tokens before it: (i32[batch, seq, k], f32[batch, seq,
-  k]); zeros at t = 0 and past each row's length."""
-  batch, seq = tokens.shape
-  real = jnp.arange(seq)[None, :] < lengths[:, None]
-  positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-  hidden = transformer.forward(params, cfg, tokens, positions, real.astype(jnp.int32))
-  ids, logp = logprobs_lib.top_k(hidden, transformer.output_projection(params, cfg), k)
+  logp, _ = logprobs_lib.token_logprobs(hidden, unembed, following)
+  # Position t-1 predicts token t: shift right by one.
   shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
-  keep = (real & (jnp.arange(seq)[None, :] > 0))[..., None]
-  return jnp.where(keep, shift(ids), 0), jnp.where(keep, shift(logp), 0.0)
+  keep = real & (jnp.arange(seq)[None, :] > 0)
+  logp = jnp.where(keep, shift(logp), 0.0)
+  if not k:
+    return logp, None, None
+  ids, top_logp = logprobs_lib.top_k(hidden, unembed, k)
+  return (logp, jnp.where(keep[..., None], shift(ids), 0),
+          jnp.where(keep[..., None], shift(top_logp), 0.0))
 
 
 def _padded(sequences, pad_id: int, min_batch: int, min_len: int):
@@ -158,7 +152,7 @@ def score_continuations(params, cfg: ModelConfig, prompts: Sequence[Sequence[int
   if not sequences:
     return []
   tokens, lengths = _padded(sequences, pad_id, min_batch, min_len)
-  logp = jax.device_get(sequence_logprobs(params, tokens, lengths, cfg=cfg))
+  logp = jax.device_get(sequence_scores(params, tokens, lengths, cfg=cfg)[0])
   return [logp[row, len(p):len(p) + len(c)].copy()
           for row, (p, c) in enumerate(zip(prompts, continuations))]
 
@@ -200,17 +194,19 @@ class JaxEngine:
 
   def score_top_k(self, prompts: Sequence[Sequence[int]],
                   continuations: Sequence[Sequence[int]], k: int
-                  ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Top-k distillation's teacher side: for each continuation token, the k tokens this
-    model finds most likely in its place and their log-probs, (i32[n, k], f32[n, k])."""
+                  ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Teacher scoring with top-k distillation's teacher side, in one prefill: for each
+    continuation, its tokens' log-probs f32[n] (as `score`) and, for each token, the k tokens
+    this model finds most likely in its place and their log-probs, i32[n, k] and f32[n, k]."""
     sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
     if not sequences:
       return []
     tokens, lengths = _padded(sequences, self._pad_id, self._min_batch, self._min_prompt_len)
-    ids, logp = jax.device_get(sequence_top_k(self._params, tokens, lengths, cfg=self._cfg,
-                                              k=k))
+    logp, ids, top_logp = jax.device_get(sequence_scores(self._params, tokens, lengths,
+                                                         cfg=self._cfg, k=k))
     spans = [slice(len(p), len(p) + len(c)) for p, c in zip(prompts, continuations)]
-    return [(ids[row, span].copy(), logp[row, span].copy()) for row, span in enumerate(spans)]
+    return [(logp[row, span].copy(), ids[row, span].copy(), top_logp[row, span].copy())
+            for row, span in enumerate(spans)]
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int, affinity: Sequence[int] | None = None) -> list[Completion]:

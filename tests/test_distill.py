@@ -138,7 +138,7 @@ def test_top_k_teacher_scores_and_the_students_top_k_term(tiny_cfg, tiny_params)
   prompts, continuations = _pairs(tiny_cfg.vocab_size)
   teacher_params = transformer.init_params(tiny_cfg, jax.random.PRNGKey(5))
   top = JaxEngine(tiny_cfg, teacher_params).score_top_k(prompts, continuations, 3)
-  for (ids, logp), p, c in zip(top, prompts, continuations):
+  for (_, ids, logp), p, c in zip(top, prompts, continuations):
     full = list(p) + list(c)
     hidden = transformer.forward(teacher_params, tiny_cfg, jnp.asarray([full]),
                                  jnp.arange(len(full))[None], jnp.ones((1, len(full)), int))
@@ -150,12 +150,14 @@ def test_top_k_teacher_scores_and_the_students_top_k_term(tiny_cfg, tiny_params)
     np.testing.assert_allclose(logp, np.take_along_axis(want, ids, -1), atol=1e-5)
 
   scores = JaxEngine(tiny_cfg, teacher_params).score(prompts, continuations)
+  for (from_top, _, _), s in zip(top, scores):
+    np.testing.assert_allclose(from_top, s, atol=1e-6)  # the same prefill
   batch, _ = trajectory_batch(prompts, continuations,
                               _trainer_logprobs(tiny_params, tiny_cfg, prompts, continuations),
                               [0.0] * 4, [True] * 4, 64, completion_fields={
                                   "teacher_logp": scores,
-                                  "teacher_topk_ids": [ids for ids, _ in top],
-                                  "teacher_topk_logp": [logp for _, logp in top]})
+                                  "teacher_topk_ids": [ids for _, ids, _ in top],
+                                  "teacher_topk_logp": [logp for _, _, logp in top]})
   batch = jax.tree.map(jnp.asarray, batch)
   optimizer = optax.sgd(0.0)
   step = make_train_step(tiny_cfg, optimizer, losses.bind("opd", {"topk_coef": 1.0}))
