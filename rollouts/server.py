@@ -12,8 +12,12 @@ client (rollouts/sglang.py) run for real in CI, where SGLang itself cannot.
 Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabulary
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
 
-  python -m rollouts.server --gin FILE [--gin_param B] [--host 127.0.0.1] [--port 0]
+  python -m rollouts.server --hf_checkpoint DIR [--host 127.0.0.1] [--port 0]
                            [--max_batch 64] [--warmup_len TOKENS]
+  python -m experiments.serve --gin FILE [--gin_param B] [the options above]
+
+(the second serves a model bound in gin, e.g. `load_model.model = @tiny`: gin is the entry
+point's business, and this module imports nothing above rollouts/)
 
 prints "listening on http://HOST:PORT" once it serves. Batch shapes (rows, prompt width, cache
 length) come from short ladders so that a server compiles few; --warmup_len compiles all of
@@ -785,13 +789,12 @@ def load_model(*, model=None, hf_checkpoint: str | None = None, seed: int = 0
   return cfg, transformer.init_params(cfg, jax.random.PRNGKey(seed)), ""
 
 
-def main(argv=None):
+def main(argv=None, *, load=None):
+  """Serve until interrupted. `load() -> (cfg, params, model_path)` gives the model when the
+  caller built it (experiments/serve.py: from gin); else --hf_checkpoint does."""
   parser = argparse.ArgumentParser(description="Serve the embedded JAX engine over SGLang's "
                                    "HTTP protocol.")
   parser.add_argument("--hf_checkpoint", help="a Hugging Face checkpoint directory to serve")
-  parser.add_argument("--gin", action="append", default=[], metavar="FILE",
-                      help="gin files binding load_model (e.g. load_model.model = @tiny)")
-  parser.add_argument("--gin_param", action="append", default=[], metavar="BINDING")
   parser.add_argument("--host", default="127.0.0.1")
   parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
   parser.add_argument("--weight_version", default="default")
@@ -813,14 +816,11 @@ def main(argv=None):
     threading.Thread(target=watch, daemon=True).start()
   if args.hf_checkpoint:
     cfg, params, path = load_model(hf_checkpoint=args.hf_checkpoint)
-  elif args.gin:
-    import gin  # the entry point's business; the library does not import gin
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from experiments import gin_externals
-    gin.parse_config_files_and_bindings(args.gin, args.gin_param)
-    cfg, params, path = gin_externals.load_model()
+  elif load is not None:
+    cfg, params, path = load()
   else:
-    parser.error("give --hf_checkpoint DIR or --gin FILE")
+    parser.error("give --hf_checkpoint DIR (a model bound in gin: python -m experiments.serve "
+                 "--gin FILE)")
   # The scheduler thread holds the GIL between decode steps; hand it over sooner so that the
   # HTTP threads answer finished and aborted requests within a step or two, not ~5 ms each.
   sys.setswitchinterval(0.0005)
@@ -835,12 +835,12 @@ def main(argv=None):
     pass
 
 
-def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None
-           ) -> tuple[subprocess.Popen, str]:
-  """Start `python -m rollouts.server ARGS` and return (process, base URL) once /health
-  answers; the server's stderr goes to ours."""
+def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,
+           module: str = "rollouts.server") -> tuple[subprocess.Popen, str]:
+  """Start `python -m MODULE ARGS` (this server, or experiments.serve for a gin-bound model)
+  and return (process, base URL) once it accepts connections; its stderr goes to ours."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  process = subprocess.Popen([sys.executable, "-m", "rollouts.server", *args,
+  process = subprocess.Popen([sys.executable, "-m", module, *args,
                               "--exit_with_parent"], cwd=root, stdout=subprocess.PIPE,
                              text=True, env=env)
   deadline = time.monotonic() + timeout

@@ -596,7 +596,8 @@ def test_server_from_a_gin_file(tmp_path):
   config_file = tmp_path / "server.gin"
   config_file.write_text("load_model.model = @tiny\ntiny.hidden_size = 32\n"
                          "tiny.intermediate_size = 64\nload_model.seed = 3\n")
-  process, url = launch(["--gin", str(config_file), "--weight_version", "5"])
+  process, url = launch(["--gin", str(config_file), "--weight_version", "5"],
+                        module="experiments.serve")
   try:
     client = SGLangClient([url])
     client.check_health()
