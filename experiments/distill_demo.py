@@ -62,9 +62,9 @@ def run(run_dir: str, **kwargs) -> dict:
 
 def per_domain(params, cfg, tokenizer, task: Mixture) -> dict[str, float]:
   engine = JaxEngine(cfg, params)
-  return {name: eval_lib.greedy_accuracy(engine, task.only(name), tokenizer,
-                                         num_records=EVAL_RECORDS,
-                                         max_new_tokens=RL.max_new_tokens)[0]
+  return {name: eval_lib.greedy_eval(engine, task.only(name), tokenizer,
+                                     num_records=EVAL_RECORDS,
+                                     max_new_tokens=RL.max_new_tokens)["accuracy"]
           for name in task.tasks}
 
 

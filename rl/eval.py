@@ -1,7 +1,7 @@
 """Evaluation of a policy on a task's records.
 
 Owns generate-then-verify over a list of records (shared with the loop's rollouts) and
-held-out greedy accuracy. A completion counts as correct only if it finished on a stop
+held-out greedy evaluation. A completion counts as correct only if it finished on a stop
 token and the task's verifier accepts it: a truncated answer never scores. For an agentic
 task the completions are multi-turn episodes (rl/envs), verified on the episode's whole text;
 their lengths, and so the token budgets of `sampled_eval`, count the policy's tokens.
@@ -74,22 +74,29 @@ def score(task, tokenizer, records: Sequence[dict], prompts: Sequence[Sequence[i
                 truncated, well_formed, list(records))
 
 
-def greedy_accuracy(engine: RolloutEngine, task, tokenizer, *, num_records: int,
-                    max_new_tokens: int, split: str = "test", batch_size: int = 512):
-  """(accuracy, mean completion length) over the first `num_records` of `split`, greedy."""
+def greedy_eval(engine: RolloutEngine, task, tokenizer, *, num_records: int,
+                max_new_tokens: int, split: str = "test", batch_size: int = 512
+                ) -> dict[str, float]:
+  """Greedy decoding over the first `num_records` of `split`: {"accuracy", "length" (the mean
+  of the policy's tokens)}, and for an agentic task the episode metrics without their
+  "episode_" prefix (rl.envs.episode_metrics: turns, tool_calls, tool_calls_rate, ...)."""
   source = getattr(task, split)
   if num_records > len(source):
-    raise ValueError(f"greedy_accuracy: {num_records} records asked, the {split} split has "
+    raise ValueError(f"greedy_eval: {num_records} records asked, the {split} split has "
                      f"{len(source)}")
   sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=(tokenizer.eos_id,))
-  correct, lengths = [], []
+  correct, lengths, completions = [], [], []
   for start in range(0, num_records, batch_size):
     records = [source[i] for i in range(start, min(start + batch_size, num_records))]
     scored = generate_and_verify(engine, task, tokenizer, records, sampling)
     correct.append(scored.correct)
     lengths.append(scored.lengths)
-  return float(np.concatenate(correct).mean()), float(np.concatenate(lengths).mean())
+    completions += scored.completions
+  return {"accuracy": float(np.concatenate(correct).mean()),
+          "length": float(np.concatenate(lengths).mean()),
+          **{key.removeprefix("episode_"): value
+             for key, value in envs.episode_metrics(completions).items()}}
 
 
 # --------------------------------------------------------------------------- sampled evaluation

@@ -177,11 +177,11 @@ def evaluate(params, cfg: ModelConfig, task, tokenizer, *, num_records: int,
   at temperature 1). Greedy length shows only the most likely length; the sampled mean is
   the length the policy spends on average (the one long2short is about)."""
   engine = JaxEngine(cfg, params)
-  greedy_accuracy, greedy_length = eval_lib.greedy_accuracy(
-      engine, task, tokenizer, num_records=num_records, max_new_tokens=max_new_tokens)
+  greedy = eval_lib.greedy_eval(engine, task, tokenizer, num_records=num_records,
+                                max_new_tokens=max_new_tokens)
   scored = sample(engine, task, tokenizer, [task.test[i] for i in range(num_records)],
                   samples=samples, max_new_tokens=max_new_tokens, seed=seed)
-  return {"accuracy": greedy_accuracy, "length": greedy_length,
+  return {"accuracy": greedy["accuracy"], "length": greedy["length"],
           "sampled_accuracy": float(scored.correct.mean()),
           "sampled_length": float(scored.lengths.mean())}
 

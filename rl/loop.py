@@ -60,7 +60,8 @@ class LoopState:
   prompt_stats: sampling_lib.PromptStats
   sampler_state: Any
   reward_state: Any
-  replay: partial.ReplayBuffer  # partial rollouts' unfinished groups (empty when off)
+  # Partial rollouts' unfinished groups (empty when off); an agentic task's are episodes.
+  replay: partial.ReplayBuffer | envs.EpisodeBuffer
   next_group: jax.Array  # i32[] ids for new groups of partial rollouts
 
 
@@ -86,7 +87,8 @@ class RLConfig:
   row_multiple: int = 8  # rows are padded to a multiple of this (fewer recompiles)
   micro_batches: int = 1
   # Partial rollouts (rollouts/partial.py; needs an engine that can abort, i.e. SGLang
-  # servers): with partial_mode "tokens" (Kimi k1.5) an iteration ends once the completions
+  # servers, except for an agentic task's episodes, which pause between the driver's waves on
+  # any engine and wait in rl.envs.EpisodeBuffer): with partial_mode "tokens" (Kimi k1.5) an iteration ends once the completions
   # received hold rollout_token_budget tokens; with "lambda" (Kimi K3) once
   # ceil(partial_lambda * n) of its n trajectories have finished. The unfinished wait in a
   # replay buffer of replay_capacity trajectories (0: 4 steps' worth) and resume later.
@@ -118,13 +120,15 @@ class StepRecord:
 
 
 def init_loop_state(params, optimizer, *, num_prompts: int, sampler, reward, seed: int,
-                    config: Optional["RLConfig"] = None) -> LoopState:
+                    config: Optional["RLConfig"] = None, episodes: bool = False) -> LoopState:
+  """The state before the first RL step. `episodes`: the task is agentic, so partial
+  rollouts buffer multi-turn episodes (rl.envs.EpisodeBuffer: a packed row's worth each)."""
   config = config or RLConfig()
   replay = partial.ReplayBuffer.empty(1, 1, 1)  # orbax cannot save zero-size arrays
   if config.partial_rollouts:
-    replay = partial.ReplayBuffer.empty(
-        config.replay_capacity or 4 * config.prompts_per_step * config.samples_per_prompt,
-        config.seq_len, config.max_new_tokens)
+    capacity = config.replay_capacity or 4 * config.prompts_per_step * config.samples_per_prompt
+    replay = (envs.EpisodeBuffer.empty(capacity, config.seq_len, config.seq_len) if episodes
+              else partial.ReplayBuffer.empty(capacity, config.seq_len, config.max_new_tokens))
   return LoopState(jnp.zeros((), jnp.int32), init_train_state(params, optimizer),
                    jax.random.PRNGKey(seed),
                    sampling_lib.PromptStats.create(num_prompts), sampler.init(num_prompts),
@@ -167,10 +171,6 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   if config.offpolicy_tokens in ("tis", "trust_region") and trainer_logprobs is None:
     raise ValueError(f"RLConfig.offpolicy_tokens={config.offpolicy_tokens!r} needs "
                      "trainer_logprobs")
-  if config.partial_rollouts and getattr(task, "environment", None) is not None:
-    raise ValueError("RLConfig.partial_rollouts does not take multi-turn episodes yet: the "
-                     "replay buffer holds single-turn trajectories (rl.envs.advance pauses "
-                     "and resumes episodes)")
   while True:
     step = int(state.step)
     rng, stats = state.rng, state.prompt_stats
@@ -298,23 +298,41 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
 
 
 def _partial_rollouts(engine, task, tokenizer, sampling, config: RLConfig,
-                      replay: partial.ReplayBuffer, next_group: int, indices, step: int):
+                      replay: partial.ReplayBuffer | envs.EpisodeBuffer, next_group: int,
+                      indices, step: int):
   """One step's partial rollouts: new groups for `indices` join the buffered ones; iterations
-  run (at most max_generation_rounds) until a group is complete. Returns (up to
+  run (at most max_generation_rounds) until a group is complete. An agentic task's episodes
+  pause at a wave boundary of the driver (rl.envs.advance), on any engine; single-turn
+  trajectories are aborted on the servers (rollouts.partial.run_iteration). Returns (up to
   prompts_per_step complete groups, oldest first; the new buffer; the next group id;
   metrics)."""
-  pending = replay.trajectories()
+  environment = getattr(task, "environment", None)
+  n = config.samples_per_prompt
+  pending = replay.trajectories() if environment is None else replay.trajectories(task.train)
   for k, index in enumerate(indices):
-    prompt = eval_lib.prompt_ids(task, tokenizer, task.train[int(index)])
-    pending += partial.new_group(next_group + k, int(index), prompt, config.samples_per_prompt)
+    record = task.train[int(index)]
+    prompt = eval_lib.prompt_ids(task, tokenizer, record)
+    if environment is None:
+      pending += partial.new_group(next_group + k, int(index), prompt, n)
+    else:
+      pending += [envs.PausedEpisode(next_group + k, int(index), sample, episode)
+                  for sample, episode in enumerate(envs.start(environment, [record] * n,
+                                                              [prompt] * n))]
   received = aborted = 0
   pause = ({"finish_fraction": config.partial_lambda} if config.partial_mode == "lambda"
            else {"token_budget": config.rollout_token_budget})
   for round_ in range(config.max_generation_rounds):
-    result = partial.run_iteration(engine, pending, sampling, **pause,
-                                   seed=step * config.max_generation_rounds + round_)
-    received += result["received_tokens"]
-    aborted += result["aborted"]
+    seed = step * config.max_generation_rounds + round_
+    if environment is None:
+      result = partial.run_iteration(engine, pending, sampling, **pause, seed=seed)
+      received += result["received_tokens"]
+      aborted += result["aborted"]
+    else:
+      result = envs.advance(engine, environment, tokenizer, [t.state for t in pending],
+                            sampling, seed=seed, max_sequence_tokens=config.seq_len + 1,
+                            **pause)
+      received += result["generated_tokens"]
+      aborted += sum(not t.finished for t in pending)
     done, rest = partial.complete_groups(pending)
     if done:
       break
@@ -333,8 +351,10 @@ def _partial_rollouts(engine, task, tokenizer, sampling, config: RLConfig,
       "stale_token_fraction": float(stale.mean()) if stale.size else 0.0}
 
 
-def check_offpolicy_and_partial(config: RLConfig, *, has_abort_engine: bool) -> None:
-  """ConfigError for partial-rollout and off-policy bindings that cannot run."""
+def check_offpolicy_and_partial(config: RLConfig, *, has_abort_engine: bool,
+                                episodes: bool = False) -> None:
+  """ConfigError for partial-rollout and off-policy bindings that cannot run. `episodes`:
+  the task is agentic, whose episodes pause between the driver's waves on any engine."""
   if config.offpolicy_tokens not in ("keep", "mask", "tis", "trust_region"):
     raise ConfigError(f"RLConfig.offpolicy_tokens={config.offpolicy_tokens!r}; valid: 'keep', "
                       "'mask', 'tis', 'trust_region'")
@@ -356,7 +376,7 @@ def check_offpolicy_and_partial(config: RLConfig, *, has_abort_engine: bool) -> 
     raise ConfigError(f"RLConfig.partial_mode='lambda' needs partial_lambda in (0, 1] (the "
                       f"fraction of an iteration's trajectories that finish before it pauses), "
                       f"got {config.partial_lambda}")
-  if not has_abort_engine:
+  if not has_abort_engine and not episodes:
     raise ConfigError("RLConfig.partial_rollouts needs an engine that can abort requests "
                       "(train.rollout_engine = @local_engine or @remote_engine)")
 
@@ -510,7 +530,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   `run_dir` holds a checkpoint the run resumes from it: no SFT again, the step count goes on,
   metrics.jsonl is appended. The SFT params are saved in `run_dir/sft`; they are the
   reference policy of losses with a KL term. Returns {"sft_accuracy", "rl_accuracy",
-  "steps", ...}.
+  "steps", ...}: the held-out greedy evaluation (rl.eval.greedy_eval) after SFT and after
+  RL, for an agentic task with its episode metrics (sft_tool_calls_rate, rl_turns, ...).
   `mesh` (models.sharding.make_mesh) is where the SFT and RL train steps and the reference
   log-probs run; its `context` axis turns on ring attention. The embedded engine runs on one
   device.
@@ -583,7 +604,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
                      f"{len(task.train)} training prompts")
   if eval_records > len(task.test):
     raise ConfigError(f"eval_records={eval_records} exceeds the {len(task.test)} test records")
-  check_offpolicy_and_partial(rl, has_abort_engine=rollout_engine is not None)
+  agentic = getattr(task, "environment", None) is not None
+  check_offpolicy_and_partial(rl, has_abort_engine=rollout_engine is not None,
+                              episodes=agentic)
   if init_from and not os.path.isdir(os.path.join(init_from, "checkpoints")):
     raise ConfigError(f"train.init_from={init_from!r}: no checkpoints/ directory there")
 
@@ -598,12 +621,13 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
   sft_checkpointer = Checkpointer(os.path.join(run_dir, "sft"), max_to_keep=1)
   optimizer = rl_optimizer(learning_rate)
-  evaluate = lambda engine: eval_lib.greedy_accuracy(
-      engine, task, tokenizer, num_records=eval_records, max_new_tokens=rl.max_new_tokens)
+  evaluate = lambda engine, prefix: {f"{prefix}_{key}": value for key, value in eval_lib.greedy_eval(
+      engine, task, tokenizer, num_records=eval_records, max_new_tokens=rl.max_new_tokens
+  ).items()}
 
   params = transformer.init_params(cfg, jax.random.PRNGKey(seed))
   state = init_loop_state(params, optimizer, num_prompts=len(task.train), sampler=sampler,
-                          reward=reward, seed=seed + 1, config=rl)
+                          reward=reward, seed=seed + 1, config=rl, episodes=agentic)
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
   resuming = checkpointer.latest_step() is not None
   if resuming:
@@ -629,15 +653,15 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
                                           seed=seed, progress=progress)
     state = state.replace(train=init_train_state(params, optimizer))
     sft_checkpointer.save(0, params)
-    sft_accuracy, sft_length = evaluate(JaxEngine(cfg, params))
-    summary = {"sft_accuracy": sft_accuracy, "sft_length": sft_length, "sft_loss": sft_loss,
-               "sft_seconds": time.perf_counter() - started, "init_from": init_from}
+    held_out = evaluate(JaxEngine(cfg, params), "eval")
+    summary = {key.replace("eval_", "sft_", 1): value for key, value in held_out.items()}
+    summary.update(sft_loss=sft_loss, sft_seconds=time.perf_counter() - started,
+                   init_from=init_from)
     _write_json(summary_path, summary)
-    metrics_lib.append(metrics_path, {"step": 0, "eval_accuracy": sft_accuracy,
-                                      "eval_length": sft_length})
+    metrics_lib.append(metrics_path, {"step": 0, **held_out})
     checkpointer.save(0, state)
-    print(f"{'at the start' if init_from else 'after SFT'}: held-out accuracy "
-          f"{sft_accuracy:.3f}, mean length {sft_length:.1f}")
+    print(f"{'at the start' if init_from else 'after SFT'}: held-out "
+          f"{_held_out_text(held_out, 'eval')}")
 
   ref_params = reference_logprobs = None
   if losses.uses_reference(loss, loss_hparams) or rl.kl_reward_coef:
@@ -670,7 +694,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     engine = JaxEngine(cfg, state.train.params, version=int(state.step))
   else:
     engine = rollout_engine(cfg, state.train.params, int(state.step))
-    if rl.partial_rollouts and not isinstance(engine, SGLangEngine):
+    if rl.partial_rollouts and not agentic and not isinstance(engine, SGLangEngine):
       raise ConfigError(f"RLConfig.partial_rollouts needs an SGLangEngine, got "
                         f"{type(engine).__name__}")
   trainer_logprobs = None
@@ -699,7 +723,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
       state, m = record.state, record.metrics
       if eval_every and record.step % eval_every == 0:
         evaluation_engine.update_weights(state.train.params, record.step)
-        m["eval_accuracy"], m["eval_length"] = evaluate(evaluation_engine)
+        m.update(evaluate(evaluation_engine, "eval"))
         if sampled_eval is not None:
           held_out = [task.test[i] for i in range(eval_records)]
           report = eval_lib.sampled_eval(evaluation_engine, task, tokenizer, held_out,
@@ -739,17 +763,28 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           "(the monitor stays quiet until its rule clears)")
 
   evaluation_engine.update_weights(state.train.params, int(state.step))
-  rl_accuracy, rl_length = evaluate(evaluation_engine)
-  summary.update(rl_accuracy=rl_accuracy, rl_length=rl_length, steps=int(state.step))
+  held_out = evaluate(evaluation_engine, "rl")
+  summary.update(held_out, steps=int(state.step))
   if stopped:
     summary["stopped"] = stopped
   _write_json(summary_path, summary)
   metrics_lib.plot(metrics_lib.read(metrics_path), os.path.join(run_dir, "metrics.png"),
                    title=f"{loss} on {type(task).__name__}")
-  print(f"held-out accuracy after RL: {rl_accuracy:.3f}, mean length {rl_length:.1f}")
-  print(f"sft_accuracy={summary.get('sft_accuracy', float('nan')):.2f} "
-        f"rl_accuracy={rl_accuracy:.2f}")
+  print(f"after RL: held-out {_held_out_text(held_out, 'rl')}")
+  # The last line: before and after RL, and for an agentic task how many episodes call a tool.
+  last = ["accuracy"] + (["tool_calls_rate"] if "rl_tool_calls_rate" in summary else [])
+  print(" ".join(f"{prefix}_{key}={summary.get(f'{prefix}_{key}', float('nan')):.2f}"
+                 for key in last for prefix in ("sft", "rl")))
   return summary
+
+
+def _held_out_text(held_out: dict, prefix: str) -> str:
+  text = (f"accuracy {held_out[f'{prefix}_accuracy']:.3f}, mean length "
+          f"{held_out[f'{prefix}_length']:.1f}")
+  if f"{prefix}_tool_calls_rate" in held_out:
+    text += (f", tool calls in {held_out[f'{prefix}_tool_calls_rate']:.2f} of the episodes, "
+             f"{held_out[f'{prefix}_turns']:.2f} turns each")
+  return text
 
 
 def _write_json(path: str, value: dict) -> None:

@@ -169,7 +169,8 @@ def _trace_once(bound: Callable, with_reference: bool):
                      ref_logp=values if with_reference else None, teacher_logp=values,
                      teacher_topk_ids=jax.ShapeDtypeStruct((1, 8, 2), jnp.int32),
                      teacher_topk_logp=jax.ShapeDtypeStruct((1, 8, 2), jnp.float32),
-                     student_topk_logp=jax.ShapeDtypeStruct((1, 8, 2), jnp.float32))
+                     student_topk_logp=jax.ShapeDtypeStruct((1, 8, 2), jnp.float32),
+                     turn_rewards=values)
   jax.eval_shape(bound, values, batch)
 
 

@@ -1,8 +1,9 @@
 """Multi-turn episodes (rl/envs): the driver's round trip and budgets, tool-call formats, tools
 that fail, the sandboxed Python tool, training on episodes (masks, log-probs, metrics), the
-same episode on the embedded engine and on a server process, and the agentic recipe through
-rl.loop.train."""
+same episode on the embedded engine and on a server process, partial rollouts of episodes,
+the agentic recipe through rl.loop.train, and the Qwen format with a real BPE tokenizer."""
 
+import dataclasses
 import json
 import os
 import re
@@ -98,6 +99,15 @@ def calculator_policy(context: str):
   return full[len(episode):], result is not None
 
 
+def mixed_policy(context: str):
+  """Answers from the head (one turn, correct) when the question is of even length, else
+  calls the calculator (two turns): episodes of different lengths in one step."""
+  question = context.partition("=")[0]
+  if len(question) % 2:
+    return calculator_policy(context)
+  return "#" + str(sum(int(x) for x in question.split("+"))), True
+
+
 class ScriptedEnvironment:
   """Answers turn k with observations[k] and rewards[k]; done after the last one."""
 
@@ -175,6 +185,39 @@ def test_scripted_round_trip_masks_exactly_the_policy_tokens(tokenizer):
   # "mask" mode drops older tokens and still never trains on observations.
   older = loop.offpolicy_mask(np.array([True]), [episode], 4, "mask")[0]
   assert not older.any()
+
+
+def _turn_credit(logp, batch, *, norm_length=None):
+  """A loss that wants the per-turn rewards: REINFORCE on each turn's reward, placed on its
+  last policy token (a test of the plumbing, not a recipe)."""
+  del norm_length
+  credit = batch.turn_rewards * batch.loss_mask
+  rows = jnp.float32(batch.tokens.shape[0])
+  return (losses.Weighted(-(credit * logp).sum(), rows),
+          {"turn_reward": losses.Weighted(credit.sum(), rows)})
+
+
+def test_a_loss_reads_the_per_turn_rewards_in_the_train_step(tokenizer, tiny_cfg, tiny_params):
+  env = ScriptedEnvironment([(), (), ()], [0.5, None, 1.0])
+  turns = iter(["ab;", "cd;", "ef"])
+  engine = ScriptedEngine(tokenizer, lambda context: (next(turns), False))
+  prompt = tokenizer.encode("xy", add_bos=True)
+  (episode,) = envs.run_episodes(engine, env, tokenizer, [{}], [prompt], greedy(8, tokenizer),
+                                 seed=0)
+  batch, _ = trajectory_batch([prompt], [episode.token_ids], [episode.logprobs], [1.0],
+                              loop.offpolicy_mask(np.array([True]), [episode], 0, "keep"), 16,
+                              completion_fields={"turn_rewards": [episode.turn_reward_tokens()]})
+  optimizer = loop.rl_optimizer(1e-2)
+  # Registered for this test only: the tests over every registered loss run single-turn.
+  losses.register("turn_credit", advantage="group_normalized")(_turn_credit)
+  try:
+    step = make_train_step(tiny_cfg, optimizer, losses.bind("turn_credit"))
+  finally:
+    del losses.LOSSES["turn_credit"]
+  state, metrics = step(loop.init_train_state(tiny_params, optimizer), batch, None)
+  assert float(metrics["turn_reward"]) == pytest.approx(1.5)
+  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), state.params, tiny_params)
+  assert max(jax.tree.leaves(moved)) > 0
 
 
 def test_stop_strings_budgets_and_truncation(tokenizer):
@@ -262,6 +305,85 @@ def test_pause_at_an_iteration_boundary_and_resume(tokenizer):
     assert episode.policy_mask.tolist() == reference.policy_mask.tolist()
     assert episode.versions[:len("<calc>")].tolist() == [0] * len("<calc>")
     assert set(episode.versions[len("<calc>"):].tolist()) == {1}
+
+
+def test_lambda_pause_waits_for_a_fraction_of_the_episodes(tokenizer):
+  """finish_fraction (K3's lambda): the call returns at the first wave boundary where
+  ceil(lambda * n) of its episodes are over, and the rest resume."""
+  task = ToolArithmetic(Arithmetic(digits=3, operands=2))
+  records = [task.train[i] for i in range(4)]
+  prompts = [eval_lib.prompt_ids(task, tokenizer, r) for r in records]
+  # Episodes 0 and 1 answer at once; 2 and 3 call the calculator (more waves).
+  direct = lambda context: (("#1", True) if context.startswith(records[0]["question"]) or
+                            context.startswith(records[1]["question"])
+                            else calculator_policy(context))
+  states = envs.start(task.environment, records, prompts)
+  engine = ScriptedEngine(tokenizer, direct)
+  first = envs.advance(engine, task.environment, tokenizer, states, greedy(64, tokenizer),
+                       seed=0, finish_fraction=0.5)
+  assert first["paused"] and first["finished"] == 2 and first["waves"] == 1
+  assert [s.over for s in states] == [True, True, False, False]
+  rest = envs.advance(engine, task.environment, tokenizer, states, greedy(64, tokenizer),
+                      seed=1, finish_fraction=1.0)
+  assert not rest["paused"] and all(s.over for s in states)
+  assert [s.episode().turns for s in states] == [1, 1, 2, 2]
+
+
+def test_partial_rollouts_pause_episodes_in_the_replay_buffer_and_resume(
+    tokenizer, tiny_cfg, tiny_params, tmp_path):
+  """RLConfig.partial_rollouts on an agentic task: episodes pause at the token budget, wait
+  in the loop state's EpisodeBuffer (saved and restored with the checkpoint), and finish at
+  later steps exactly as uninterrupted episodes, their tokens keeping each policy's version."""
+  from rl.checkpoint import Checkpointer
+  task = ToolArithmetic(Arithmetic(digits=3, operands=2, num_train=64, num_test=16))
+  config = loop.RLConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=32,
+                         seq_len=64, partial_rollouts=True, rollout_token_budget=12,
+                         replay_capacity=16)
+  loop.check_offpolicy_and_partial(config, has_abort_engine=False, episodes=True)
+  with pytest.raises(ConfigError, match="abort"):  # single-turn trajectories still need one
+    loop.check_offpolicy_and_partial(config, has_abort_engine=False)
+  optimizer = loop.rl_optimizer(1e-4)
+  reward = rewards.named_chain({"correctness": rewards.correctness()})
+  make_state = lambda: loop.init_loop_state(tiny_params, optimizer, num_prompts=64,
+                                            sampler=sampling.uniform(), reward=reward, seed=0,
+                                            config=config, episodes=True)
+  policy = mixed_policy
+  engine = ScriptedEngine(tokenizer, policy)
+  steps = loop.rl_steps(make_state(), engine=engine, task=task, tokenizer=tokenizer,
+                        train_step=make_train_step(tiny_cfg, optimizer, losses.bind("grpo")),
+                        advantage="group_normalized", reward=reward, sampler=sampling.uniform(),
+                        ref_params=tiny_params, config=config)
+  records = [next(steps) for _ in range(3)]
+  assert all(r.metrics["partial_aborted"] > 0 for r in records)  # the budget paused some
+  assert records[0].metrics["replay_size"] > 0
+  resumed = [c for r in records[1:] for c in r.scored.completions if set(c.versions) != {
+      r.step - 1}]
+  assert resumed, "no episode spanned two policy versions"
+  for record in records:
+    assert record.metrics["accuracy"] == 1.0
+    whole = envs.run_episodes(ScriptedEngine(tokenizer, policy), task.environment,
+                              tokenizer, record.scored.records, record.scored.prompt_ids,
+                              greedy(32, tokenizer), seed=0)
+    for got, want in zip(record.scored.completions, whole):
+      assert got.token_ids.tolist() == want.token_ids.tolist()
+      assert got.policy_mask.tolist() == want.policy_mask.tolist()
+      assert got.turn_ends == want.turn_ends and dict(got.counts) == dict(want.counts)
+      assert np.all(np.diff(got.versions) >= 0) and got.versions[-1] <= record.step - 1
+  # The buffer survives a checkpoint: the same episodes, bookkeeping and all.
+  state = records[-1].state
+  buffered = state.replay.trajectories(task.train)
+  assert buffered and not all(t.finished for t in buffered)
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+  checkpointer.save(3, state)
+  restored = checkpointer.restore(make_state()).replay.trajectories(task.train)
+  checkpointer.close()
+  assert [(t.group, t.record, t.sample) for t in restored] == [
+      (t.group, t.record, t.sample) for t in buffered]
+  for got, want in zip(restored, buffered):
+    assert dataclasses.asdict(got.state) == dataclasses.asdict(want.state)
+  with pytest.raises(TypeError, match="JSON"):
+    buffered[0].state.env_state = object()
+    state.replay.store(buffered)
 
 
 # --- formats, tools, registries
@@ -494,19 +616,225 @@ def test_an_episode_on_the_embedded_engine_and_on_the_server_is_the_same(tokeniz
 
 
 @pytest.mark.slow
-def test_agentic_config_runs_through_train_and_logs_episode_metrics(tmp_path):
+@pytest.mark.parametrize("partial_rollouts", [False, True])
+def test_agentic_config_runs_through_train_and_logs_episode_metrics(tmp_path, partial_rollouts):
   run_dir = tmp_path / "run"
+  # Partial rollouts on the embedded engine: episodes pause between the driver's waves.
+  partial = ["--gin_param", "RLConfig.partial_rollouts = True",
+             "--gin_param", "RLConfig.rollout_token_budget = 16"] if partial_rollouts else []
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments/run.py"),
        "--gin", os.path.join(ROOT, "experiments/configs/agentic.gin"),
        "--gin", os.path.join(ROOT, "experiments/configs/tiny.gin"),
-       "--run_dir", str(run_dir), "--gin_param", "train.progress = False"],
+       "--run_dir", str(run_dir), "--gin_param", "train.progress = False", *partial],
       capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][1:]
   assert [m["step"] for m in steps] == [1, 2, 3]
+  if partial_rollouts:
+    assert all("replay_size" in m and m["partial_iterations"] >= 1 for m in steps)
   for key in ("episode_turns", "episode_tool_calls", "episode_tool_errors",
               "episode_tool_timeouts", "episode_policy_tokens", "episode_observation_tokens",
               "episode_budget_truncated"):
     assert all(key in m for m in steps), key
   assert all(m["episode_turns"] >= 1 for m in steps)
+  # The held-out evaluations report the episodes too, and the last line the call rate.
+  summary = json.load(open(run_dir / "summary.json"))
+  for prefix in ("sft", "rl"):
+    assert 0.0 <= summary[f"{prefix}_tool_calls_rate"] <= 1.0
+    assert summary[f"{prefix}_turns"] >= 1
+  assert "eval_tool_calls_rate" in json.loads(open(run_dir / "metrics.jsonl").readline())
+  last = result.stdout.strip().splitlines()[-1]
+  assert re.fullmatch(r"sft_accuracy=\d\.\d\d rl_accuracy=\d\.\d\d "
+                      r"sft_tool_calls_rate=\d\.\d\d rl_tool_calls_rate=\d\.\d\d", last), last
+
+
+# --- the Qwen format with a real BPE tokenizer
+
+# The message loop of Qwen2.5's chat template (its tool branches included; the tools' system
+# prompt left out, as ChatPrompts gives the template no tools): a conversation rendered by it
+# and encoded whole is what a Qwen model was trained on, so an episode should be that.
+QWEN_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' + "
+    "(call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Qwen2's pre-tokenizer split: digits one by one, newlines apart from the text around them.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(tmp_path_factory):
+  """An HFTokenizer shaped like Qwen2.5's: byte-level BPE with its split, <|im_start|> and
+  <|im_end|> (the eos) special, the tool tags added tokens that are not special (so that
+  decoding with special tokens skipped, as ChatPrompts does, keeps them)."""
+  import tokenizers
+  from models.tokenizer import HFTokenizer
+  path = tmp_path_factory.mktemp("qwen_tok")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+      tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT), behavior="isolated"),
+      tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  corpus = ['{"name": "calc", "arguments": {"expression": "12+30"}}', "What is 7*8?",
+            "The answer is 42.", "error: the tool call is not JSON", "user\nassistant\n"] * 20
+  corpus += ["42\n\n"] * 200  # "\n\n" one token, as in Qwen's vocabulary
+  tok.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
+      vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in
+                  ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")])
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps({
+      "chat_template": QWEN_TEMPLATE, "eos_token": "<|im_end|>",
+      "pad_token": "<|endoftext|>", "bos_token": None}))
+  return HFTokenizer(str(path))
+
+
+class _RecordingEngine(ScriptedEngine):
+  """A ScriptedEngine that also keeps what each call returned and the stop tokens it got."""
+
+  def generate(self, prompts, sampling, *, seed, affinity=None):
+    out = super().generate(prompts, sampling, seed=seed, affinity=affinity)
+    self.calls[-1].update(outputs=out, stop_token_ids=tuple(sampling.stop_token_ids))
+    return out
+
+
+def _qwen_calls(*expressions) -> str:
+  """An assistant turn of calc calls, written as Qwen2.5's template writes them."""
+  return "\n".join("<tool_call>\n" + json.dumps({"name": "calc", "arguments": {
+      "expression": e}}) + "\n</tool_call>" for e in expressions)
+
+
+def test_qwen_format_episodes_with_a_bpe_tokenizer_are_the_chat_template_token_for_token(
+    qwen_tokenizer):
+  """Episodes in the Qwen format through ChatPrompts (the tokenizer a Hugging Face run
+  uses): each turn ends at <|im_end|>, the calls' JSON arguments reach calc, each observation
+  is the encoding of QwenFormat.observation_text, a malformed call is an "error: ..."
+  observation, and the episode is the engine's tokens and the observations' tokens, nothing
+  re-tokenised: token for token the Qwen template's rendering of the same conversation."""
+  from models.tokenizer import ChatPrompts
+  hf_tok, fmt = qwen_tokenizer, envs.FORMATS["qwen"]
+  chat = ChatPrompts(hf_tok)
+  bad_call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "2*3"}\n</tool_call>'
+  bad_error = fmt.parse(bad_call, ())[0].error
+  assert bad_error.startswith("the tool call is not JSON")
+  # Per question: the policy's turns (None: answer with the last tool responses) and the
+  # tool responses each observation holds.
+  scripts = {"What is 12+30?": ([_qwen_calls("12+30"), None], [["42"]]),
+             "What is 2*3?": ([bad_call, _qwen_calls("2*3"), None],
+                              [[f"error: {bad_error}"], ["6"]]),
+             "What are 12+30 and 7*8?": ([_qwen_calls("12+30", "7*8"), None], [["42", "56"]])}
+
+  def policy(context):
+    question = re.search(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", context).group(1)
+    turns, _ = scripts[question]
+    episode = context.split("<|im_start|>assistant\n", 1)[1]
+    turn = turns[episode.count("<|im_start|>assistant\n")]
+    if turn is None:
+      last = episode.rsplit("<|im_start|>user", 1)[1]
+      turn = "The answer is " + " and ".join(
+          re.findall(r"<tool_response>\n(.*?)\n</tool_response>", last)) + "."
+    # Text past <|im_end|>: the engine must stop at the eos, so none of it is generated.
+    return turn + "<|im_end|>never generated", False
+
+  engine = _RecordingEngine(hf_tok, policy)
+  prompts = [chat.encode(q) for q in scripts]
+  env = envs.ToolEnvironment(("calc",), call_format="qwen")
+  episodes = envs.run_episodes(engine, env, chat, [{}] * len(prompts), prompts,
+                               SamplingParams(256, temperature=0.0,
+                                              stop_token_ids=(chat.eos_id,)), seed=0)
+  assert all(c["stop_token_ids"] == (hf_tok.eos_id,) for c in engine.calls)  # no stop strings
+  eos = hf_tok.eos_id
+  for prompt, (question, (turns, responses)), episode in zip(prompts, scripts.items(),
+                                                             episodes):
+    ids = episode.token_ids.tolist()
+    assert episode.finish_reason == "stop" and episode.turns == len(turns)
+    errors = sum(r.startswith("error: ") for rs in responses for r in rs)
+    assert dict(episode.counts) == {"tool_calls": sum(map(len, responses)),
+                                    "tool_errors": errors, "tool_timeouts": 0}
+    # Each request is the prompt and every token so far; the episode is what the engine
+    # returned and the observations between, in order.
+    generated = [(request, output) for c in engine.calls
+                 for request, output in zip(c["prompts"], c["outputs"])
+                 if request[:len(prompt)] == tuple(prompt)]
+    assert len(generated) == len(turns)
+    rebuilt, policy_mask, logprobs, observations = [], [], [], []
+    for request, output in generated:
+      assert list(request) == prompt + ids[:len(request) - len(prompt)]
+      observation = ids[len(rebuilt):len(request) - len(prompt)]
+      if rebuilt:
+        observations.append(observation)
+      turn_ids = output.token_ids.tolist()
+      assert turn_ids[-1] == eos and eos not in turn_ids[:-1]  # the turn ended at <|im_end|>
+      rebuilt += observation + turn_ids
+      policy_mask += [False] * len(observation) + [True] * len(turn_ids)
+      logprobs += [0.0] * len(observation) + output.logprobs.tolist()
+    assert rebuilt == ids and episode.policy_mask.tolist() == policy_mask
+    np.testing.assert_array_equal(episode.logprobs, np.array(logprobs, np.float32))
+    assert list(episode.turn_ends) == [i + 1 for i, t in enumerate(ids)
+                                       if t == eos and policy_mask[i]]
+    assert observations == [hf_tok.encode(fmt.observation_text(rs)) for rs in responses]
+    # What the verifier reads (special tokens dropped) ends in the answer from the tool.
+    assert chat.decode(ids).endswith("The answer is " + " and ".join(responses[-1]) + ".")
+    # The whole sequence is the template's rendering of the conversation, encoded at once
+    # (less the newline the template writes after the last <|im_end|>).
+    messages = [{"role": "user", "content": question}]
+    for turn, rs in zip(turns, responses):
+      if turn == bad_call:
+        messages.append({"role": "assistant", "content": turn})
+      else:
+        expressions = re.findall(r'"expression": "(.*?)"', turn)
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"name": "calc", "arguments": {"expression": e}} for e in expressions]})
+      messages += [{"role": "tool", "content": r} for r in rs]
+    messages.append({"role": "assistant", "content": "The answer is " + " and ".join(
+        responses[-1]) + "."})
+    rendered = hf_tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert prompt + ids == hf_tok.encode(rendered.removesuffix("\n"))
+
+
+@envs.register_tool("echo")
+def _echo(text: str) -> str:
+  return text
+
+
+def test_an_observation_is_encoded_whole_as_the_chat_template_would(qwen_tokenizer):
+  """A result ending in a newline meets the framing's newline: Qwen's vocabulary has "\n\n",
+  so encoding the pieces apart would give the model a tokenisation it never saw."""
+  from models.tokenizer import ChatPrompts
+  env = envs.ToolEnvironment(("echo",), call_format="qwen", max_result_tokens=64)
+  fmt = envs.FORMATS["qwen"]
+  for result in ("42\n", "a\n\n", "plain"):
+    call = fmt.call_text("echo", result, "text")
+    _, observation = env.step(None, envs.Turn(0, np.zeros(0, np.int32), call, "stop"),
+                              ChatPrompts(qwen_tokenizer))
+    want = qwen_tokenizer.encode(fmt.observation_text([result]))
+    assert list(observation.token_ids) == want, result
+    if result == "42\n":
+      pieces = [qwen_tokenizer.decode([t]) for t in want]
+      assert "\n\n" in pieces, repr(pieces)  # the merge at the seam

@@ -122,8 +122,10 @@ def policy_tokens(completion: Completion) -> int:
 def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
   """Per-step means over the episodes among `completions` ({} when there are none):
   episode_turns, episode_policy_tokens, episode_observation_tokens, episode_budget_truncated
-  (a fraction) and episode_<counter> for each counter of the environment (episode_tool_calls,
-  episode_tool_errors, episode_tool_timeouts for ToolEnvironment)."""
+  (a fraction), and for each counter of the environment episode_<counter> (its mean) and
+  episode_<counter>_rate (the fraction of episodes where it is not 0): for ToolEnvironment
+  episode_tool_calls, episode_tool_calls_rate (how many episodes call a tool),
+  episode_tool_errors, episode_tool_timeouts and their rates."""
   episodes = [c for c in completions if isinstance(c, Episode)]
   if not episodes:
     return {}
@@ -134,7 +136,9 @@ def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
              "episode_observation_tokens": float((total - policy).mean()),
              "episode_budget_truncated": float(np.mean([e.budget_truncated for e in episodes]))}
   for key in sorted({k for e in episodes for k in e.counts}):
-    metrics[f"episode_{key}"] = float(np.mean([e.counts.get(key, 0) for e in episodes]))
+    counts = np.array([e.counts.get(key, 0) for e in episodes], np.float64)
+    metrics[f"episode_{key}"] = float(counts.mean())
+    metrics[f"episode_{key}_rate"] = float(np.mean(counts != 0))
   return metrics
 
 

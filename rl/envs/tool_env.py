@@ -5,7 +5,8 @@ Each turn that ends in a tool call (formats.py) gets the call's result as its ob
 a turn without a call is the answer and ends the episode, as does a turn cut by its token
 budget (truncated) or a call in the last allowed turn (truncated: no turn is left to use the
 result). Every call runs on a thread of its own with a wall clock; what a tool returns is cut
-to `max_result_tokens` tokens. A tool that raises, hangs past the clock or floods its output
+to `max_result_tokens` tokens (give or take a merge at the cut, with a BPE tokenizer: the
+observation is encoded whole, as the model's chat template would render it). A tool that raises, hangs past the clock or floods its output
 gives an observation that says so ("error: ...", or the cut output ending in "...") and the
 episode goes on; it never ends the run. A hung in-process tool's thread is abandoned, not
 killed (Python cannot kill a thread): tools that may hang for real run their work in a
@@ -67,11 +68,10 @@ class ToolEnvironment:
     if turn.index + 1 >= self.max_turns:
       return state, Observation(done=True, truncated=True, counts=counts)
     results = [self._result(self._call(call, counts), tokenizer) for call in calls]
-    ids = encode_text(tokenizer, self.format.observation_open)
-    for result in results:
-      ids += encode_text(tokenizer, self.format.result_open) + result + encode_text(
-          tokenizer, self.format.result_close)
-    ids += encode_text(tokenizer, self.format.observation_close)
+    # One encoding of the whole observation, as a chat template renders it: pieces encoded
+    # apart would split merges at their seams (a result ending in "\n" before "\n</tool_response>"
+    # is one token "\n\n" in Qwen's vocabulary, not two).
+    ids = encode_text(tokenizer, self.format.observation_text(results))
     return state, Observation(tuple(ids), counts=counts)
 
   def _call(self, call: ToolCall, counts: dict[str, int]) -> str:
@@ -114,15 +114,15 @@ class ToolEnvironment:
       return f"error: {call.name} returned {type(outcome['value']).__name__}, not text"
     return outcome["value"]
 
-  def _result(self, text: str, tokenizer) -> list[int]:
-    """The result's tokens, cut to max_result_tokens (ending in "...") when longer."""
+  def _result(self, text: str, tokenizer) -> str:
+    """The result's text, cut to max_result_tokens tokens (ending in "...") when longer."""
     budget = self.max_result_tokens
     # Cut the text first: a flood of megabytes need not be tokenised to be thrown away.
     ids = encode_text(tokenizer, text[:16 * budget])
     if len(ids) <= budget and len(text) <= 16 * budget:
-      return ids
+      return text
     mark = encode_text(tokenizer, TRUNCATED_MARK)
-    return ids[:budget - len(mark)] + mark
+    return tokenizer.decode(ids[:budget - len(mark)]) + TRUNCATED_MARK
 
   def close(self) -> None:
     for tool in self.tools.values():
