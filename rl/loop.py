@@ -86,12 +86,12 @@ class RLConfig:
   seq_len: int = 128  # packed row length; must hold prompt + completion
   row_multiple: int = 8  # rows are padded to a multiple of this (fewer recompiles)
   micro_batches: int = 1
-  # Partial rollouts (rollouts/partial.py; needs an engine that can abort, i.e. SGLang
-  # servers, except for an agentic task's episodes, which pause between the driver's waves on
-  # any engine and wait in rl.envs.EpisodeBuffer): with partial_mode "tokens" (Kimi k1.5) an iteration ends once the completions
-  # received hold rollout_token_budget tokens; with "lambda" (Kimi K3) once
-  # ceil(partial_lambda * n) of its n trajectories have finished. The unfinished wait in a
-  # replay buffer of replay_capacity trajectories (0: 4 steps' worth) and resume later.
+  # Partial rollouts (rollouts/partial.py; needs an engine that can abort, i.e. SGLang servers,
+  # except for an agentic task's episodes, which pause between the driver's waves on any engine
+  # and wait in rl.envs.EpisodeBuffer): with partial_mode "tokens" (Kimi k1.5) an iteration
+  # ends once the completions received hold rollout_token_budget tokens; with "lambda" (Kimi
+  # K3) once ceil(partial_lambda * n) of its n trajectories have finished. The unfinished wait
+  # in a replay buffer of replay_capacity trajectories (0: 4 steps' worth) and resume later.
   partial_rollouts: bool = False
   partial_mode: str = "tokens"
   rollout_token_budget: int = 0
@@ -621,9 +621,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
   sft_checkpointer = Checkpointer(os.path.join(run_dir, "sft"), max_to_keep=1)
   optimizer = rl_optimizer(learning_rate)
-  evaluate = lambda engine, prefix: {f"{prefix}_{key}": value for key, value in eval_lib.greedy_eval(
-      engine, task, tokenizer, num_records=eval_records, max_new_tokens=rl.max_new_tokens
-  ).items()}
+  evaluate = lambda engine: eval_lib.greedy_eval(
+      engine, task, tokenizer, num_records=eval_records, max_new_tokens=rl.max_new_tokens)
 
   params = transformer.init_params(cfg, jax.random.PRNGKey(seed))
   state = init_loop_state(params, optimizer, num_prompts=len(task.train), sampler=sampler,
@@ -653,15 +652,14 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
                                           seed=seed, progress=progress)
     state = state.replace(train=init_train_state(params, optimizer))
     sft_checkpointer.save(0, params)
-    held_out = evaluate(JaxEngine(cfg, params), "eval")
-    summary = {key.replace("eval_", "sft_", 1): value for key, value in held_out.items()}
-    summary.update(sft_loss=sft_loss, sft_seconds=time.perf_counter() - started,
-                   init_from=init_from)
+    held_out = evaluate(JaxEngine(cfg, params))
+    summary = {**_prefixed("sft", held_out), "sft_loss": sft_loss,
+               "sft_seconds": time.perf_counter() - started, "init_from": init_from}
     _write_json(summary_path, summary)
-    metrics_lib.append(metrics_path, {"step": 0, **held_out})
+    metrics_lib.append(metrics_path, {"step": 0, **_prefixed("eval", held_out)})
     checkpointer.save(0, state)
     print(f"{'at the start' if init_from else 'after SFT'}: held-out "
-          f"{_held_out_text(held_out, 'eval')}")
+          f"{_held_out_text(held_out)}")
 
   ref_params = reference_logprobs = None
   if losses.uses_reference(loss, loss_hparams) or rl.kl_reward_coef:
@@ -723,7 +721,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
       state, m = record.state, record.metrics
       if eval_every and record.step % eval_every == 0:
         evaluation_engine.update_weights(state.train.params, record.step)
-        m.update(evaluate(evaluation_engine, "eval"))
+        m.update(_prefixed("eval", evaluate(evaluation_engine)))
         if sampled_eval is not None:
           held_out = [task.test[i] for i in range(eval_records)]
           report = eval_lib.sampled_eval(evaluation_engine, task, tokenizer, held_out,
@@ -763,14 +761,14 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
           "(the monitor stays quiet until its rule clears)")
 
   evaluation_engine.update_weights(state.train.params, int(state.step))
-  held_out = evaluate(evaluation_engine, "rl")
-  summary.update(held_out, steps=int(state.step))
+  held_out = evaluate(evaluation_engine)
+  summary.update(_prefixed("rl", held_out), steps=int(state.step))
   if stopped:
     summary["stopped"] = stopped
   _write_json(summary_path, summary)
   metrics_lib.plot(metrics_lib.read(metrics_path), os.path.join(run_dir, "metrics.png"),
                    title=f"{loss} on {type(task).__name__}")
-  print(f"after RL: held-out {_held_out_text(held_out, 'rl')}")
+  print(f"after RL: held-out {_held_out_text(held_out)}")
   # The last line: before and after RL, and for an agentic task how many episodes call a tool.
   last = ["accuracy"] + (["tool_calls_rate"] if "rl_tool_calls_rate" in summary else [])
   print(" ".join(f"{prefix}_{key}={summary.get(f'{prefix}_{key}', float('nan')):.2f}"
@@ -778,12 +776,16 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   return summary
 
 
-def _held_out_text(held_out: dict, prefix: str) -> str:
-  text = (f"accuracy {held_out[f'{prefix}_accuracy']:.3f}, mean length "
-          f"{held_out[f'{prefix}_length']:.1f}")
-  if f"{prefix}_tool_calls_rate" in held_out:
-    text += (f", tool calls in {held_out[f'{prefix}_tool_calls_rate']:.2f} of the episodes, "
-             f"{held_out[f'{prefix}_turns']:.2f} turns each")
+def _prefixed(prefix: str, held_out: dict) -> dict:
+  return {f"{prefix}_{key}": value for key, value in held_out.items()}
+
+
+def _held_out_text(held_out: dict) -> str:
+  """One greedy_eval result in words."""
+  text = f"accuracy {held_out['accuracy']:.3f}, mean length {held_out['length']:.1f}"
+  if "tool_calls_rate" in held_out:
+    text += (f", tool calls in {held_out['tool_calls_rate']:.2f} of the episodes, "
+             f"{held_out['turns']:.2f} turns each")
   return text
 
 

@@ -32,8 +32,9 @@ policy and observation tokens (what a packed training row holds). Each wave give
 the tokens it has left: the engine call's max_new is that rounded up to a power of two when
 it is less than a full turn (so that the embedded engine compiles a few shapes and episodes
 with similar allowances share a call), and what an episode generated past its allowance is
-dropped before anything sees it (rounding down instead would split a turn over two waves). An episode out of either episode budget ends
-truncated ("length", budget_truncated), its last observation cut to the room left.
+dropped before anything sees it (rounding down instead would split a turn over two waves).
+An episode out of either episode budget ends truncated ("length", budget_truncated), its last
+observation cut to the room left.
 
 SGLang servers: every request of an episode carries the same affinity key (its prompt's
 hash, as single-turn requests and partial rollouts use), so each continuation goes to the
@@ -41,10 +42,10 @@ server that already holds its prefix in cache.
 
 Partial rollouts. `advance(..., token_budget=B)` returns once the tokens generated since it was
 called reach B, `advance(..., finish_fraction=L)` once ceil(L * n) of its n episodes are over
-(checked between waves: an iteration boundary; no request is aborted, so any engine pauses). The unfinished episodes keep
-their explicit state (tokens, log-probs, per-token versions, the environment's state) and
-resume where they stopped at the next call, after a weight update too; `EpisodeState.episode()`
-of an unfinished one has finish_reason "abort".
+(checked between waves: an iteration boundary; no request is aborted, so any engine pauses).
+The unfinished episodes keep their explicit state (tokens, log-probs, per-token versions, the
+environment's state) and resume where they stopped at the next call, after a weight update too;
+`EpisodeState.episode()` of an unfinished one has finish_reason "abort".
 """
 
 import collections

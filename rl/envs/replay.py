@@ -4,11 +4,12 @@ With RLConfig.partial_rollouts on an agentic task, an iteration advances every u
 episode until its token budget or its lambda is reached (rl.envs.driver.advance pauses at a
 wave boundary, mid-turn or between turns). Groups whose episodes are all over are trained
 on; the others wait here, saved with the loop state, and resume at the next step with the
-new weights (each token keeps the version that produced it). It is rollouts/partial.py's
-ReplayBuffer for episodes: the same fixed-size arrays, plus the policy mask and the driver's
-bookkeeping of each episode (turn boundaries, per-turn rewards, counters, the environment's
-state) as JSON bytes, so an environment's state must be JSON-serialisable (ToolEnvironment's
-is None) and fit STATE_BYTES.
+new weights (each token keeps the version that produced it). The tokens, log-probs, versions
+and group of each episode go into rollouts/partial.py's ReplayBuffer, as single-turn
+trajectories do; beside it, row for row, the policy mask and the driver's bookkeeping
+(turn boundaries, per-turn rewards, counters, the environment's state) as JSON bytes, so an
+environment's state must be JSON-serialisable (ToolEnvironment's is None) and fit
+STATE_BYTES.
 
 Owns the buffer and PausedEpisode; the loop (rl/loop.py) owns when groups are trained.
 """
@@ -23,8 +24,11 @@ import numpy as np
 
 from rl.envs.base import Episode
 from rl.envs.driver import EpisodeState, affinity
+from rollouts import partial
 
 STATE_BYTES = 1024  # an episode's bookkeeping as JSON: ~100 bytes for ToolEnvironment
+_FINISH = {None: partial.UNFINISHED, "stop": partial.STOPPED, "length": partial.TRUNCATED}
+_FINISH_OF = {code: finish for finish, code in _FINISH.items()}
 
 
 @dataclasses.dataclass
@@ -50,98 +54,75 @@ class PausedEpisode:
   def completion(self) -> Episode:
     return self.state.episode()
 
+  def trajectory(self) -> partial.Trajectory:
+    """Its tokens as a single-turn trajectory (what partial.ReplayBuffer stores)."""
+    e = self.state
+    return partial.Trajectory(self.group, self.record, self.sample, e.prompt_ids,
+                              np.array(e.token_ids, np.int32),
+                              np.array(e.logprobs, np.float32), self.versions,
+                              _FINISH[e.finish])
+
 
 def _bookkeeping(e: EpisodeState) -> bytes:
   return json.dumps({"turn_start": e.turn_start, "turn_ends": e.turn_ends,
-                     "turn_rewards": e.turn_rewards, "counts": e.counts, "finish": e.finish,
+                     "turn_rewards": e.turn_rewards, "counts": e.counts,
                      "budget_truncated": e.budget_truncated, "env_state": e.env_state}).encode()
 
 
 @flax.struct.dataclass
 class EpisodeBuffer:
-  """Episodes of groups not yet trained on, as fixed-size arrays (`used` marks rows).
-  prompt: i32[capacity, max_prompt]; tokens, versions: i32[capacity, max_tokens]; logprobs:
-  f32[capacity, max_tokens]; policy_mask: bool[capacity, max_tokens]; state: u8[capacity,
-  STATE_BYTES] (JSON, `state_len` bytes of it); the rest [capacity]."""
-  used: jnp.ndarray
-  group: jnp.ndarray
-  record: jnp.ndarray
-  sample: jnp.ndarray
-  prompt_len: jnp.ndarray
-  length: jnp.ndarray
-  state_len: jnp.ndarray
-  prompt: jnp.ndarray
-  tokens: jnp.ndarray
-  logprobs: jnp.ndarray
-  versions: jnp.ndarray
+  """Episodes of groups not yet trained on, as fixed-size arrays. tokens: their tokens,
+  log-probs, versions, groups and finish as single-turn trajectories; row for row beside it,
+  policy_mask: bool[capacity, max_tokens] and state: u8[capacity, STATE_BYTES] (the
+  bookkeeping's JSON, `state_len` i32[capacity] bytes of it)."""
+  tokens: partial.ReplayBuffer
   policy_mask: jnp.ndarray
   state: jnp.ndarray
+  state_len: jnp.ndarray
 
   @classmethod
   def empty(cls, capacity: int, max_prompt: int, max_tokens: int) -> "EpisodeBuffer":
-    zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)
-    return cls(zeros(capacity, dtype=bool), zeros(capacity), zeros(capacity), zeros(capacity),
-               zeros(capacity), zeros(capacity), zeros(capacity), zeros(capacity, max_prompt),
-               zeros(capacity, max_tokens), zeros(capacity, max_tokens, dtype=np.float32),
-               zeros(capacity, max_tokens), zeros(capacity, max_tokens, dtype=bool),
-               zeros(capacity, STATE_BYTES, dtype=np.uint8))
+    return cls(partial.ReplayBuffer.empty(capacity, max_prompt, max_tokens),
+               np.zeros((capacity, max_tokens), bool),
+               np.zeros((capacity, STATE_BYTES), np.uint8), np.zeros(capacity, np.int32))
 
   def trajectories(self, records: Sequence[dict]) -> list[PausedEpisode]:
     """The buffered episodes; `records` is the task's train split (records by index)."""
-    arrays = {k: np.asarray(v) for k, v in vars(self).items()}
+    masks, states = np.asarray(self.policy_mask), np.asarray(self.state)
+    lengths = np.asarray(self.state_len)
     out = []
-    for i in np.flatnonzero(arrays["used"]):
-      n, p, s = (int(arrays[key][i]) for key in ("length", "prompt_len", "state_len"))
-      book = json.loads(arrays["state"][i, :s].tobytes())
-      mask = arrays["policy_mask"][i, :n]
-      record = int(arrays["record"][i])
-      prompt = tuple(int(x) for x in arrays["prompt"][i, :p])
+    # ReplayBuffer.store fills rows 0..n-1 in order, and so does `store` below.
+    for i, t in enumerate(self.tokens.trajectories()):
+      book = json.loads(states[i, :lengths[i]].tobytes())
+      mask = masks[i, :len(t.token_ids)]
       state = EpisodeState(
-          records[record], prompt, book["env_state"], affinity(prompt),
-          token_ids=[int(t) for t in arrays["tokens"][i, :n]],
-          logprobs=[float(x) for x in arrays["logprobs"][i, :n]],
-          versions=[int(v) for v in arrays["versions"][i, :n]],
-          policy_mask=[bool(m) for m in mask], policy_count=int(mask.sum()),
-          turn_start=book["turn_start"], turn_ends=book["turn_ends"],
-          turn_rewards=book["turn_rewards"], counts=book["counts"], finish=book["finish"],
+          records[t.record], t.prompt_ids, book["env_state"], affinity(t.prompt_ids),
+          token_ids=[int(x) for x in t.token_ids], logprobs=[float(x) for x in t.logprobs],
+          versions=[int(v) for v in t.versions], policy_mask=[bool(m) for m in mask],
+          policy_count=int(mask.sum()), turn_start=book["turn_start"],
+          turn_ends=book["turn_ends"], turn_rewards=book["turn_rewards"],
+          counts=book["counts"], finish=_FINISH_OF[t.finish],
           budget_truncated=book["budget_truncated"])
-      out.append(PausedEpisode(int(arrays["group"][i]), record, int(arrays["sample"][i]),
-                               state))
+      out.append(PausedEpisode(t.group, t.record, t.sample, state))
     return out
 
   def store(self, episodes: Sequence[PausedEpisode]) -> "EpisodeBuffer":
     """A buffer holding exactly `episodes`; raises if they do not fit."""
-    capacity, max_prompt = np.asarray(self.prompt).shape
-    max_tokens = np.asarray(self.tokens).shape[1]
-    if len(episodes) > capacity:
-      raise ValueError(f"episode replay buffer: {len(episodes)} episodes waiting, capacity "
-                       f"{capacity}; raise RLConfig.replay_capacity or the token budget")
-    out = {k: np.array(v) for k, v in vars(EpisodeBuffer.empty(capacity, max_prompt,
-                                                                max_tokens)).items()}
+    tokens = self.tokens.store([paused.trajectory() for paused in episodes])
+    masks = np.zeros(self.policy_mask.shape, bool)
+    states = np.zeros(self.state.shape, np.uint8)
+    lengths = np.zeros(self.state_len.shape, np.int32)
     for i, paused in enumerate(episodes):
-      e = paused.state
-      n, p = len(e.token_ids), len(e.prompt_ids)
-      if p > max_prompt or n > max_tokens:
-        raise ValueError(f"episode replay buffer: an episode of {p} prompt + {n} tokens does "
-                         f"not fit [{max_prompt}, {max_tokens}]")
       try:
-        book = _bookkeeping(e)
+        book = _bookkeeping(paused.state)
       except TypeError as error:
-        raise TypeError(f"episode replay buffer: the environment's state {e.env_state!r} is "
-                        f"not JSON-serialisable ({error}); a paused episode keeps it in the "
-                        "checkpoint") from None
+        raise TypeError(f"episode replay buffer: the environment's state "
+                        f"{paused.state.env_state!r} is not JSON-serialisable ({error}); a "
+                        "paused episode keeps it in the checkpoint") from None
       if len(book) > STATE_BYTES:
         raise ValueError(f"episode replay buffer: an episode's state is {len(book)} bytes of "
                          f"JSON, more than rl.envs.replay.STATE_BYTES={STATE_BYTES}")
-      out["used"][i] = True
-      for key, value in (("group", paused.group), ("record", paused.record),
-                         ("sample", paused.sample), ("prompt_len", p), ("length", n),
-                         ("state_len", len(book))):
-        out[key][i] = value
-      out["prompt"][i, :p] = e.prompt_ids
-      out["tokens"][i, :n] = e.token_ids
-      out["logprobs"][i, :n] = e.logprobs
-      out["versions"][i, :n] = e.versions
-      out["policy_mask"][i, :n] = e.policy_mask
-      out["state"][i, :len(book)] = np.frombuffer(book, np.uint8)
-    return EpisodeBuffer(**out)
+      masks[i, :len(paused.state.policy_mask)] = paused.state.policy_mask
+      states[i, :len(book)] = np.frombuffer(book, np.uint8)
+      lengths[i] = len(book)
+    return EpisodeBuffer(tokens, masks, states, lengths)

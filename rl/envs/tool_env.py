@@ -1,16 +1,16 @@
 """ToolEnvironment: the policy calls tools until it answers; the task's verifier scores the
 answer (the outcome reward; no per-turn rewards).
 
-Each turn that ends in a tool call (formats.py) gets the call's result as its observation;
-a turn without a call is the answer and ends the episode, as does a turn cut by its token
-budget (truncated) or a call in the last allowed turn (truncated: no turn is left to use the
-result). Every call runs on a thread of its own with a wall clock; what a tool returns is cut
-to `max_result_tokens` tokens (give or take a merge at the cut, with a BPE tokenizer: the
-observation is encoded whole, as the model's chat template would render it). A tool that raises, hangs past the clock or floods its output
-gives an observation that says so ("error: ...", or the cut output ending in "...") and the
-episode goes on; it never ends the run. A hung in-process tool's thread is abandoned, not
-killed (Python cannot kill a thread): tools that may hang for real run their work in a
-subprocess, as `python` does in the sandbox.
+Each turn that ends in a tool call (formats.py) gets the call's result as its observation; a
+turn without a call is the answer and ends the episode, as does a turn cut by its token budget
+(truncated) or a call in the last allowed turn (truncated: no turn is left to use the result).
+Every call runs on a thread of its own with a wall clock; what a tool returns is cut to
+`max_result_tokens` tokens (give or take a merge at the cut, with a BPE tokenizer: the
+observation is encoded whole, as the model's chat template would render it). A tool that
+raises, hangs past the clock or floods its output gives an observation that says so ("error:
+...", or the cut output ending in "...") and the episode goes on; it never ends the run. A hung
+in-process tool's thread is abandoned, not killed (Python cannot kill a thread): tools that may
+hang for real run their work in a subprocess, as `python` does in the sandbox.
 
 Counters per turn: tool_calls, tool_errors (malformed calls, unknown tools, raised errors),
 tool_timeouts.
@@ -69,8 +69,8 @@ class ToolEnvironment:
       return state, Observation(done=True, truncated=True, counts=counts)
     results = [self._result(self._call(call, counts), tokenizer) for call in calls]
     # One encoding of the whole observation, as a chat template renders it: pieces encoded
-    # apart would split merges at their seams (a result ending in "\n" before "\n</tool_response>"
-    # is one token "\n\n" in Qwen's vocabulary, not two).
+    # apart would split merges at their seams (a result's last "\n" and the framing's first
+    # are one token "\n\n" in Qwen's vocabulary, not two).
     ids = encode_text(tokenizer, self.format.observation_text(results))
     return state, Observation(tuple(ids), counts=counts)
 
