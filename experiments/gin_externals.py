@@ -10,6 +10,7 @@ import gin
 import optax
 
 from models import config
+from models import distributed
 from models import sharding
 from models import tokenizer
 from rl import distill
@@ -35,6 +36,9 @@ long2short = gin.external_configurable(long2short_lib.run, "long2short", module=
 load_model = gin.external_configurable(server.load_model, module="rollouts")
 local_engine = gin.external_configurable(server.local_engine, module="rollouts")
 remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts")
+# Several processes: `initialize.coordinator_address = 'host:port'`, `.num_processes`,
+# `.process_id` (or the JAX_* environment variables); run.py calls it before anything else.
+initialize = gin.external_configurable(distributed.initialize, module="models")
 
 _REGISTERED = {
     "rl": [loop.RLConfig, eval_lib.SampledEval, distill.from_checkpoints],

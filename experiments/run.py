@@ -4,6 +4,11 @@
 Every file and binding is checked before anything is built or compiled: a missing file, an
 unknown configurable or parameter, or an unknown loss name stops the run with a message
 naming it. The operative config is logged and written to RUN_DIR/config.gin.
+
+Several processes (one per host; on CPU, several on one host with simulated devices): start
+the same command in each, with JAX_COORDINATOR_ADDRESS=HOST:PORT (process 0's host),
+JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i set (or the `initialize.*` bindings), and a
+`train.mesh` over all their devices. Process 0 prints and writes; all train.
 """
 
 import argparse
@@ -17,6 +22,7 @@ import gin  # noqa: E402
 from experiments import gin_externals  # noqa: E402
 from models import host_allocator  # noqa: E402
 from models.attention.dispatch import KernelUnavailable  # noqa: E402
+from models.distributed import CoordinatorUnreachable, is_primary  # noqa: E402
 from models.sharding import MeshUnavailable  # noqa: E402
 from rl import ConfigError  # noqa: E402
 
@@ -55,13 +61,21 @@ def main(argv=None):
   host_allocator.keep_freed_memory()  # before JAX starts its CPU backend
   args = parse_args(argv if argv is not None else sys.argv[1:])
   run_dir = load_config(args.gin, args.gin_param, args.run_dir)
-  print(gin.config_str())
+  try:
+    # Before the mesh is built (train.mesh = @make_mesh()): JAX's backend must start knowing
+    # every process.
+    gin_externals.initialize()
+  except (ValueError, CoordinatorUnreachable) as e:
+    raise SystemExit(f"error: {e}") from None
+  if is_primary():
+    print(gin.config_str())
   try:
     summary = gin_externals.train()  # validates its configuration before any compile
   except (ConfigError, KernelUnavailable, MeshUnavailable) as e:
     raise SystemExit(f"error: {e}") from None
-  with open(os.path.join(run_dir, "config.gin"), "w") as f:
-    f.write(gin.operative_config_str())
+  if is_primary():
+    with open(os.path.join(run_dir, "config.gin"), "w") as f:
+      f.write(gin.operative_config_str())
   return summary
 
 

@@ -1,11 +1,23 @@
 """Orbax checkpoints of the whole loop state (params, optimizer, step, RNG, sampler and reward
 state). Owns where and how a run's state is saved and found again; nothing else in rl/ does
-file I/O on state."""
+file I/O on state.
+
+With several processes (models/distributed.py) every process calls save and restore: each
+writes and reads its own shards of the global arrays, and orbax commits a step only once all
+have written (a step directory without its commit is never listed, so a save cut off by a
+kill is never read). The loop's small process-local arrays (step, RNG, sampler and reward
+state: the same on every process) are saved as arrays replicated over all devices and come
+back process-local. A restore reshards to the `like` state's shardings, so a run can resume
+on another number of processes when its mesh fits them.
+"""
 
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from models import distributed
 
 
 class Checkpointer:
@@ -14,12 +26,15 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 2):
     self._manager = ocp.CheckpointManager(
         os.path.abspath(directory),
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        item_handlers=ocp.StandardCheckpointHandler())
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
   def save(self, step: int, state) -> None:
+    if jax.process_count() > 1:
+      state = distributed.replicated(state, _all_devices())
     self._manager.save(step, args=ocp.args.StandardSave(state))
 
   def restore(self, like, step: int | None = None):
@@ -27,20 +42,45 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    multi = jax.process_count() > 1
+    replicated = jax.sharding.NamedSharding(_all_devices(), jax.sharding.PartitionSpec())
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    # Every leaf gets a sharding here: left to orbax, a leaf without one would take the
+    # sharding it was saved with, which names devices of another topology after a change of
+    # processes.
+    def target(x):
+      if multi and not distributed.is_global(x):  # saved replicated over all devices
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+      return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not isinstance(
+          x, jax.Array) else x.dtype, sharding=x.sharding if isinstance(x, jax.Array) else local)
+
+    restored = self._manager.restore(step, args=ocp.args.StandardRestore(
+        jax.tree.map(target, like)))
+    if not multi:
+      return restored
+    return jax.tree.map(lambda x, ref: x if distributed.is_global(ref)
+                        else distributed.process_local(x), restored, like)
 
   def restore_params(self, step: int | None = None):
     """Only the policy params of a saved loop state (for evaluation, no optimizer needed)."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
-    tree = self._manager.restore(step, args=ocp.args.StandardRestore())
+    # Onto this process's first device, whatever mesh and processes saved it.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                            self._manager.item_metadata(step))
+    tree = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
     return tree["train"]["params"]
 
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _all_devices() -> jax.sharding.Mesh:
+  return jax.sharding.Mesh(jax.devices(), ("all",))
 
 
 def save_policy(run_dir: str, params, *, step: int = 0) -> None:

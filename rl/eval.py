@@ -54,6 +54,14 @@ def generate_and_verify(engine: RolloutEngine, task, tokenizer, records: Sequenc
   return score(task, tokenizer, repeated, requests, completions)
 
 
+def concat(parts: Sequence[Scored], limit: int | None = None) -> Scored:
+  """The completions of `parts` in order (the first `limit` of them), as one Scored."""
+  lists = lambda name: [x for p in parts for x in getattr(p, name)][:limit]
+  arrays = lambda name: np.concatenate([getattr(p, name) for p in parts])[:limit]
+  return Scored(lists("prompt_ids"), lists("completions"), lists("texts"), arrays("correct"),
+                arrays("lengths"), arrays("truncated"), arrays("well_formed"), lists("records"))
+
+
 def score(task, tokenizer, records: Sequence[dict], prompts: Sequence[Sequence[int]],
           completions: Sequence[Completion]) -> Scored:
   """Verify each completion against its record (one record per completion)."""

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from models import sharding, transformer
+from models import distributed, sharding, transformer
 from models.attention import dispatch
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
@@ -39,6 +39,7 @@ from rl import monitors as monitors_lib
 from rl import rewards as rewards_lib
 from rl import sampling as sampling_lib
 from rl import sft
+from rl import tasks as tasks_lib
 from rl import checkpoint
 from rl.checkpoint import Checkpointer
 from rl import kl as kl_lib
@@ -152,6 +153,10 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   For an agentic task (one with an `environment`) every rollout is a multi-turn episode
   (rl/envs) that fits a packed row: its observation tokens are out of the loss, its per-turn
   rewards go to batch.turn_rewards, and each step logs the episode_* metrics.
+  With several JAX processes (models/distributed.py) every process runs this generator: each
+  generates for its share of the step's groups on its own `engine` (which then gets a whole
+  copy of the params after each step), the completions are gathered on every process, and
+  the rest of the step is the same computation everywhere, the train step on the global mesh.
   `train_step` comes from rl.train_step.make_train_step; `advantage` names an estimator in
   rl.advantages. Each step makes `config.minibatches` optimizer updates, each on a share of
   whole groups; after the step the engine gets the new weights (version = RL step).
@@ -200,10 +205,13 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       rng, draw_key, gen_key = jax.random.split(rng, 3)
       weights, sampler_state = sampler.update(stats, sampler_state, step=step)
       indices = np.asarray(sampling_lib.draw(draw_key, weights, groups))
-      scored = eval_lib.generate_and_verify(
-          engine, task, tokenizer, [task.train[int(i)] for i in indices], sampling,
-          samples=group_size, seed=int(jax.random.randint(gen_key, (), 0, 2**31 - 1)),
-          max_sequence_tokens=config.seq_len + 1)  # an episode fits its packed row
+      # Each process generates for its share of the groups (all of them when it is alone);
+      # the completions reach every process through JAX's collectives, in group order.
+      seed = int(jax.random.randint(gen_key, (), 0, 2**31 - 1)) + jax.process_index()
+      scored = eval_lib.concat(distributed.gather(eval_lib.generate_and_verify(
+          engine, task, tokenizer, tasks_lib.process_share(task.train, indices), sampling,
+          samples=group_size, seed=seed,
+          max_sequence_tokens=config.seq_len + 1)))  # an episode fits its packed row
       rollouts, reward_state = reward.update(
           _rollouts(scored, groups, np.repeat(indices, group_size)), reward_state, step=step)
       if config.kl_reward_coef:
@@ -280,7 +288,10 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       train_metrics["engine_logp_diff_mean"] = float(per_update[0]["logp_diff_mean"])
       train_metrics["engine_logp_diff_max"] = float(per_update[0]["logp_diff_max"])
     train_s = time.perf_counter() - started
-    sync_s = engine.update_weights(train.params, version=step + 1)
+    # With several processes each one's engine generates alone, on a whole copy of the params.
+    started = time.perf_counter()
+    engine.update_weights(distributed.local_copy(train.params), version=step + 1)
+    sync_s = time.perf_counter() - started
 
     state = LoopState(jnp.int32(step + 1), train, rng, stats, sampler_state, reward_state,
                       replay, jnp.int32(next_group))
@@ -379,6 +390,24 @@ def check_offpolicy_and_partial(config: RLConfig, *, has_abort_engine: bool,
   if not has_abort_engine and not episodes:
     raise ConfigError("RLConfig.partial_rollouts needs an engine that can abort requests "
                       "(train.rollout_engine = @local_engine or @remote_engine)")
+
+
+def check_multiprocess(mesh: Optional[Mesh], config: RLConfig, *, rollout_engine,
+                       init_from: Optional[str], teachers) -> None:
+  """ConfigError for what a run on several JAX processes cannot do (yet): the mesh must span
+  every process's devices, and rollouts are the embedded engine's, on whole steps."""
+  count = jax.process_count()
+  if mesh is None or mesh.devices.size != jax.device_count():
+    raise ConfigError(f"{count} JAX processes with {jax.device_count()} devices in all: "
+                      "train.mesh must span them all (e.g. make_mesh.fsdp = "
+                      f"{jax.device_count()}), got {None if mesh is None else dict(mesh.shape)}")
+  unsupported = {"train.rollout_engine (servers)": rollout_engine is not None,
+                 "RLConfig.partial_rollouts": config.partial_rollouts,
+                 "train.init_from": init_from is not None, "train.teachers": teachers is not None}
+  named = [name for name, on in unsupported.items() if on]
+  if named:
+    raise ConfigError(f"{', '.join(named)}: not supported with {count} JAX processes yet "
+                      "(several processes run the embedded engine, one per process)")
 
 
 def offpolicy_mask(loss_mask, completions, step: int, mode: str) -> list:
@@ -485,12 +514,8 @@ def _select_groups(scored: eval_lib.Scored, rollouts: Rollouts, keep, group_size
 def _concat_groups(parts, groups: int, group_size: int):
   """The first `groups` groups of the rounds' kept groups, as one Scored and one Rollouts."""
   n = groups * group_size
-  cat_list = lambda name: [x for scored, _ in parts for x in getattr(scored, name)][:n]
   cat_array = lambda xs: np.concatenate(xs)[:n]
-  scored = eval_lib.Scored(cat_list("prompt_ids"), cat_list("completions"), cat_list("texts"),
-                           *(cat_array([getattr(s, f) for s, _ in parts])
-                             for f in ("correct", "lengths", "truncated", "well_formed")),
-                           cat_list("records"))
+  scored = eval_lib.concat([s for s, _ in parts], limit=n)
   # num_groups is static pytree metadata: make it equal before mapping over the parts.
   rollouts = jax.tree.map(lambda *xs: jnp.asarray(cat_array(xs)),
                           *[r.replace(num_groups=groups) for _, r in parts])
@@ -555,7 +580,16 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   `tensorboard` writes event files into `run_dir`; `wandb_project` also logs to W&B
   (WANDB_MODE=offline: no network, files under run_dir/wandb). Both get metrics.jsonl's
   numeric fields and histograms of the advantages and completion lengths.
+  Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set, or
+  models.distributed.initialize called first; every process runs `train` with the same
+  arguments): `mesh` spans all their devices, each process makes its own shards of the
+  params and optimizer state and generates for its share of each step's prompts on its own
+  embedded engine, process 0 alone writes metrics, summary, plots and logs, and all take
+  part in every checkpoint. A run resumes on another number of processes when its mesh fits
+  them (the state is resharded on restore).
   """
+  distributed.initialize()  # several processes when the environment says so (JAX_* variables)
+  multi, primary = jax.process_count() > 1, distributed.is_primary()
   tokenizer = tokenizer or CharTokenizer()
   reward = reward or rewards_lib.named_chain({"correctness": rewards_lib.correctness()})
   sampler = sampler or sampling_lib.uniform()
@@ -609,12 +643,18 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
                               episodes=agentic)
   if init_from and not os.path.isdir(os.path.join(init_from, "checkpoints")):
     raise ConfigError(f"train.init_from={init_from!r}: no checkpoints/ directory there")
+  if multi:
+    check_multiprocess(mesh, rl, rollout_engine=rollout_engine, init_from=init_from,
+                       teachers=teachers)
 
   # Teachers load before the warm start: a wrong path or shape fails before anything trains.
   teacher_table = None if teachers is None else teachers(cfg)
 
   mesh_shape = "one device" if mesh is None else dict(mesh.shape)
-  print(f"train step: mesh {mesh_shape}, attention {kernel}")
+  say = print if primary else lambda *args, **kwargs: None  # process 0 alone writes and talks
+  progress = progress and primary
+  say(f"train step: mesh {mesh_shape}, attention {kernel}"
+      + (f", {jax.process_count()} processes" if multi else ""))
   os.makedirs(run_dir, exist_ok=True)
   metrics_path = os.path.join(run_dir, "metrics.jsonl")
   summary_path = os.path.join(run_dir, "summary.json")
@@ -624,17 +664,29 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   evaluate = lambda engine: eval_lib.greedy_eval(
       engine, task, tokenizer, num_records=eval_records, max_new_tokens=rl.max_new_tokens)
 
-  params = transformer.init_params(cfg, jax.random.PRNGKey(seed))
+  key = jax.random.PRNGKey(seed)
+  if mesh is None:
+    params = transformer.init_params(cfg, key)
+  else:  # each process makes only its own shards
+    init = lambda k: transformer.init_params(cfg, k)
+    params = jax.jit(init, out_shardings=sharding.param_shardings(jax.eval_shape(init, key),
+                                                                  mesh))(np.asarray(key))
   state = init_loop_state(params, optimizer, num_prompts=len(task.train), sampler=sampler,
                           reward=reward, seed=seed + 1, config=rl, episodes=agentic)
+  state_shardings, place = None, lambda train: train
+  if mesh is not None:  # params and optimizer moments split over fsdp and tensor
+    sharding.check_sharded(state.train.params, mesh)
+    state_shardings = sharding.state_shardings(state.train, optimizer, mesh)
+    place = lambda train: jax.device_put(distributed.replicated(train, mesh), state_shardings)
+    state = state.replace(train=place(state.train))
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
   resuming = checkpointer.latest_step() is not None
   if resuming:
     state = checkpointer.restore(state)
-    print(f"resuming from {run_dir} at RL step {int(state.step)}")
-    moved = metrics_lib.truncate(metrics_path, int(state.step))
+    say(f"resuming from {run_dir} at RL step {int(state.step)}")
+    moved = metrics_lib.truncate(metrics_path, int(state.step)) if primary else 0
     if moved:
-      print(f"{moved} metrics records after the checkpoint moved to {metrics_path}.discarded")
+      say(f"{moved} metrics records after the checkpoint moved to {metrics_path}.discarded")
     summary.pop("stopped", None)
   else:
     started = time.perf_counter()
@@ -643,23 +695,23 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
         params, sft_loss = checkpoint.load_policy(init_from, like=params), None
       except ValueError as e:
         raise ConfigError(f"train.init_from: {e}") from None
-      print(f"starting from the params of {init_from} (no SFT warm start)")
+      say(f"starting from the params of {init_from} (no SFT warm start)")
     else:
-      with sharding.use(mesh):
-        params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
-                                          batch_size=sft_batch_size,
-                                          learning_rate=sft_learning_rate, seq_len=rl.seq_len,
-                                          seed=seed, progress=progress)
-    state = state.replace(train=init_train_state(params, optimizer))
+      params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
+                                        batch_size=sft_batch_size,
+                                        learning_rate=sft_learning_rate, seq_len=rl.seq_len,
+                                        seed=seed, progress=progress, mesh=mesh)
+    state = state.replace(train=place(init_train_state(params, optimizer)))
     sft_checkpointer.save(0, params)
-    held_out = evaluate(JaxEngine(cfg, params))
+    held_out = evaluate(JaxEngine(cfg, distributed.local_copy(params)))
     summary = {**_prefixed("sft", held_out), "sft_loss": sft_loss,
                "sft_seconds": time.perf_counter() - started, "init_from": init_from}
-    _write_json(summary_path, summary)
-    metrics_lib.append(metrics_path, {"step": 0, **_prefixed("eval", held_out)})
+    if primary:
+      _write_json(summary_path, summary)
+      metrics_lib.append(metrics_path, {"step": 0, **_prefixed("eval", held_out)})
     checkpointer.save(0, state)
-    print(f"{'at the start' if init_from else 'after SFT'}: held-out "
-          f"{_held_out_text(held_out)}")
+    say(f"{'at the start' if init_from else 'after SFT'}: held-out "
+        f"{_held_out_text(held_out)}")
 
   ref_params = reference_logprobs = None
   if losses.uses_reference(loss, loss_hparams) or rl.kl_reward_coef:
@@ -669,19 +721,16 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     logprobs_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
     reference_logprobs = lambda batch: logprobs_fn(reference, cfg, batch)[0]
   sft_checkpointer.close()
-  state_shardings = None
-  if mesh is not None:  # params and optimizer moments split over fsdp and tensor
-    sharding.check_sharded(state.train.params, mesh)
-    state_shardings = sharding.state_shardings(state.train, optimizer, mesh)
-    state = state.replace(train=jax.device_put(state.train, state_shardings))
   monitor = monitors_lib.named_chain(monitors)
   monitor_state = monitor.init()
-  history = metrics_lib.read(metrics_path)
+  # Every process reads process 0's records: all replay the same monitor state.
+  history = distributed.gather(metrics_lib.read(metrics_path) if primary else None)[0]
   for past in history:  # the monitors' state is a function of the records so far
     _, monitor_state = monitor.update(past, monitor_state)
   # Before the engine starts (a server process): a W&B run that cannot start leaks nothing.
   loggers = loggers_lib.Loggers(
-      run_dir, tensorboard=tensorboard, wandb_project=wandb_project,
+      run_dir, tensorboard=tensorboard and primary, wandb_project=wandb_project if primary
+      else None,
       resume_step=int(state.step) if resuming else None,
       config={"loss": loss, "loss_hparams": loss_hparams, "advantage": advantage,
               "rl": dataclasses.asdict(rl), "learning_rate": learning_rate, "seed": seed,
@@ -689,7 +738,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if not resuming:
     loggers.log(history[-1])  # the held-out evaluation at step 0
   if rollout_engine is None:
-    engine = JaxEngine(cfg, state.train.params, version=int(state.step))
+    engine = JaxEngine(cfg, distributed.local_copy(state.train.params), version=int(state.step))
   else:
     engine = rollout_engine(cfg, state.train.params, int(state.step))
     if rl.partial_rollouts and not agentic and not isinstance(engine, SGLangEngine):
@@ -701,6 +750,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     trainer_logprobs = lambda params, batch: policy_fn(params, cfg, batch)[0]
   evaluation_engine = engine if isinstance(engine, JaxEngine) else JaxEngine(
       cfg, state.train.params, version=int(state.step))
+  # Each process evaluates on its whole copy of the params (the same greedy result on all).
+  update_evaluation = lambda step: evaluation_engine.update_weights(
+      distributed.local_copy(state.train.params), step)
   # Donated: one copy of the params and moments less at each update's peak. Nothing here
   # reads a state after its update (an orbax save still reading one keeps it: JAX then
   # copies instead of donating).
@@ -720,7 +772,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
       record = next(steps)
       state, m = record.state, record.metrics
       if eval_every and record.step % eval_every == 0:
-        evaluation_engine.update_weights(state.train.params, record.step)
+        update_evaluation(record.step)
         m.update(_prefixed("eval", evaluate(evaluation_engine)))
         if sampled_eval is not None:
           held_out = [task.test[i] for i in range(eval_records)]
@@ -733,10 +785,12 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
                     if key != "accuracy"})
       alerts, monitor_state = monitor.update(m, monitor_state)
       for alert in alerts:
-        tqdm.write(f"warning [{alert.monitor}] at RL step {record.step}: {alert.message}")
+        if primary:
+          tqdm.write(f"warning [{alert.monitor}] at RL step {record.step}: {alert.message}")
       if alerts:
         m["warnings"] = [alert._asdict() for alert in alerts]
-      metrics_lib.append(metrics_path, m)
+      if primary:
+        metrics_lib.append(metrics_path, m)
       loggers.log(m, {"distribution/advantages": record.advantages,
                       "distribution/completion_length": record.scored.lengths})
       bar.set_postfix(reward=f"{m['reward']:.2f}", acc=f"{m['accuracy']:.2f}",
@@ -756,22 +810,23 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   bar.close()
   checkpointer.close()
   if stopped:
-    print(f"stopped by monitor {stopped['monitor']} at RL step {stopped['step']}: "
-          f"{stopped['message']}. Its checkpoint is saved; running again on {run_dir} resumes "
-          "(the monitor stays quiet until its rule clears)")
+    say(f"stopped by monitor {stopped['monitor']} at RL step {stopped['step']}: "
+        f"{stopped['message']}. Its checkpoint is saved; running again on {run_dir} resumes "
+        "(the monitor stays quiet until its rule clears)")
 
-  evaluation_engine.update_weights(state.train.params, int(state.step))
+  update_evaluation(int(state.step))
   held_out = evaluate(evaluation_engine)
   summary.update(_prefixed("rl", held_out), steps=int(state.step))
   if stopped:
     summary["stopped"] = stopped
-  _write_json(summary_path, summary)
-  metrics_lib.plot(metrics_lib.read(metrics_path), os.path.join(run_dir, "metrics.png"),
-                   title=f"{loss} on {type(task).__name__}")
-  print(f"after RL: held-out {_held_out_text(held_out)}")
+  if primary:
+    _write_json(summary_path, summary)
+    metrics_lib.plot(metrics_lib.read(metrics_path), os.path.join(run_dir, "metrics.png"),
+                     title=f"{loss} on {type(task).__name__}")
+  say(f"after RL: held-out {_held_out_text(held_out)}")
   # The last line: before and after RL, and for an agentic task how many episodes call a tool.
   last = ["accuracy"] + (["tool_calls_rate"] if "rl_tool_calls_rate" in summary else [])
-  print(" ".join(f"{prefix}_{key}={summary.get(f'{prefix}_{key}', float('nan')):.2f}"
+  say(" ".join(f"{prefix}_{key}={summary.get(f'{prefix}_{key}', float('nan')):.2f}"
                  for key in last for prefix in ("sft", "rl")))
   return summary
 

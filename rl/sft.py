@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from models import distributed, sharding
 from models.config import ModelConfig
 from rl import losses
 from rl.envs import encode_text
@@ -44,9 +45,11 @@ def sft_batches(example: Callable[[int], Example], num_examples: int, *, batch_s
 
 def fit(params, cfg: ModelConfig, example: Callable[[int], Example], num_examples: int, *,
         steps: int, batch_size: int = 64, learning_rate: float = 3e-3, seq_len: int = 128,
-        seed: int = 0, progress: bool = True, desc: str = "SFT"):
+        seed: int = 0, progress: bool = True, desc: str = "SFT", mesh=None):
   """`steps` AdamW updates (warm-up, then cosine decay) of the NLL of examples `example(i)`.
-  Returns (params, final loss)."""
+  Returns (params, final loss). With `mesh` (models.sharding.make_mesh) the params and
+  optimizer state are sharded over it and the steps run on it; the examples are drawn alike
+  on every process of a multi-process mesh."""
   if num_examples < 1:
     raise ValueError(f"{desc}: no examples to fit")
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
@@ -54,8 +57,14 @@ def fit(params, cfg: ModelConfig, example: Callable[[int], Example], num_example
                                          max(steps, 2)),
       weight_decay=0.0))
   # Updated in place (donated), from a copy: the caller's `params` stay theirs.
-  step_fn = make_train_step(cfg, optimizer, losses.nll, donate_state=True)
   state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+  shardings = None
+  if mesh is not None:
+    shardings = sharding.state_shardings(state, optimizer, mesh)
+    state = jax.device_put(distributed.replicated(state, mesh), shardings)
+  step_fn = sharding.on_mesh(mesh, make_train_step(cfg, optimizer, losses.nll,
+                                                   state_shardings=shardings,
+                                                   donate_state=True))
   batches = sft_batches(example, num_examples, batch_size=batch_size, seq_len=seq_len,
                         seed=seed)
   loss = float("nan")
@@ -87,13 +96,13 @@ def solution_example(task, tokenizer, record) -> Example:
 
 def warm_start(params, cfg: ModelConfig, task, tokenizer, *, steps: int, batch_size: int = 64,
                learning_rate: float = 3e-3, seq_len: int = 128, seed: int = 0,
-               progress: bool = True):
-  """`fit` on the task's reference solutions (task.train, see `solution_example`). Returns
-  (params, final loss)."""
+               progress: bool = True, mesh=None):
+  """`fit` on the task's reference solutions (task.train, see `solution_example`), on `mesh`
+  when given. Returns (params, final loss)."""
 
   def example(i: int) -> Example:
     return solution_example(task, tokenizer, task.train[i])
 
   return fit(params, cfg, example, len(task.train), steps=steps, batch_size=batch_size,
              learning_rate=learning_rate, seq_len=seq_len, seed=seed, progress=progress,
-             desc="SFT warm start")
+             desc="SFT warm start", mesh=mesh)
