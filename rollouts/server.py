@@ -868,11 +868,13 @@ def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,
 
 
 def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: str = "",
-                 max_in_flight: int = 64, max_batch: int = 64):
+                 max_in_flight: int = 64, max_batch: int = 64, router: bool = False):
   """train.rollout_engine that serves the policy from `servers` subprocesses of this module
   on 127.0.0.1 and talks to them with the SGLang client (rollouts/sglang.py): the production
   path, minus the GPUs. Weights travel through `weights_dir` (default: a temporary
-  directory) as Hugging Face checkpoints."""
+  directory) as Hugging Face checkpoints. `router`: /generate goes through the real
+  sglang-router in front of them (rollouts/router.py), started and stopped with the engine."""
+  from rollouts import router as router_lib
   from rollouts.sglang import SGLangClient, SGLangEngine
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
   os.makedirs(weights_dir, exist_ok=True)
@@ -885,12 +887,16 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
                              "--max_batch", str(max_batch)])
       processes.append(process)
       urls.append(url)
+    router_url = None
+    if router:
+      router_process, router_url = router_lib.launch(urls)
+      processes.append(router_process)
   except BaseException:
     for process in processes:
       process.kill()
     raise
-  engine = SGLangEngine(SGLangClient(urls, max_in_flight=max_in_flight), cfg,
-                        weights_dir=weights_dir, version=version)
+  engine = SGLangEngine(SGLangClient(urls, router=router_url, max_in_flight=max_in_flight),
+                        cfg, weights_dir=weights_dir, version=version)
   engine.processes = processes
   engine.client.check_health()
   return engine

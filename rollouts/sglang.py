@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import aiohttp
 import numpy as np
 
+from rollouts import router as router_lib
 from rollouts.engine import Completion, SamplingParams
 
 FINISH_TYPES = ("stop", "length", "abort")
@@ -165,7 +166,7 @@ class SGLangClient:
   # --- plumbing
 
   async def _call(self, http: aiohttp.ClientSession, server: str, method: str, path: str,
-                  body: dict | None = None) -> Any:
+                  body: dict | None = None, headers: dict | None = None) -> Any:
     """JSON (or None for an empty body) of a call, retried on connection errors and 5xx."""
     last = ""
     for attempt in range(self.retries + 1):
@@ -173,7 +174,7 @@ class SGLangClient:
         await asyncio.sleep(self.retry_backoff * 2 ** (attempt - 1))
       try:
         async with http.request(method, server + path, json=body,
-                                headers=self.headers) as reply:
+                                headers={**self.headers, **(headers or {})}) as reply:
           status, text = reply.status, await reply.text()
       except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         last = f"{type(e).__name__}: {e}"
@@ -214,9 +215,13 @@ class SGLangClient:
                             completed=results)
         server = live[affinity % len(live)]
         limit = limits[server]
+      # Behind the router (--policy manual) the key pins the request to one worker, as
+      # `affinity` does here without one.
+      headers = {"X-SMG-Routing-Key": str(affinity)} if self.router else None
       async with limit:
         try:
-          return server, await self._call(self._http, server, "POST", "/generate", body)
+          return server, await self._call(self._http, server, "POST", "/generate", body,
+                                          headers=headers)
         except ConnectionError as e:
           if self.router:
             raise ServerError(f"router {server} failed: {e}", completed=results) from None
@@ -317,18 +322,20 @@ class SGLangClient:
   def check_health(self) -> None:
     """GET /health on every worker; ServerError naming each one that does not answer 200."""
     async def probe():
-      async def one(url):
-        try:
-          async with self._control.get(url + "/health", headers=self.headers,
-                                    timeout=aiohttp.ClientTimeout(total=30)) as reply:
-            return None if reply.status == 200 else f"HTTP {reply.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-          return f"{type(e).__name__}: {e}"
-      return await asyncio.gather(*(one(u) for u in self.urls))
+      return await asyncio.gather(*(self._unhealthy(u, 30.0) for u in self.urls))
     failures = [f"{u} ({why})" for u, why in zip(self.urls, self._run(probe())) if why]
     if failures:
       raise ServerError("SGLang server(s) not healthy: " + "; ".join(failures))
     self.down.clear()
+
+  async def _unhealthy(self, url: str, timeout: float) -> str | None:
+    """Why GET url/health does not answer 200 (None when it does)."""
+    try:
+      async with self._control.get(url + "/health", headers=self.headers,
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as reply:
+        return None if reply.status == 200 else f"HTTP {reply.status}"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+      return f"{type(e).__name__}: {e}"
 
   def abort(self, rid: str | None = None) -> None:
     """Abort requests whose rid starts with `rid` (all when None); they return partial
@@ -343,8 +350,11 @@ class SGLangClient:
     return self._run(self._each("GET", "/v1/loads"))
 
   def sync_weights(self, model_path: str, version: int) -> float:
-    """Per worker: pause (abort), /update_weights_from_disk with `weight_version`, check
-    success, continue; then check /model_info reports the version. Returns the seconds."""
+    """Per worker, in parallel: pause (abort), /update_weights_from_disk with
+    `weight_version`, check success, continue; then check /model_info reports the version.
+    A worker that cannot be reached is marked down (its requests go elsewhere); a down one
+    that answers /health again is synced too and rejoins at this version. ServerError when
+    no worker could be synced, or one answers but fails the update. Returns the seconds."""
     started = time.perf_counter()
 
     async def sync():
@@ -363,9 +373,33 @@ class SGLangClient:
           raise ServerError(f"{url} reports weight_version "
                             f"{info.get('weight_version') if isinstance(info, dict) else info!r}"
                             f" after the update to {version}")
-      await asyncio.gather(*(one(u) for u in self._live()))
+
+      down = sorted(self.down)
+      back = [u for u, why in zip(down, await asyncio.gather(
+          *(self._unhealthy(u, 5.0) for u in down))) if why is None]
+      self.down -= set(back)
+      targets = self._live()
+      results = await asyncio.gather(*(one(u) for u in targets), return_exceptions=True)
+      for url, result in zip(targets, results):
+        if isinstance(result, ConnectionError):
+          self.down.add(url)
+        elif isinstance(result, BaseException):
+          raise result
+      if not self._live():
+        raise ServerError(f"weight sync to version {version}: no server could be reached "
+                          f"({'; '.join(f'{u}: {r}' for u, r in zip(targets, results))})")
     self._run(sync())
     return time.perf_counter() - started
+
+  def add_worker(self, url: str) -> None:
+    """A new worker: used from the next weight sync on (which loads it with the current
+    version), and registered with the router when there is one."""
+    url = url.rstrip("/")
+    if url not in self.urls:
+      self.urls.append(url)
+      self.down.add(url)  # until the next sync gives it the current weights
+    if self.router:
+      router_lib.add_worker(self.router, url)
 
 
 class SGLangEngine:

@@ -607,3 +607,69 @@ def test_server_from_a_gin_file(tmp_path):
   finally:
     process.kill()
     process.wait()
+
+
+# --- a fleet behind the real sglang-router (rollouts/router.py)
+
+
+def _server_at(path: str, port: int):
+  return launch(["--hf_checkpoint", path, "--port", str(port), "--max_batch", "4"])
+
+
+def test_fleet_behind_the_router_survives_a_dead_server_and_takes_it_back(model):
+  from rollouts import router
+
+  _, _, paths, _ = model
+  started = [launch(["--hf_checkpoint", paths[0], "--max_batch", "4"]) for _ in range(2)]
+  urls = [url for _, url in started]
+  router_process, router_url = router.launch(urls)
+  processes = [p for p, _ in started] + [router_process]
+  try:
+    client = SGLangClient(urls, router=router_url, max_in_flight=4, retries=2,
+                          retry_backoff=0.2)
+    reference = SGLangClient(urls[1:], retries=0)
+    requests = [Request(f"f-{i}", (7, i % 40 + 3), 60, affinity=i) for i in range(12)]
+    # Through the router, tokens and log-probs are the server's own.
+    direct = reference.generate(requests[:2], greedy(60))
+    via = client.generate(requests[:2], greedy(60))
+    for a, b in zip(direct, via):
+      np.testing.assert_array_equal(a.token_ids, b.token_ids)
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    # A server killed mid-iteration: the router re-sends its requests (same rid) elsewhere.
+    thread, out = _generate_in_background(client, requests, greedy(60))
+    assert _wait_for_tokens(urls[0], 20, thread)
+    started[0][0].kill()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and "error" not in out, out.get("error")
+    assert len(out["result"]) == 12 and all(len(c.token_ids) == 60 for c in out["result"])
+    # The weight sync drops the dead server and reaches the live one at the new version.
+    client.sync_weights(paths[1], 1)
+    assert client.down == {urls[0]}
+    assert reference.model_info()[urls[1]]["weight_version"] == "1"
+    # It comes back on its port with the old weights; the next sync brings it to the
+    # current version, and the router routes to it again.
+    port = int(urls[0].rsplit(":", 1)[1])
+    started[0] = _server_at(paths[0], port)
+    processes.append(started[0][0])
+    client.sync_weights(paths[1], 2)
+    assert client.down == set()
+    assert {u: i["weight_version"] for u, i in client.model_info().items()} == \
+        {urls[0]: "2", urls[1]: "2"}
+    deadline = time.monotonic() + 30
+    while not all(w["is_healthy"] for w in router.workers(router_url)):
+      assert time.monotonic() < deadline, router.workers(router_url)
+      time.sleep(0.2)
+    again = client.generate(requests, greedy(8))
+    assert {int(v) for c in again for v in c.versions} == {2}
+    # The router killed: a clear error naming it, with what was received kept.
+    router.stop(router_process)
+    with pytest.raises(ServerError, match=f"router {router_url} failed"):
+      client.generate(requests[:2], greedy(8))
+  finally:
+    client.close()
+    reference.close()
+    router.stop(router_process)
+    for process in processes:
+      if process is not router_process:
+        process.kill()
+        process.wait()
