@@ -2,9 +2,9 @@
 
 One process per host (or, on CPU, per group of simulated devices), one global mesh over all
 their devices (models/sharding.py). Owns `initialize` (jax.distributed, from arguments or the
-environment), the process's share of a list of work items, gathering Python values from every
-process through JAX's collectives, and a process-local copy of globally sharded params (for
-an engine that generates on this process alone). With one process every function here is the
+environment), gathering Python values from every process through JAX's collectives, a
+process-local copy of globally sharded params (for an engine that generates on this process
+alone), and moving the loop's small process-local arrays onto the global mesh and back. With one process every function here is the
 identity or a no-op, so callers need no branch of their own.
 
 Environment (read when an argument is not given): JAX_COORDINATOR_ADDRESS (host:port of
@@ -96,16 +96,6 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
-def share(n: int) -> slice:
-  """This process's contiguous part of n work items (equal parts, the first ones one larger
-  when n does not divide): process order is item order, so gathering the parts in process
-  order gives the items back in order."""
-  count, index = jax.process_count(), jax.process_index()
-  base, extra = divmod(n, count)
-  start = index * base + min(index, extra)
-  return slice(start, start + base + (index < extra))
-
-
 def gather(value: Any) -> list[Any]:
   """`value` from every process, in process order (picklable values; through JAX's
   collectives: first the sizes, then the bytes padded to the largest)."""
@@ -131,7 +121,10 @@ def local_copy(tree):
 
 def replicated(tree, mesh):
   """Process-local arrays of `tree` (the same values on every process) as global arrays
-  replicated over `mesh`; global ones are left as they are."""
+  replicated over `mesh`; global ones are left as they are. One process: the tree as it is
+  (a jit or device_put places local arrays itself, without a replica on every device)."""
+  if jax.process_count() == 1:
+    return tree
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return jax.tree.map(lambda x: x if is_global(x) else jax.device_put(np.asarray(x), sharding),
                       tree)

@@ -33,8 +33,7 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, state) -> None:
-    if jax.process_count() > 1:
-      state = distributed.replicated(state, _all_devices())
+    state = distributed.replicated(state, _all_devices())  # several processes only
     self._manager.save(step, args=ocp.args.StandardSave(state))
 
   def restore(self, like, step: int | None = None):
@@ -51,9 +50,11 @@ class Checkpointer:
     # processes.
     def target(x):
       if multi and not distributed.is_global(x):  # saved replicated over all devices
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
-      return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not isinstance(
-          x, jax.Array) else x.dtype, sharding=x.sharding if isinstance(x, jax.Array) else local)
+        placed = replicated
+      else:
+        placed = x.sharding if isinstance(x, jax.Array) else local
+      dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+      return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=placed)
 
     restored = self._manager.restore(step, args=ocp.args.StandardRestore(
         jax.tree.map(target, like)))

@@ -750,9 +750,10 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     trainer_logprobs = lambda params, batch: policy_fn(params, cfg, batch)[0]
   evaluation_engine = engine if isinstance(engine, JaxEngine) else JaxEngine(
       cfg, state.train.params, version=int(state.step))
-  # Each process evaluates on its whole copy of the params (the same greedy result on all).
-  update_evaluation = lambda step: evaluation_engine.update_weights(
-      distributed.local_copy(state.train.params), step)
+  # The rollout engine already has each step's weights (several processes: a whole copy on
+  # each, which evaluates the same greedy result on all); a separate one gets them here.
+  update_evaluation = (lambda step: None) if evaluation_engine is engine else (
+      lambda step: evaluation_engine.update_weights(state.train.params, step))
   # Donated: one copy of the params and moments less at each update's peak. Nothing here
   # reads a state after its update (an orbax save still reading one keeps it: JAX then
   # copies instead of donating).

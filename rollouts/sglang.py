@@ -392,8 +392,10 @@ class SGLangClient:
     return time.perf_counter() - started
 
   def add_worker(self, url: str) -> None:
-    """A new worker: used from the next weight sync on (which loads it with the current
-    version), and registered with the router when there is one."""
+    """A new worker: this client uses it from the next weight sync on (which loads it with
+    the current version). With a router it is registered there too, and the router routes
+    to it as soon as it answers /health: add one that already serves the current weights,
+    or sync before the next generation."""
     url = url.rstrip("/")
     if url not in self.urls:
       self.urls.append(url)
