@@ -60,8 +60,11 @@ def launch(worker_urls: Sequence[str], *, timeout: float = 60.0
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
   log = tempfile.TemporaryFile("w+")
-  process = subprocess.Popen(command(worker_urls, port=port, metrics_port=_free_port()),
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+  line = command(worker_urls, port=port, metrics_port=_free_port())
+  if sys.platform == "linux":
+    line = [sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()), *line]
+  # Its own session keeps it apart from the trainer's Ctrl-C: the trainer stops it cleanly.
+  process = subprocess.Popen(line, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
   deadline = time.monotonic() + timeout
   while True:
     if process.poll() is not None:
@@ -77,6 +80,14 @@ def launch(worker_urls: Sequence[str], *, timeout: float = 60.0
       raise TimeoutError(f"sglang-router at {url} did not list every worker as healthy within "
                          f"{timeout} s: healthy {sorted(healthy)}, asked for {list(worker_urls)}")
     time.sleep(0.2)
+
+
+# Runs COMMAND so that it gets SIGTERM when the process that started it dies, also by SIGKILL
+# (Linux's PR_SET_PDEATHSIG, 1, kept across exec): a killed trainer leaves no router behind.
+# A small exec-ing launcher rather than a preexec_fn, which would fork a threaded process.
+_EXIT_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                     "os.getppid() == int(sys.argv[1]) or sys.exit('parent gone'); "
+                     "os.execv(sys.argv[2], sys.argv[2:])")
 
 
 def _listening(port: int) -> bool:

@@ -897,7 +897,7 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
     raise
   engine = SGLangEngine(SGLangClient(urls, router=router_url, max_in_flight=max_in_flight),
                         cfg, weights_dir=weights_dir, version=version)
-  engine.processes = processes
+  engine.processes, engine.weights_path = processes, start
   engine.client.check_health()
   return engine
 

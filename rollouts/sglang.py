@@ -319,10 +319,11 @@ class SGLangClient:
       out[url] = reply
     return out
 
-  def check_health(self) -> None:
-    """GET /health on every worker; ServerError naming each one that does not answer 200."""
+  def check_health(self, timeout: float = 30.0) -> None:
+    """GET /health on every worker; ServerError naming each one that does not answer 200
+    within `timeout` seconds."""
     async def probe():
-      return await asyncio.gather(*(self._unhealthy(u, 30.0) for u in self.urls))
+      return await asyncio.gather(*(self._unhealthy(u, timeout) for u in self.urls))
     failures = [f"{u} ({why})" for u, why in zip(self.urls, self._run(probe())) if why]
     if failures:
       raise ServerError("SGLang server(s) not healthy: " + "; ".join(failures))
@@ -358,22 +359,7 @@ class SGLangClient:
     started = time.perf_counter()
 
     async def sync():
-      http = self._control
-
-      async def one(url):
-        await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
-        reply = await self._call(http, url, "POST", "/update_weights_from_disk",
-                                 {"model_path": model_path, "weight_version": str(version),
-                                  "flush_cache": True, "abort_all_requests": False})
-        if not isinstance(reply, dict) or not reply.get("success"):
-          raise ServerError(f"{url}/update_weights_from_disk failed: {reply}")
-        await self._call(http, url, "POST", "/continue_generation", {})
-        info = await self._call(http, url, "GET", "/model_info")
-        if not isinstance(info, dict) or info.get("weight_version") != str(version):
-          raise ServerError(f"{url} reports weight_version "
-                            f"{info.get('weight_version') if isinstance(info, dict) else info!r}"
-                            f" after the update to {version}")
-
+      one = lambda url: self._sync_one(url, model_path, version)
       down = sorted(self.down)
       back = [u for u, why in zip(down, await asyncio.gather(
           *(self._unhealthy(u, 5.0) for u in down))) if why is None]
@@ -391,15 +377,34 @@ class SGLangClient:
     self._run(sync())
     return time.perf_counter() - started
 
-  def add_worker(self, url: str) -> None:
-    """A new worker: this client uses it from the next weight sync on (which loads it with
-    the current version). With a router it is registered there too, and the router routes
-    to it as soon as it answers /health: add one that already serves the current weights,
-    or sync before the next generation."""
+  async def _sync_one(self, url: str, model_path: str, version: int) -> None:
+    """One worker: pause (abort), load `model_path` as `version`, continue, check."""
+    http = self._control
+    await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
+    reply = await self._call(http, url, "POST", "/update_weights_from_disk",
+                             {"model_path": model_path, "weight_version": str(version),
+                              "flush_cache": True, "abort_all_requests": False})
+    if not isinstance(reply, dict) or not reply.get("success"):
+      raise ServerError(f"{url}/update_weights_from_disk failed: {reply}")
+    await self._call(http, url, "POST", "/continue_generation", {})
+    info = await self._call(http, url, "GET", "/model_info")
+    if not isinstance(info, dict) or info.get("weight_version") != str(version):
+      raise ServerError(f"{url} reports weight_version "
+                        f"{info.get('weight_version') if isinstance(info, dict) else info!r}"
+                        f" after the update to {version}")
+
+  def add_worker(self, url: str, model_path: str, version: int) -> None:
+    """A new worker joins at the current weights: it loads `model_path` as `version` first
+    (ServerError, and it is not added, if it cannot), then this client uses it and, with a
+    router, the router is told of it, so that no request reaches it on other weights."""
     url = url.rstrip("/")
+    try:
+      self._run(self._sync_one(url, model_path, version))
+    except ConnectionError as e:
+      raise ServerError(f"new worker {url}: {e}") from None
     if url not in self.urls:
       self.urls.append(url)
-      self.down.add(url)  # until the next sync gives it the current weights
+    self.down.discard(url)
     if self.router:
       router_lib.add_worker(self.router, url)
 
@@ -417,6 +422,7 @@ class SGLangEngine:
     self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
     self._version = version
     self._scored = 0  # scoring calls so far (unique rids)
+    self.weights_path: str | None = None  # the checkpoint of the current version
     self.sync_seconds: list[float] = []
     self.processes: list[subprocess.Popen] = []  # servers this engine started (closed with it)
 
@@ -460,6 +466,12 @@ class SGLangEngine:
                         f"{sorted(stale)}, not {self._version}")
     return [logprobs for logprobs, _ in scored]
 
+  def add_worker(self, url: str) -> None:
+    """A new server (already up at `url`) joins at this engine's current weights."""
+    if self.weights_path is None:
+      raise ServerError(f"add_worker {url}: no weights exported yet to load it with")
+    self.client.add_worker(url, self.weights_path, self._version)
+
   def export(self, params, version: int) -> str:
     from models import hf
     path = os.path.join(self.weights_dir, f"v{version:06d}")
@@ -483,8 +495,9 @@ class SGLangEngine:
   def update_weights(self, params, version: int) -> float:
     """Export, sync every server, and return the seconds the whole update took."""
     started = time.perf_counter()
-    self.client.sync_weights(self.export(params, version), version)
-    self._version = version
+    path = self.export(params, version)
+    self.client.sync_weights(path, version)
+    self._version, self.weights_path = version, path
     seconds = time.perf_counter() - started
     self.sync_seconds.append(seconds)
     return seconds
@@ -492,8 +505,10 @@ class SGLangEngine:
 
 def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
                   router: str | None = None, weights_dir: str = "", copy_from: str | None = None,
-                  max_in_flight: int = 64, read_timeout: float = 3600.0) -> SGLangEngine:
-  """train.rollout_engine for running SGLang servers: checks /health, then loads the
+                  max_in_flight: int = 64, read_timeout: float = 3600.0,
+                  health_timeout: float = 30.0) -> SGLangEngine:
+  """train.rollout_engine for running SGLang servers: checks /health (ServerError naming
+  each server that does not answer 200 within `health_timeout` s), then loads the
   starting weights into every server (written under `weights_dir`, which the servers must
   be able to read at the same path; `copy_from` supplies the tokenizer files)."""
   if not urls or not weights_dir:
@@ -501,7 +516,11 @@ def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
                      "directory they share with the trainer)")
   client = SGLangClient(urls, router=router, max_in_flight=max_in_flight,
                         read_timeout=read_timeout)
-  client.check_health()
+  try:
+    client.check_health(health_timeout)
+  except ServerError:
+    client.close()
+    raise
   engine = SGLangEngine(client, cfg, weights_dir=weights_dir, copy_from=copy_from,
                         version=version)
   engine.update_weights(params, version)

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
 from rollouts.server import launch
 from rollouts.sglang import (Request, SGLangClient, SGLangEngine, ServerError, parse_response,
-                             request_body)
+                             remote_engine, request_body)
 
 SGLANG = "0.5.23"
 REFERENCE_RESPONSE = {  # ../shared/reference/sglang.md section 1.2
@@ -231,6 +232,24 @@ def _wait_for_tokens(url, at_least, thread):
   return False
 
 
+def _busy_server(urls, at_least, thread) -> int:
+  """The index of the first of `urls` seen holding at least `at_least` tokens of running
+  requests while `thread` (the client's) runs."""
+  deadline = time.monotonic() + 120
+  clients = [httpx.Client(base_url=url) for url in urls]
+  try:
+    while thread.is_alive() and time.monotonic() < deadline:
+      for i, http in enumerate(clients):
+        loads = http.get("/v1/loads").json()["loads"][0]
+        if loads["num_running_reqs"] and loads["num_used_tokens"] >= at_least:
+          return i
+      time.sleep(0.001)
+  finally:
+    for http in clients:
+      http.close()
+  raise AssertionError(f"no server of {urls} was seen generating")
+
+
 def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, servers):
   urls, _ = servers
   client = SGLangClient(urls[:1])
@@ -394,6 +413,26 @@ def test_clear_errors_for_down_error_and_wrong_shape(servers):
   with pytest.raises(ServerError, match=rf"{url}/generate answered JSON of the wrong shape"):
     SGLangClient([url]).generate([Request("e-2", (1,), 4)], bad)
   fake.shutdown()
+
+
+def test_a_run_that_cannot_reach_its_server_names_it_within_the_timeout(model, tmp_path):
+  cfg, params, _, _ = model
+  silent = socket.socket()  # accepts connections, never answers
+  silent.bind(("127.0.0.1", 0))
+  silent.listen()
+  closed = socket.socket()
+  closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+  try:
+    for sock in (silent, closed):
+      url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+      started = time.monotonic()
+      with pytest.raises(ServerError, match=rf"not healthy: {url} \("):
+        remote_engine(cfg, params, 0, urls=[url], weights_dir=str(tmp_path),
+                      health_timeout=2.0)
+      assert time.monotonic() - started < 10
+  finally:
+    silent.close()
+    closed.close()
 
 
 def test_partial_rollouts_abort_resume_and_keep_versions(model, servers):
@@ -616,6 +655,15 @@ def _server_at(path: str, port: int):
   return launch(["--hf_checkpoint", path, "--port", str(port), "--max_batch", "4"])
 
 
+def _wait_until_routed(router_url: str, urls) -> None:
+  """Until the router lists every one of `urls` as a healthy worker (at most 30 s)."""
+  from rollouts import router
+  deadline = time.monotonic() + 30
+  while not set(urls) <= {w["url"] for w in router.workers(router_url) if w["is_healthy"]}:
+    assert time.monotonic() < deadline, router.workers(router_url)
+    time.sleep(0.2)
+
+
 def test_fleet_behind_the_router_survives_a_dead_server_and_takes_it_back(model):
   from rollouts import router
 
@@ -637,8 +685,12 @@ def test_fleet_behind_the_router_survives_a_dead_server_and_takes_it_back(model)
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
     # A server killed mid-iteration: the router re-sends its requests (same rid) elsewhere.
     thread, out = _generate_in_background(client, requests, greedy(60))
-    assert _wait_for_tokens(urls[0], 20, thread)
+    busy = _busy_server(urls, 20, thread)  # the router picks the workers: kill a busy one
+    started[0], started[busy] = started[busy], started[0]
+    urls[0], urls[busy] = urls[busy], urls[0]
     started[0][0].kill()
+    reference.close()
+    reference = SGLangClient(urls[1:], retries=0)  # the live one
     thread.join(timeout=120)
     assert not thread.is_alive() and "error" not in out, out.get("error")
     assert len(out["result"]) == 12 and all(len(c.token_ids) == 60 for c in out["result"])
@@ -655,12 +707,17 @@ def test_fleet_behind_the_router_survives_a_dead_server_and_takes_it_back(model)
     assert client.down == set()
     assert {u: i["weight_version"] for u, i in client.model_info().items()} == \
         {urls[0]: "2", urls[1]: "2"}
-    deadline = time.monotonic() + 30
-    while not all(w["is_healthy"] for w in router.workers(router_url)):
-      assert time.monotonic() < deadline, router.workers(router_url)
-      time.sleep(0.2)
+    _wait_until_routed(router_url, urls)
     again = client.generate(requests, greedy(8))
     assert {int(v) for c in again for v in c.versions} == {2}
+    # A new server, started on the old weights, loads the current ones before it joins: the
+    # router lists it, and whatever it is sent comes from version 2.
+    started.append(launch(["--hf_checkpoint", paths[0], "--max_batch", "4"]))
+    processes.append(started[-1][0])
+    client.add_worker(started[-1][1], paths[1], 2)
+    assert client.model_info()[started[-1][1]]["weight_version"] == "2"
+    _wait_until_routed(router_url, [started[-1][1]])  # registered once it answers /health
+    assert {int(v) for c in client.generate(requests, greedy(8)) for v in c.versions} == {2}
     # The router killed: a clear error naming it, with what was received kept.
     router.stop(router_process)
     with pytest.raises(ServerError, match=f"router {router_url} failed"):
