@@ -37,7 +37,8 @@ load_model = gin.external_configurable(server.load_model, module="rollouts")
 local_engine = gin.external_configurable(server.local_engine, module="rollouts")
 remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts")
 # Several processes: `initialize.coordinator_address = 'host:port'`, `.num_processes`,
-# `.process_id` (or the JAX_* environment variables); run.py calls it before anything else.
+# `.process_id` (or the JAX_* environment variables), or `initialize.detect_cluster = True`
+# on a TPU pod slice or under SLURM; run.py calls it before anything else.
 initialize = gin.external_configurable(distributed.initialize, module="models")
 
 _REGISTERED = {

@@ -9,6 +9,9 @@ Several processes (one per host; on CPU, several on one host with simulated devi
 the same command in each, with JAX_COORDINATOR_ADDRESS=HOST:PORT (process 0's host),
 JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i set (or the `initialize.*` bindings), and a
 `train.mesh` over all their devices. Process 0 prints and writes; all train.
+
+A rollout server fleet or router that fails mid-run (every server down, the router gone)
+ends the run with the error and the checkpoint the same command resumes from.
 """
 
 import argparse
@@ -22,9 +25,10 @@ import gin  # noqa: E402
 from experiments import gin_externals  # noqa: E402
 from models import host_allocator  # noqa: E402
 from models.attention.dispatch import KernelUnavailable  # noqa: E402
-from models.distributed import CoordinatorUnreachable, is_primary  # noqa: E402
+from models.distributed import CoordinatorUnreachable, ProcessFailed, is_primary  # noqa: E402
 from models.sharding import MeshUnavailable  # noqa: E402
 from rl import ConfigError  # noqa: E402
+from rollouts.sglang import ServerError  # noqa: E402
 
 
 def parse_args(argv):
@@ -57,6 +61,17 @@ def load_config(files, bindings, run_dir=None):
     raise SystemExit("error: no run directory; bind train.run_dir or pass --run_dir") from None
 
 
+def resume_hint(run_dir: str) -> str:
+  """Where a run that stopped on a fault can resume from."""
+  directory = os.path.join(run_dir, "checkpoints")
+  steps = [int(d) for d in os.listdir(directory) if d.isdigit()] if os.path.isdir(
+      directory) else []
+  if not steps:
+    return "No checkpoint was written; running the same command starts the run again."
+  return (f"The last checkpoint is RL step {max(steps)} in {directory}: running the same "
+          "command resumes from it.")
+
+
 def main(argv=None):
   host_allocator.keep_freed_memory()  # before JAX starts its CPU backend
   args = parse_args(argv if argv is not None else sys.argv[1:])
@@ -73,6 +88,8 @@ def main(argv=None):
     summary = gin_externals.train()  # validates its configuration before any compile
   except (ConfigError, KernelUnavailable, MeshUnavailable) as e:
     raise SystemExit(f"error: {e}") from None
+  except (ServerError, ProcessFailed) as e:  # a fault mid-run: what it was, and how to go on
+    raise SystemExit(f"error: {e}\n{resume_hint(run_dir)}") from None
   if is_primary():
     with open(os.path.join(run_dir, "config.gin"), "w") as f:
       f.write(gin.operative_config_str())

@@ -4,8 +4,9 @@ One process per host (or, on CPU, per group of simulated devices), one global me
 their devices (models/sharding.py). Owns `initialize` (jax.distributed, from arguments or the
 environment), gathering Python values from every process through JAX's collectives, a
 process-local copy of globally sharded params (for an engine that generates on this process
-alone), and moving the loop's small process-local arrays onto the global mesh and back. With one process every function here is the
-identity or a no-op, so callers need no branch of their own.
+alone), one process's error raised on all of them (`checked`), and moving the loop's small
+process-local arrays onto the global mesh and back. With one process every function here is
+the identity or a no-op, so callers need no branch of their own.
 
 Environment (read when an argument is not given): JAX_COORDINATOR_ADDRESS (host:port of
 process 0's coordinator), JAX_NUM_PROCESSES, JAX_PROCESS_ID.
@@ -16,7 +17,7 @@ import pickle
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +29,24 @@ class CoordinatorUnreachable(ConnectionError):
   """A process could not reach the coordinator within its timeout."""
 
 
+class ProcessFailed(RuntimeError):
+  """Another process's part of a step raised: says which process, and its error."""
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, timeout_s: int = 120) -> int:
+               process_id: int | None = None, *, timeout_s: int = 120,
+               detect_cluster: bool = False) -> int:
   """Join the group of `num_processes` processes whose coordinator (process 0) listens on
   `coordinator_address`; returns the number of processes. Nothing given and nothing in the
   environment: one process, nothing done. Must run before JAX starts its backend. On CPU the
   processes' collectives go over gloo (TCP on the coordinator's network). A process other
   than 0 that cannot reach the coordinator within `timeout_s` raises CoordinatorUnreachable
   naming the address; process 0 waits as long for the others (then JAX ends it, its log
-  naming the address it waited on)."""
+  naming the address it waited on).
+  `detect_cluster` (with nothing given or in the environment): JAX reads all three from the
+  cluster it runs in (a Cloud TPU pod slice, SLURM, Open MPI, ...; jax.distributed.initialize's
+  own detection). Off by default: a shell inside a SLURM allocation would otherwise wait for
+  processes that never start."""
   coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
   if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
     num_processes = int(os.environ["JAX_NUM_PROCESSES"])
@@ -45,7 +55,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
            "process_id": process_id}
   if all(v is None for v in given.values()):
-    return 1
+    if detect_cluster and not jax.distributed.is_initialized():
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      jax.distributed.initialize(initialization_timeout=timeout_s)
+    return jax.process_count() if detect_cluster else 1
   missing = [k for k, v in given.items() if v is None]
   if missing:
     raise ValueError(f"distributed initialize: {missing} not set (give all three of "
@@ -109,14 +122,42 @@ def gather(value: Any) -> list[Any]:
   return [pickle.loads(everyone[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
 
 
+def checked(fn: Callable[[], Any]) -> Any:
+  """fn() on this process, returned once every process's fn() has returned. When one
+  raises, every process raises: that one its own error, the others ProcessFailed naming it
+  (rather than waiting forever in the next collective for a process that has left). Wrap
+  the parts one process may fail alone (process 0's calls to the rollout servers)."""
+  if jax.process_count() == 1:
+    return fn()
+  try:
+    value, error = fn(), None
+  except Exception as e:  # noqa: BLE001 - every error must reach the other processes
+    value, error = None, e
+  failures = gather(None if error is None else f"{type(error).__name__}: {error}")
+  if error is not None:
+    raise error
+  failed = [(i, text) for i, text in enumerate(failures) if text]
+  if failed:
+    raise ProcessFailed(f"JAX process {failed[0][0]} of {len(failures)} failed: "
+                        f"{failed[0][1]}")
+  return value
+
+
+def host_copy(tree):
+  """Arrays of `tree` (jit outputs: global arrays with several processes) as whole numpy
+  arrays on every process; all must call this together."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def local_copy(tree):
   """`tree` whole on this process's first device: globally sharded arrays are gathered from
   every process (all must call this together). One process: the tree as it is."""
   if jax.process_count() == 1:
     return tree
-  host = multihost_utils.process_allgather(tree, tiled=True)
   device = jax.local_devices()[0]
-  return jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), device), host)
+  return jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), device), host_copy(tree))
 
 
 def replicated(tree, mesh):

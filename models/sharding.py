@@ -1,6 +1,7 @@
 """Device meshes, logical axis names and the one table that maps them to mesh axes.
 
-Owns the mesh axes and how a run enters a mesh. The axes are, outermost first:
+Owns the mesh axes, how a run enters a mesh, and where a batch's rows go on it. The axes
+are, outermost first:
   data     replicas that each see different rows
   fsdp     rows split like data; parameters (and optimizer state) sharded across it
   tensor   attention heads, MLP columns and the vocabulary split
@@ -15,6 +16,7 @@ import contextlib
 import functools
 import math
 import jax
+import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -70,6 +72,18 @@ def on_mesh(mesh: Mesh | None, fn):
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def place_rows(tree, mesh: Mesh):
+  """Host arrays whose first dimension is rows (a TrainBatch), the same on every process, as
+  global arrays with their rows split over data and fsdp (as BATCH). Each process builds
+  only the rows of its own devices (jax.make_array_from_callback), so none transfers the
+  whole batch; with one process the rows go straight to their devices."""
+  def place(x):
+    x = np.asarray(x)
+    target = NamedSharding(mesh, spec((BATCH,) + (None,) * (x.ndim - 1), x.shape, mesh))
+    return jax.make_array_from_callback(x.shape, target, lambda index: x[index])
+  return jax.tree.map(place, tree)
 
 
 def spec(logical_axes, shape, mesh) -> P:

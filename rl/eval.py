@@ -12,7 +12,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from models import distributed
 from rl import envs
+from rl import tasks
 from rollouts.engine import Completion, RolloutEngine, SamplingParams
 
 
@@ -87,7 +89,9 @@ def greedy_eval(engine: RolloutEngine, task, tokenizer, *, num_records: int,
                 ) -> dict[str, float]:
   """Greedy decoding over the first `num_records` of `split`: {"accuracy", "length" (the mean
   of the policy's tokens)}, and for an agentic task the episode metrics without their
-  "episode_" prefix (rl.envs.episode_metrics: turns, tool_calls, tool_calls_rate, ...)."""
+  "episode_" prefix (rl.envs.episode_metrics: turns, tool_calls, tool_calls_rate, ...).
+  With several JAX processes all call it together, each with an engine of its own: each
+  decodes its share of the records (rl.tasks.process_share) and the results are gathered."""
   source = getattr(task, split)
   if num_records > len(source):
     raise ValueError(f"greedy_eval: {num_records} records asked, the {split} split has "
@@ -96,8 +100,9 @@ def greedy_eval(engine: RolloutEngine, task, tokenizer, *, num_records: int,
                             stop_token_ids=(tokenizer.eos_id,))
   correct, lengths, completions = [], [], []
   for start in range(0, num_records, batch_size):
-    records = [source[i] for i in range(start, min(start + batch_size, num_records))]
-    scored = generate_and_verify(engine, task, tokenizer, records, sampling)
+    records = tasks.process_share(source, range(start, min(start + batch_size, num_records)))
+    part = generate_and_verify(engine, task, tokenizer, records, sampling) if records else None
+    scored = concat([p for p in distributed.gather(part) if p is not None])
     correct.append(scored.correct)
     lengths.append(scored.lengths)
     completions += scored.completions

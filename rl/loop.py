@@ -153,10 +153,13 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   For an agentic task (one with an `environment`) every rollout is a multi-turn episode
   (rl/envs) that fits a packed row: its observation tokens are out of the loss, its per-turn
   rewards go to batch.turn_rewards, and each step logs the episode_* metrics.
-  With several JAX processes (models/distributed.py) every process runs this generator: each
-  generates for its share of the step's groups on its own `engine` (which then gets a whole
-  copy of the params after each step), the completions are gathered on every process, and
-  the rest of the step is the same computation everywhere, the train step on the global mesh.
+  With several JAX processes (models/distributed.py) every process runs this generator: with
+  an embedded JaxEngine on each, each generates for its share of the step's groups (its
+  engine then gets a whole copy of the params after each step); with servers, process 0's
+  `engine` generates for all of them and syncs the servers' weights, the others passing
+  None. The completions are gathered on every process, and the rest of the step is the same
+  computation everywhere, the train step on the global mesh. An error in process 0's calls
+  to the servers is raised on every process (models.distributed.checked).
   `train_step` comes from rl.train_step.make_train_step; `advantage` names an estimator in
   rl.advantages. Each step makes `config.minibatches` optimizer updates, each on a share of
   whole groups; after the step the engine gets the new weights (version = RL step).
@@ -205,13 +208,14 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       rng, draw_key, gen_key = jax.random.split(rng, 3)
       weights, sampler_state = sampler.update(stats, sampler_state, step=step)
       indices = np.asarray(sampling_lib.draw(draw_key, weights, groups))
-      # Each process generates for its share of the groups (all of them when it is alone);
-      # the completions reach every process through JAX's collectives, in group order.
+      # Each process generates for its share of the groups (_generation_share); the
+      # completions reach every process through JAX's collectives, in group order.
       seed = int(jax.random.randint(gen_key, (), 0, 2**31 - 1)) + jax.process_index()
-      scored = eval_lib.concat(distributed.gather(eval_lib.generate_and_verify(
-          engine, task, tokenizer, tasks_lib.process_share(task.train, indices), sampling,
-          samples=group_size, seed=seed,
-          max_sequence_tokens=config.seq_len + 1)))  # an episode fits its packed row
+      records = _generation_share(engine, task.train, indices)
+      part = distributed.checked(lambda: eval_lib.generate_and_verify(
+          engine, task, tokenizer, records, sampling, samples=group_size, seed=seed,
+          max_sequence_tokens=config.seq_len + 1) if records else None)  # episodes fit a row
+      scored = eval_lib.concat([p for p in distributed.gather(part) if p is not None])
       rollouts, reward_state = reward.update(
           _rollouts(scored, groups, np.repeat(indices, group_size)), reward_state, step=step)
       if config.kl_reward_coef:
@@ -288,9 +292,10 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       train_metrics["engine_logp_diff_mean"] = float(per_update[0]["logp_diff_mean"])
       train_metrics["engine_logp_diff_max"] = float(per_update[0]["logp_diff_max"])
     train_s = time.perf_counter() - started
-    # With several processes each one's engine generates alone, on a whole copy of the params.
+    # With several processes an engine generates alone, on a whole copy of the params.
     started = time.perf_counter()
-    engine.update_weights(distributed.local_copy(train.params), version=step + 1)
+    whole = distributed.local_copy(train.params)
+    distributed.checked(lambda: engine and engine.update_weights(whole, version=step + 1))
     sync_s = time.perf_counter() - started
 
     state = LoopState(jnp.int32(step + 1), train, rng, stats, sampler_state, reward_state,
@@ -306,6 +311,15 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
                **partial_metrics, **teacher_metrics,
                **envs.episode_metrics(scored.completions), **train_metrics}
     yield StepRecord(step + 1, state, metrics, scored, rewards, adv)
+
+
+def _generation_share(engine: Optional[RolloutEngine], source, indices) -> list[dict]:
+  """The records of `indices` this process generates for: with an embedded engine on every
+  process its grain share (rl.tasks.process_share); with servers, which process 0 alone
+  drives (the others have no engine), all of them on process 0 and none elsewhere."""
+  if isinstance(engine, JaxEngine):
+    return tasks_lib.process_share(source, indices)
+  return [source[int(i)] for i in indices] if distributed.is_primary() else []
 
 
 def _partial_rollouts(engine, task, tokenizer, sampling, config: RLConfig,
@@ -392,22 +406,21 @@ def check_offpolicy_and_partial(config: RLConfig, *, has_abort_engine: bool,
                       "(train.rollout_engine = @local_engine or @remote_engine)")
 
 
-def check_multiprocess(mesh: Optional[Mesh], config: RLConfig, *, rollout_engine,
-                       init_from: Optional[str], teachers) -> None:
+def check_multiprocess(mesh: Optional[Mesh], config: RLConfig, *, init_from: Optional[str],
+                       teachers) -> None:
   """ConfigError for what a run on several JAX processes cannot do (yet): the mesh must span
-  every process's devices, and rollouts are the embedded engine's, on whole steps."""
+  every process's devices, and rollouts are whole steps, from a fresh start."""
   count = jax.process_count()
   if mesh is None or mesh.devices.size != jax.device_count():
     raise ConfigError(f"{count} JAX processes with {jax.device_count()} devices in all: "
                       "train.mesh must span them all (e.g. make_mesh.fsdp = "
                       f"{jax.device_count()}), got {None if mesh is None else dict(mesh.shape)}")
-  unsupported = {"train.rollout_engine (servers)": rollout_engine is not None,
-                 "RLConfig.partial_rollouts": config.partial_rollouts,
+  unsupported = {"RLConfig.partial_rollouts": config.partial_rollouts,
                  "train.init_from": init_from is not None, "train.teachers": teachers is not None}
   named = [name for name, on in unsupported.items() if on]
   if named:
     raise ConfigError(f"{', '.join(named)}: not supported with {count} JAX processes yet "
-                      "(several processes run the embedded engine, one per process)")
+                      "(several processes generate whole steps)")
 
 
 def offpolicy_mask(loss_mask, completions, step: int, mode: str) -> list:
@@ -583,9 +596,10 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set, or
   models.distributed.initialize called first; every process runs `train` with the same
   arguments): `mesh` spans all their devices, each process makes its own shards of the
-  params and optimizer state and generates for its share of each step's prompts on its own
-  embedded engine, process 0 alone writes metrics, summary, plots and logs, and all take
-  part in every checkpoint. A run resumes on another number of processes when its mesh fits
+  params, optimizer state and batches and generates for its share of each step's prompts on
+  its own embedded engine (with `rollout_engine`, process 0 alone makes the engine and
+  drives the servers for all), process 0 alone writes metrics, summary, plots and logs, and
+  all take part in every checkpoint. A run resumes on another number of processes when its mesh fits
   them (the state is resharded on restore).
   """
   distributed.initialize()  # several processes when the environment says so (JAX_* variables)
@@ -644,8 +658,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if init_from and not os.path.isdir(os.path.join(init_from, "checkpoints")):
     raise ConfigError(f"train.init_from={init_from!r}: no checkpoints/ directory there")
   if multi:
-    check_multiprocess(mesh, rl, rollout_engine=rollout_engine, init_from=init_from,
-                       teachers=teachers)
+    check_multiprocess(mesh, rl, init_from=init_from, teachers=teachers)
 
   # Teachers load before the warm start: a wrong path or shape fails before anything trains.
   teacher_table = None if teachers is None else teachers(cfg)
@@ -674,6 +687,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   state = init_loop_state(params, optimizer, num_prompts=len(task.train), sampler=sampler,
                           reward=reward, seed=seed + 1, config=rl, episodes=agentic)
   state_shardings, place = None, lambda train: train
+  # Each process puts only its own rows of a batch on the mesh.
+  place_rows = (lambda batch: batch) if mesh is None else (
+      lambda batch: sharding.place_rows(batch, mesh))
   if mesh is not None:  # params and optimizer moments split over fsdp and tensor
     sharding.check_sharded(state.train.params, mesh)
     state_shardings = sharding.state_shardings(state.train, optimizer, mesh)
@@ -719,7 +735,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     ref_params = reference if losses.uses_reference(loss, loss_hparams) else None
     # Params go in as an argument: closing over them would bake them into the executable.
     logprobs_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
-    reference_logprobs = lambda batch: logprobs_fn(reference, cfg, batch)[0]
+    reference_logprobs = lambda batch: distributed.host_copy(
+        logprobs_fn(reference, cfg, place_rows(batch))[0])
   sft_checkpointer.close()
   monitor = monitors_lib.named_chain(monitors)
   monitor_state = monitor.init()
@@ -737,29 +754,35 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
               "init_from": init_from})
   if not resuming:
     loggers.log(history[-1])  # the held-out evaluation at step 0
+  whole = distributed.local_copy(state.train.params)
   if rollout_engine is None:
-    engine = JaxEngine(cfg, distributed.local_copy(state.train.params), version=int(state.step))
-  else:
-    engine = rollout_engine(cfg, state.train.params, int(state.step))
+    engine = JaxEngine(cfg, whole, version=int(state.step))
+  else:  # servers: process 0 alone talks to them (rl_steps)
+    engine = distributed.checked(lambda: rollout_engine(cfg, whole, int(state.step))
+                                 if primary else None)
     if rl.partial_rollouts and not agentic and not isinstance(engine, SGLangEngine):
       raise ConfigError(f"RLConfig.partial_rollouts needs an SGLangEngine, got "
                         f"{type(engine).__name__}")
   trainer_logprobs = None
   if rl.offpolicy_tokens in ("tis", "trust_region"):
     policy_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
-    trainer_logprobs = lambda params, batch: policy_fn(params, cfg, batch)[0]
+    trainer_logprobs = lambda params, batch: distributed.host_copy(
+        policy_fn(params, cfg, place_rows(batch))[0])
   evaluation_engine = engine if isinstance(engine, JaxEngine) else JaxEngine(
-      cfg, state.train.params, version=int(state.step))
+      cfg, whole, version=int(state.step))
+  del whole
   # The rollout engine already has each step's weights (several processes: a whole copy on
-  # each, which evaluates the same greedy result on all); a separate one gets them here.
+  # each); a separate one gets them here.
   update_evaluation = (lambda step: None) if evaluation_engine is engine else (
-      lambda step: evaluation_engine.update_weights(state.train.params, step))
+      lambda step: evaluation_engine.update_weights(distributed.local_copy(state.train.params),
+                                                    step))
   # Donated: one copy of the params and moments less at each update's peak. Nothing here
   # reads a state after its update (an orbax save still reading one keeps it: JAX then
   # copies instead of donating).
-  train_step = sharding.on_mesh(
+  step_fn = sharding.on_mesh(
       mesh, make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches,
                             state_shardings=state_shardings, donate_state=True))
+  train_step = lambda train, batch, ref: step_fn(train, place_rows(batch), ref)
   steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
                    advantage=advantage, reward=reward, sampler=sampler,
                    config=rl, ref_params=ref_params, reference_logprobs=reference_logprobs,
@@ -804,7 +827,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
         stopped = {"step": record.step, **stops[0]._asdict()}
         break
   finally:  # server processes end with the loop, also when it fails
-    engine.close()
+    if engine is not None:
+      engine.close()
     loggers.close()
     if teacher_table is not None:
       teacher_table.close()

@@ -80,3 +80,16 @@ def test_adamw_moments_are_sharded_like_their_params(params):
   mu = placed.opt_state[0].mu["layers_1"]["self_attn"]["o_proj"]["kernel"]
   assert mu.sharding.spec == jax.sharding.PartitionSpec("tensor", None, "fsdp")
   assert placed.opt_state[0].count.sharding.spec == jax.sharding.PartitionSpec()
+
+
+def test_place_rows_puts_each_devices_rows_on_it():
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  tokens = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+  placed = sharding.place_rows({"tokens": tokens, "odd": tokens[:6]}, mesh)
+  np.testing.assert_array_equal(np.asarray(placed["tokens"]), tokens)
+  # Rows over data x fsdp (4 parts of 2 rows), the same rows on both tensor devices.
+  for shard in placed["tokens"].addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), tokens[shard.index])
+    assert shard.data.shape == (2, 3)
+  # 6 rows do not split 4 ways: only the data axis (2) splits them.
+  assert {s.data.shape for s in placed["odd"].addressable_shards} == {(3, 3)}
