@@ -3,7 +3,8 @@
   python bench/gpu_sglang_checks.py URL WEIGHTS_DIR API_TYPES_PY
 
 WEIGHTS_DIR holds v000000 (what the server was started with) and v000001 (other weights),
-both tiny random Qwen2 checkpoints written by the script. Prints one line per check and exits
+both tiny random Qwen2 checkpoints written by the script. The last checks put the real
+sglang-router (from .venv's test extra) in front of the server. Prints one line per check and exits
 non-zero if any fails.
 """
 
@@ -106,6 +107,22 @@ def main(url, weights_dir, api_types_path):
   check("abort returns partial output", first.finish_reason == "abort" and
         0 < len(first.token_ids) < 2000, f"{len(first.token_ids)} tokens")
   check("resume equals uninterrupted", joined == whole.token_ids.tolist())
+  # Behind the real sglang-router (rollouts/router.py, the flags the trainer uses): the same
+  # greedy tokens as straight from the server; a weight sync still reaches the worker.
+  from rollouts import router
+  router_process, router_url = router.launch([url])
+  try:
+    routed = SGLangClient([url], router=router_url)
+    via = routed.generate([Request(f"routed-{i}", tuple(p), 32) for i, p in
+                           enumerate(PROMPTS)], greedy)
+    check("through sglang-router: tokens equal the server's",
+          [v.token_ids.tolist() for v in via] == [a.token_ids.tolist() for a in after])
+    seconds = routed.sync_weights(v0, 2)
+    check("through sglang-router: weight sync", routed.model_info()[url].get(
+        "weight_version") == "2", f"{seconds:.2f} s")
+    routed.close()
+  finally:
+    router.stop(router_process)
   print(json.dumps({"failures": failures}))
   sys.exit(1 if failures else 0)
 

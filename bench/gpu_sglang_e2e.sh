@@ -2,7 +2,8 @@
 # End-to-end checks of the SGLang path on a GPU machine (not part of CI):
 #   bash bench/gpu_sglang_e2e.sh
 # Writes a tiny random Qwen2 checkpoint, starts a real SGLang server on it, and runs the
-# contract, log-prob parity, refit and abort/resume checks (bench/gpu_sglang_checks.py).
+# contract, log-prob parity, refit and abort/resume checks, then generation and a refit through
+# the real sglang-router (bench/gpu_sglang_checks.py).
 #
 # SGLang comes from SGLANG_PYTHON (an interpreter that can `import sglang`, default: a venv
 # made here in bench/.venvs/sglang) installed from SGLANG_WHEELS (a directory of wheels, for
