@@ -8,6 +8,7 @@ their lengths, and so the token budgets of `sampled_eval`, count the policy's to
 """
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,12 +38,15 @@ def prompt_ids(task, tokenizer, record: dict[str, Any]) -> list[int]:
 
 def generate_and_verify(engine: RolloutEngine, task, tokenizer, records: Sequence[dict],
                         sampling: SamplingParams, *, samples: int = 1, seed: int = 0,
-                        max_sequence_tokens: int | None = None) -> Scored:
+                        max_sequence_tokens: int | None = None,
+                        timings: dict[str, float] | None = None) -> Scored:
   """`samples` completions per record, verified. A task with an `environment` (agentic:
   rl/tasks/agentic.py) gets multi-turn episodes instead (rl/envs/driver.py), with
   sampling.max_new_tokens their budget of policy tokens and `max_sequence_tokens` the most
   tokens a prompt and its episode may hold (the packed row's room; single-turn completions
-  ignore it)."""
+  ignore it). `timings`, when given, gets the seconds of both parts added to its
+  "generate_s" and "verify_s" (an episode's tool calls count as generation)."""
+  started = time.perf_counter()
   prompts = [prompt_ids(task, tokenizer, r) for r in records]
   requests = [p for p in prompts for _ in range(samples)]
   repeated = [r for r in records for _ in range(samples)]
@@ -53,7 +57,12 @@ def generate_and_verify(engine: RolloutEngine, task, tokenizer, records: Sequenc
     completions = envs.run_episodes(engine, environment, tokenizer, repeated, requests,
                                     sampling, seed=seed,
                                     max_sequence_tokens=max_sequence_tokens)
-  return score(task, tokenizer, repeated, requests, completions)
+  generated = time.perf_counter()
+  scored = score(task, tokenizer, repeated, requests, completions)
+  if timings is not None:
+    timings["generate_s"] = timings.get("generate_s", 0.0) + generated - started
+    timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - generated
+  return scored
 
 
 def concat(parts: Sequence[Scored], limit: int | None = None) -> Scored:

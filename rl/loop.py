@@ -1,8 +1,9 @@
 """The RL loop: a Python generator of steps, and `train`, the run around it.
 
 Owns the order of one RL step (draw prompts -> generate -> verify -> reward transforms ->
-advantages -> pack -> train step -> weight sync -> prompt statistics) and, in `train`, a run
-directory: SFT warm start, held-out evaluation, orbax checkpoints, metrics.jsonl, the plot,
+advantages -> pack -> train step -> weight sync -> prompt statistics), rollouts made ahead
+of the trainer within a bound on their staleness (RLConfig.max_staleness), and, in `train`,
+a run directory: SFT warm start, held-out evaluation, orbax checkpoints, metrics.jsonl, the plot,
 TensorBoard / W&B logging (rl/loggers.py), the collapse monitors' warnings and stops
 (rl/monitors.py), and resuming from the last checkpoint. The generator does no I/O, so a
 notebook can drive it a few steps at a time; `train` adds the I/O.
@@ -12,6 +13,8 @@ import dataclasses
 import importlib.util
 import json
 import os
+import queue
+import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -107,6 +110,13 @@ class RLConfig:
   offpolicy_tokens: str = "keep"
   tis_cap: float = 2.0
   trust_region: tuple[float, float] = (-1.0, 1.0)
+  # Rollouts ahead of the trainer (AReaL, slime, verl's one-step-off): step t + 1's (up to
+  # t + max_staleness's) generation and verification run on a thread while step t trains,
+  # on the engine's own copy of the weights; no token trained at step t is older than
+  # version t - max_staleness (metrics: staleness_max). 0: lockstep, each step's rollouts
+  # from the weights it trains. offpolicy_tokens applies to the stale tokens as to partial
+  # rollouts' ("tis" reweights them). The embedded engine only (servers: not yet).
+  max_staleness: int = 0
 
 
 @dataclasses.dataclass
@@ -118,6 +128,76 @@ class StepRecord:
   scored: eval_lib.Scored
   rewards: np.ndarray  # f32[completions]
   advantages: np.ndarray  # f32[completions], before the per-token broadcast
+
+
+@dataclasses.dataclass
+class _StepRollouts:
+  """One step's rollouts, made before its update (in lockstep, or ahead of it): the scored
+  completions, their rewards, and the loop state with its rollout side (rng, prompt
+  statistics, sampler, reward and replay state) advanced past them."""
+  scored: eval_lib.Scored
+  rollouts: Rollouts
+  num_groups: int
+  state: LoopState
+  metrics: dict[str, float]  # generate_s, verify_s, score_s, generation_rounds, partial_*
+
+
+class RolloutsFailed(RuntimeError):
+  """Making rollouts ahead of the trainer failed (the engine crashed): says at which step."""
+
+
+class _RolloutsAhead:
+  """Makes each step's rollouts on a thread of its own while earlier steps train: step p's
+  start once the engine holds weights of version >= p - max_staleness, so no token trained
+  at step p is older than that (the engine's generate reads its weights once per call)."""
+
+  def __init__(self, roll_out: Callable, state: LoopState, max_staleness: int):
+    self._roll_out, self._max_staleness = roll_out, max_staleness
+    self._made: queue.Queue = queue.Queue()
+    self._version = int(state.step)  # the engine's weights
+    self._changed = threading.Condition()
+    self._stopped = False
+    threading.Thread(target=self._run, args=(state,), daemon=True,
+                     name="rollouts-ahead").start()
+
+  def _run(self, state: LoopState) -> None:
+    step = int(state.step)
+    try:
+      while True:
+        waiting = time.perf_counter()
+        with self._changed:
+          self._changed.wait_for(
+              lambda: self._stopped or self._version >= step - self._max_staleness)
+          if self._stopped:
+            return
+        waited = time.perf_counter() - waiting
+        made = self._roll_out(state, step)
+        made.metrics["engine_idle_s"] = waited
+        self._made.put(made)
+        state, step = made.state, step + 1
+    except Exception as e:  # noqa: BLE001 - raised on the trainer's thread by next()
+      self._made.put((step, e))
+
+  def next(self, step: int) -> _StepRollouts:
+    """Step `step`'s rollouts, once made; RolloutsFailed if making them failed."""
+    made = self._made.get()
+    if isinstance(made, tuple):
+      failed_step, error = made
+      raise RolloutsFailed(f"rollouts for RL step {failed_step + 1}, made ahead of the "
+                           f"trainer, failed: {type(error).__name__}: {error}") from error
+    return made
+
+  def synced(self, version: int) -> None:
+    """The engine now holds weights of `version`."""
+    with self._changed:
+      self._version = version
+      self._changed.notify_all()
+
+  def stop(self) -> None:
+    """No more steps are started (one being made finishes and is dropped)."""
+    with self._changed:
+      self._stopped = True
+      self._changed.notify_all()
 
 
 def init_loop_state(params, optimizer, *, num_prompts: int, sampler, reward, seed: int,
@@ -163,6 +243,12 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   `train_step` comes from rl.train_step.make_train_step; `advantage` names an estimator in
   rl.advantages. Each step makes `config.minibatches` optimizer updates, each on a share of
   whole groups; after the step the engine gets the new weights (version = RL step).
+  With config.max_staleness > 0 the rollouts of the next steps (up to max_staleness
+  ahead) are made on a thread while a step trains; the engine gets its own copy of each
+  step's weights, and a failure there raises RolloutsFailed here. Close the generator
+  (`.close()`) to stop that thread. Each StepRecord's metrics break the step's time down:
+  generate_s, verify_s, score_s (drawing prompts, reward transforms, statistics), pack_s,
+  train_s, weight_sync_s, and trainer_idle_s / engine_idle_s, how long each waited.
   A `train_step` made with donate_state=True (as `train` makes it) updates the state in
   place: the state of an earlier StepRecord, and the engine's weights until the step's
   update_weights, are then deleted arrays. Keep copies (jax.tree.map(jnp.copy, ...)) of the
@@ -179,13 +265,15 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   if config.offpolicy_tokens in ("tis", "trust_region") and trainer_logprobs is None:
     raise ValueError(f"RLConfig.offpolicy_tokens={config.offpolicy_tokens!r} needs "
                      "trainer_logprobs")
-  while True:
-    step = int(state.step)
+  def roll_out(state: LoopState, step: int) -> _StepRollouts:
+    """Step `step`'s rollouts from the rollout side of `state` (rng, prompt statistics,
+    sampler, reward and replay state): generation, verification, reward transforms. Returns
+    them with that side of the state advanced past them."""
     rng, stats = state.rng, state.prompt_stats
     sampler_state, reward_state = state.sampler_state, state.reward_state
     replay, next_group = state.replay, state.next_group
     kept: list[tuple[eval_lib.Scored, Rollouts]] = []  # one entry per generation round
-    partial_metrics = {}
+    metrics = {"generate_s": 0.0, "verify_s": 0.0}
     started = time.perf_counter()
     if config.partial_rollouts:
       rng, draw_key = jax.random.split(rng)
@@ -193,9 +281,12 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       indices = np.asarray(sampling_lib.draw(draw_key, weights, groups))
       trained, replay, next_group, partial_metrics = _partial_rollouts(
           engine, task, tokenizer, sampling, config, replay, int(next_group), indices, step)
+      metrics.update(partial_metrics, generate_s=time.perf_counter() - started)
       records = [task.train[t.record] for g in trained for t in g]
+      verifying = time.perf_counter()
       scored = eval_lib.score(task, tokenizer, records, [t.prompt_ids for g in trained for t in g],
                               [t.completion() for g in trained for t in g])
+      metrics["verify_s"] = time.perf_counter() - verifying
       rollouts, reward_state = reward.update(_rollouts(scored, len(trained), [
           t.record for g in trained for t in g]), reward_state,
                                              step=step)
@@ -214,7 +305,8 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       records = _generation_share(engine, task.train, indices)
       part = distributed.checked(lambda: eval_lib.generate_and_verify(
           engine, task, tokenizer, records, sampling, samples=group_size, seed=seed,
-          max_sequence_tokens=config.seq_len + 1) if records else None)  # episodes fit a row
+          max_sequence_tokens=config.seq_len + 1,  # an episode fits its packed row
+          timings=metrics) if records else None)
       scored = eval_lib.concat([p for p in distributed.gather(part) if p is not None])
       rollouts, reward_state = reward.update(
           _rollouts(scored, groups, np.repeat(indices, group_size)), reward_state, step=step)
@@ -237,7 +329,29 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
             "RLConfig.max_generation_rounds or make the prompts less uniform")
     num_groups = min(groups, sum(r.num_groups for _, r in kept))
     scored, rollouts = _concat_groups(kept, num_groups, group_size)
-    generate_s = time.perf_counter() - started
+    # The rest of the rollouts' time: drawing prompts, reward transforms, KL, statistics.
+    metrics["score_s"] = (time.perf_counter() - started - metrics["generate_s"]
+                          - metrics["verify_s"])
+    metrics["generation_rounds"] = len(kept)
+    state = state.replace(rng=rng, prompt_stats=stats, sampler_state=sampler_state,
+                          reward_state=reward_state, replay=replay,
+                          next_group=jnp.int32(next_group))
+    return _StepRollouts(scored, rollouts, num_groups, state, metrics)
+
+  def sync(params, version: int) -> None:
+    """The engine gets `params` as `version`. With several processes it generates alone, on
+    a whole copy of them; ahead of the trainer, on a copy of its own, since the next train
+    step takes (donates) these buffers while the engine may still read them."""
+    whole = distributed.local_copy(params)
+    if config.max_staleness:
+      whole = jax.tree.map(jnp.copy, whole)
+    distributed.checked(lambda: engine and engine.update_weights(whole, version=version))
+
+  def train_on(state: LoopState, made: _StepRollouts, step: int, waited_s: float
+               ) -> StepRecord:
+    """Step `step`'s update on the rollouts `made`: advantages, packing, train step, sync.
+    `waited_s`: how long the trainer waited for them."""
+    scored, rollouts, num_groups = made.scored, made.rollouts, made.num_groups
     group_ids = np.asarray(rollouts.group_ids)
     adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, num_groups))
     loss_mask = np.asarray(rollouts.loss_mask)
@@ -274,6 +388,8 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
             batch, trainer_logprobs(state.train.params, batch), config.trust_region)
         mismatch.append(share_mismatch)
       batches.append(batch)
+    pack_s = time.perf_counter() - started
+    started = time.perf_counter()
     train, per_update = state.train, []
     for batch in batches:
       train, update_metrics = train_step(train, batch, ref_params)
@@ -292,25 +408,51 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       train_metrics["engine_logp_diff_mean"] = float(per_update[0]["logp_diff_mean"])
       train_metrics["engine_logp_diff_max"] = float(per_update[0]["logp_diff_max"])
     train_s = time.perf_counter() - started
-    # With several processes an engine generates alone, on a whole copy of the params.
     started = time.perf_counter()
-    whole = distributed.local_copy(train.params)
-    distributed.checked(lambda: engine and engine.update_weights(whole, version=step + 1))
+    sync(train.params, step + 1)
     sync_s = time.perf_counter() - started
 
-    state = LoopState(jnp.int32(step + 1), train, rng, stats, sampler_state, reward_state,
-                      replay, jnp.int32(next_group))
+    state = made.state.replace(step=jnp.int32(step + 1), train=train)
     rewards = np.asarray(rollouts.reward)
+    versions = np.concatenate([c.versions for c in scored.completions])
     metrics = {"step": step + 1, "reward": float(rewards.mean()),
                "accuracy": float(scored.correct.mean()),
                "completion_length": float(scored.lengths.mean()),
                "truncated": float(scored.truncated.mean()),
                "well_formed": float(scored.well_formed.mean()), "rows": rows,
-               "groups_trained": num_groups, "generation_rounds": len(kept),
-               "generate_s": generate_s, "train_s": train_s, "weight_sync_s": sync_s,
-               **partial_metrics, **teacher_metrics,
-               **envs.episode_metrics(scored.completions), **train_metrics}
-    yield StepRecord(step + 1, state, metrics, scored, rewards, adv)
+               "groups_trained": num_groups, **made.metrics, "pack_s": pack_s,
+               "train_s": train_s, "weight_sync_s": sync_s, "trainer_idle_s": waited_s,
+               # Versions behind the policy being trained: at most max_staleness (ahead),
+               # 0 in lockstep, more only for partial rollouts' resumed trajectories.
+               "staleness_max": int(step - versions.min()) if versions.size else 0,
+               **teacher_metrics, **envs.episode_metrics(scored.completions),
+               **train_metrics}
+    return StepRecord(step + 1, state, metrics, scored, rewards, adv)
+
+  if not config.max_staleness:  # lockstep: the engine waits while the step trains and syncs
+    while True:
+      step = int(state.step)
+      started = time.perf_counter()
+      made = roll_out(state, step)
+      record = train_on(state, made, step, waited_s=time.perf_counter() - started)
+      m = record.metrics
+      m["engine_idle_s"] = m["pack_s"] + m["train_s"] + m["weight_sync_s"] + m.get(
+          "teacher_s", 0.0)
+      state = record.state
+      yield record
+  sync(state.train.params, int(state.step))  # the engine's own copy of the starting weights
+  ahead = _RolloutsAhead(roll_out, state, config.max_staleness)
+  try:
+    while True:
+      step = int(state.step)
+      started = time.perf_counter()
+      made = ahead.next(step)
+      record = train_on(state, made, step, waited_s=time.perf_counter() - started)
+      ahead.synced(step + 1)
+      state = record.state
+      yield record
+  finally:
+    ahead.stop()
 
 
 def _generation_share(engine: Optional[RolloutEngine], source, indices) -> list[dict]:
@@ -657,6 +799,16 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
                               episodes=agentic)
   if init_from and not os.path.isdir(os.path.join(init_from, "checkpoints")):
     raise ConfigError(f"train.init_from={init_from!r}: no checkpoints/ directory there")
+  if rl.max_staleness < 0:
+    raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} must be >= 0 (0: lockstep)")
+  if rl.max_staleness:
+    ahead_unsupported = [name for name, on in {
+        "RLConfig.partial_rollouts": rl.partial_rollouts,
+        f"{jax.process_count()} JAX processes": multi}.items() if on]
+    if ahead_unsupported:
+      raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} (rollouts ahead of the "
+                        f"trainer) does not run with {', '.join(ahead_unsupported)} yet; "
+                        "the embedded engine in one process does")
   if multi:
     check_multiprocess(mesh, rl, init_from=init_from, teachers=teachers)
 
@@ -760,6 +912,10 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   else:  # servers: process 0 alone talks to them (rl_steps)
     engine = distributed.checked(lambda: rollout_engine(cfg, whole, int(state.step))
                                  if primary else None)
+    if rl.max_staleness and isinstance(engine, SGLangEngine):
+      engine.close()  # a weight sync there aborts the requests in flight
+      raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} (rollouts ahead of the "
+                        "trainer) does not run on servers yet; the embedded engine does")
     if rl.partial_rollouts and not agentic and not isinstance(engine, SGLangEngine):
       raise ConfigError(f"RLConfig.partial_rollouts needs an SGLangEngine, got "
                         f"{type(engine).__name__}")
@@ -818,7 +974,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
       loggers.log(m, {"distribution/advantages": record.advantages,
                       "distribution/completion_length": record.scored.lengths})
       bar.set_postfix(reward=f"{m['reward']:.2f}", acc=f"{m['accuracy']:.2f}",
-                      len=f"{m['completion_length']:.1f}")
+                      len=f"{m['completion_length']:.1f}", gen=f"{m['generate_s']:.1f}s",
+                      train=f"{m['train_s']:.1f}s", idle=f"{m['trainer_idle_s']:.1f}s")
       bar.update(1)
       stops = [alert for alert in alerts if alert.monitor in stop_on]
       if stops or record.step % checkpoint_every == 0 or record.step == num_steps:
@@ -826,14 +983,15 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
       if stops:
         stopped = {"step": record.step, **stops[0]._asdict()}
         break
-  finally:  # server processes end with the loop, also when it fails
+  finally:  # server processes end with the loop, and checkpoints are written, also on failure
+    steps.close()  # rollouts made ahead stop
+    checkpointer.close()
     if engine is not None:
       engine.close()
     loggers.close()
     if teacher_table is not None:
       teacher_table.close()
   bar.close()
-  checkpointer.close()
   if stopped:
     say(f"stopped by monitor {stopped['monitor']} at RL step {stopped['step']}: "
         f"{stopped['message']}. Its checkpoint is saved; running again on {run_dir} resumes "

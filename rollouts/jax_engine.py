@@ -215,6 +215,8 @@ class JaxEngine:
       return []
     if any(len(p) == 0 for p in prompts):
       raise ValueError("JaxEngine.generate: every prompt needs at least one token")
+    # One read of both: update_weights from another thread takes effect at the next call.
+    params, version = self._params, self._version
     n = len(prompts)
     batch = bucket(n, self._min_batch)
     plen = bucket(max(len(p) for p in prompts), self._min_prompt_len)
@@ -223,7 +225,7 @@ class JaxEngine:
     for row, p in enumerate(prompts):
       tokens[row, plen - len(p):] = p
       lens[row] = len(p)
-    out = sample(self._params, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
+    out = sample(params, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
                  jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), cfg=self._cfg,
                  max_new=sampling.max_new_tokens, stop_ids=tuple(sampling.stop_token_ids))
     out_tokens, out_logp, lengths, stopped = jax.device_get(out)
@@ -233,5 +235,5 @@ class JaxEngine:
       completions.append(Completion(
           token_ids=out_tokens[row, :k].copy(), logprobs=out_logp[row, :k].copy(),
           finish_reason="stop" if stopped[row] else "length",
-          versions=np.full((k,), self._version, np.int32)))
+          versions=np.full((k,), version, np.int32)))
     return completions

@@ -1,0 +1,111 @@
+"""Rollouts ahead of the trainer (RLConfig.max_staleness): the same steps as lockstep when the
+weights do not move, no trained token older than the bound, and an engine that fails while
+the trainer steps is a clear error that leaves the last checkpoint whole."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import config
+from rl import loop, losses, rewards, sampling
+from rl.checkpoint import Checkpointer
+from rl.tasks.arithmetic import Arithmetic
+from rl.train_step import make_train_step
+from rollouts.jax_engine import JaxEngine
+from tests.test_rl import PickADigit, digit_model  # noqa: F401 - the fixture
+
+TIMINGS = ("generate_s", "verify_s", "score_s", "pack_s", "train_s", "weight_sync_s",
+           "trainer_idle_s", "engine_idle_s")
+
+
+def run_steps(tokenizer, digit_model, *, max_staleness: int, learning_rate: float, steps: int):
+  cfg, params = digit_model
+  optimizer = loop.rl_optimizer(learning_rate)
+  reward = rewards.named_chain({"correctness": rewards.correctness()})
+  sampler = sampling.uniform()
+  rl = loop.RLConfig(prompts_per_step=2, samples_per_prompt=8, max_new_tokens=4, seq_len=16,
+                     max_staleness=max_staleness)
+  start = jax.tree.map(jnp.copy, params)  # the donating step must not take the fixture's
+  state = loop.init_loop_state(start, optimizer, num_prompts=4, sampler=sampler,
+                               reward=reward, seed=0, config=rl)
+  records = loop.rl_steps(
+      state, engine=JaxEngine(cfg, start), task=PickADigit(4), tokenizer=tokenizer,
+      train_step=make_train_step(cfg, optimizer, losses.bind("grpo"), donate_state=True),
+      advantage=losses.get("grpo").advantage, reward=reward, sampler=sampler, config=rl,
+      ref_params=params)  # grpo's KL to the reference
+  out = [next(records) for _ in range(steps)]
+  records.close()  # stops the thread making rollouts ahead
+  return out
+
+
+def test_ahead_makes_the_same_steps_as_lockstep_when_the_weights_stay(tokenizer, digit_model):
+  """With a learning rate of 0 every version of the weights is the same: rollouts made
+  ahead then draw the same prompts, tokens and rewards as in lockstep, and the rollout-side
+  state (rng, prompt statistics, sampler) ends the same."""
+  lockstep = run_steps(tokenizer, digit_model, max_staleness=0, learning_rate=0.0, steps=4)
+  ahead = run_steps(tokenizer, digit_model, max_staleness=1, learning_rate=0.0, steps=4)
+  for a, b in zip(lockstep, ahead):
+    assert a.metrics.keys() == b.metrics.keys()
+    assert set(TIMINGS) <= set(a.metrics)
+    for key in a.metrics:
+      if not key.endswith("_s") and key != "staleness_max":
+        np.testing.assert_allclose(b.metrics[key], a.metrics[key], rtol=1e-6, err_msg=key)
+    assert [c.token_ids.tolist() for c in a.scored.completions] == \
+        [c.token_ids.tolist() for c in b.scored.completions]
+  assert [r.metrics["staleness_max"] for r in lockstep] == [0, 0, 0, 0]
+  end_a, end_b = lockstep[-1].state, ahead[-1].state
+  jax.tree.map(np.testing.assert_array_equal, (end_a.rng, end_a.prompt_stats, end_a.step),
+               (end_b.rng, end_b.prompt_stats, end_b.step))
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_no_trained_token_is_older_than_max_staleness(tokenizer, digit_model, max_staleness):
+  records = run_steps(tokenizer, digit_model, max_staleness=max_staleness,
+                      learning_rate=2e-3, steps=6)
+  for record in records:
+    trained_at = record.step - 1  # the version of the params this step updated
+    versions = np.concatenate([c.versions for c in record.scored.completions])
+    assert versions.min() >= trained_at - max_staleness, (record.step, versions)
+    assert versions.max() <= trained_at
+    assert record.metrics["staleness_max"] == trained_at - versions.min()
+  # The engine really ran ahead: some step trained on tokens of older weights.
+  assert max(r.metrics["staleness_max"] for r in records) >= 1
+
+
+class FailingEngine(JaxEngine):
+  """The embedded engine, failing at its `fail_at`-th generate call (a crashed engine)."""
+
+  def __init__(self, *args, fail_at: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.calls, self.fail_at = 0, fail_at
+
+  def generate(self, *args, **kwargs):
+    self.calls += 1
+    if self.calls == self.fail_at:
+      raise RuntimeError("engine device lost")
+    return super().generate(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_an_engine_failing_ahead_of_the_trainer_is_a_clear_error(tmp_path):
+  run_dir = str(tmp_path / "run")
+  with pytest.raises(loop.RolloutsFailed,
+                     match=r"rollouts for RL step 4, made ahead of the trainer, failed: "
+                           r"RuntimeError: engine device lost"):
+    loop.train(run_dir, task=Arithmetic(digits=1, num_train=500, num_test=50),
+               model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
+               rl=loop.RLConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16,
+                                seq_len=32, max_staleness=1),
+               rollout_engine=lambda cfg, params, version: FailingEngine(
+                   cfg, params, version=version, fail_at=4),  # step 4's rollouts
+               num_steps=6, sft_steps=5, sft_batch_size=16, eval_records=16,
+               checkpoint_every=1, progress=False)
+  checkpoints = Checkpointer(os.path.join(run_dir, "checkpoints"))
+  # Steps 1 to 3 trained before step 4's rollouts failed; step 3's checkpoint is whole.
+  assert checkpoints.latest_step() == 3
+  params = checkpoints.restore_params()
+  checkpoints.close()
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
