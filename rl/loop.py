@@ -176,15 +176,16 @@ class _RolloutsAhead:
         self._made.put(made)
         state, step = made.state, step + 1
     except Exception as e:  # noqa: BLE001 - raised on the trainer's thread by next()
-      self._made.put((step, e))
+      failed = RolloutsFailed(f"rollouts for RL step {step + 1}, made ahead of the trainer, "
+                              f"failed: {type(e).__name__}: {e}")
+      failed.__cause__ = e
+      self._made.put(failed)
 
-  def next(self, step: int) -> _StepRollouts:
-    """Step `step`'s rollouts, once made; RolloutsFailed if making them failed."""
+  def next(self) -> _StepRollouts:
+    """The next step's rollouts, once made; RolloutsFailed if making them failed."""
     made = self._made.get()
-    if isinstance(made, tuple):
-      failed_step, error = made
-      raise RolloutsFailed(f"rollouts for RL step {failed_step + 1}, made ahead of the "
-                           f"trainer, failed: {type(error).__name__}: {error}") from error
+    if isinstance(made, RolloutsFailed):
+      raise made
     return made
 
   def synced(self, version: int) -> None:
@@ -446,7 +447,7 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     while True:
       step = int(state.step)
       started = time.perf_counter()
-      made = ahead.next(step)
+      made = ahead.next()
       record = train_on(state, made, step, waited_s=time.perf_counter() - started)
       ahead.synced(step + 1)
       state = record.state

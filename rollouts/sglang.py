@@ -359,13 +359,13 @@ class SGLangClient:
     started = time.perf_counter()
 
     async def sync():
-      one = lambda url: self._sync_one(url, model_path, version)
       down = sorted(self.down)
       back = [u for u, why in zip(down, await asyncio.gather(
           *(self._unhealthy(u, 5.0) for u in down))) if why is None]
       self.down -= set(back)
       targets = self._live()
-      results = await asyncio.gather(*(one(u) for u in targets), return_exceptions=True)
+      results = await asyncio.gather(*(self._sync_one(u, model_path, version)
+                                       for u in targets), return_exceptions=True)
       for url, result in zip(targets, results):
         if isinstance(result, ConnectionError):
           self.down.add(url)

@@ -141,14 +141,20 @@ def writing(checkpoints: str) -> list[str]:
       if os.path.isdir(checkpoints) else []
 
 
-def kill_one_when(processes, ready, what: str, delay: float = 0.0, poll: float = 0.1) -> None:
-  """Once ready() (and `delay` s later), SIGKILL one trainer at random, then the others
-  (what a cluster does with the rest of a job); every one must still be running then."""
-  deadline = time.monotonic() + 300
-  while not ready():
+def wait_for(condition, what: str, processes, timeout: float = 300.0,
+             poll: float = 0.1) -> None:
+  """Until condition(); fails if one of `processes` ends or `timeout` s pass first."""
+  deadline = time.monotonic() + timeout
+  while not condition():
     assert time.monotonic() < deadline and all(p.poll() is None for p in processes), \
         f"the run ended, or never reached {what}"
     time.sleep(poll)
+
+
+def kill_one_when(processes, ready, what: str, delay: float = 0.0, poll: float = 0.1) -> None:
+  """Once ready() (and `delay` s later), SIGKILL one trainer at random, then the others
+  (what a cluster does with the rest of a job); every one must still be running then."""
+  wait_for(ready, what, processes, poll=poll)
   time.sleep(delay)
   assert all(p.poll() is None for p in processes), f"the run ended before the kill ({what})"
   os.killpg(processes[random.randrange(len(processes))].pid, signal.SIGKILL)
@@ -231,14 +237,6 @@ def children(pid: int) -> list[tuple[int, str]]:
 def steps_written(run_dir: str) -> list[int]:
   path = os.path.join(run_dir, "metrics.jsonl")
   return [json.loads(line)["step"] for line in open(path)] if os.path.exists(path) else []
-
-
-def wait_for(condition, what: str, processes, timeout: float = 300.0) -> None:
-  deadline = time.monotonic() + timeout
-  while not condition():
-    assert time.monotonic() < deadline and all(p.poll() is None for p in processes), \
-        f"the run ended, or never reached {what}"
-    time.sleep(0.1)
 
 
 def alive(pid: int) -> bool:
