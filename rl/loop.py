@@ -115,7 +115,8 @@ class RLConfig:
   # on the engine's own copy of the weights; no token trained at step t is older than
   # version t - max_staleness (metrics: staleness_max). 0: lockstep, each step's rollouts
   # from the weights it trains. offpolicy_tokens applies to the stale tokens as to partial
-  # rollouts' ("tis" reweights them). The embedded engine only (servers: not yet).
+  # rollouts' ("tis" reweights them). On servers a weight sync lets the requests in flight
+  # finish on the old weights (tagged so) and holds new ones until it is done.
   max_staleness: int = 0
 
 
@@ -344,9 +345,10 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     a whole copy of them; ahead of the trainer, on a copy of its own, since the next train
     step takes (donates) these buffers while the engine may still read them."""
     whole = distributed.local_copy(params)
-    if config.max_staleness:
+    if config.max_staleness and isinstance(engine, JaxEngine):  # servers get a file
       whole = jax.tree.map(jnp.copy, whole)
-    distributed.checked(lambda: engine and engine.update_weights(whole, version=version))
+    distributed.checked(lambda: engine and engine.update_weights(
+        whole, version=version, while_generating=bool(config.max_staleness)))
 
   def train_on(state: LoopState, made: _StepRollouts, step: int, waited_s: float
                ) -> StepRecord:
@@ -809,7 +811,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     if ahead_unsupported:
       raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} (rollouts ahead of the "
                         f"trainer) does not run with {', '.join(ahead_unsupported)} yet; "
-                        "the embedded engine in one process does")
+                        "one process does, on the embedded engine or on servers")
   if multi:
     check_multiprocess(mesh, rl, init_from=init_from, teachers=teachers)
 
@@ -913,10 +915,6 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   else:  # servers: process 0 alone talks to them (rl_steps)
     engine = distributed.checked(lambda: rollout_engine(cfg, whole, int(state.step))
                                  if primary else None)
-    if rl.max_staleness and isinstance(engine, SGLangEngine):
-      engine.close()  # a weight sync there aborts the requests in flight
-      raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} (rollouts ahead of the "
-                        "trainer) does not run on servers yet; the embedded engine does")
     if rl.partial_rollouts and not agentic and not isinstance(engine, SGLangEngine):
       raise ConfigError(f"RLConfig.partial_rollouts needs an SGLangEngine, got "
                         f"{type(engine).__name__}")

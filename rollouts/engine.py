@@ -64,8 +64,11 @@ class RolloutEngine(Protocol):
     multi-turn episode find their prefix in its cache. Engines with one model ignore it."""
     ...
 
-  def update_weights(self, params, version: int) -> float:
-    """Take new weights; returns the seconds the update took (export and sync included)."""
+  def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
+    """Take new weights; returns the seconds the update took (export and sync included).
+    `while_generating`: a generate may be running on another thread (rollouts ahead of the
+    trainer); its requests finish on the weights they started with, tagged with their
+    version."""
     ...
 
   def close(self) -> None:

@@ -163,23 +163,22 @@ class JaxEngine:
   def __init__(self, cfg: ModelConfig, params, *, version: int = 0, pad_id: int = 0,
                min_batch: int = 8, min_prompt_len: int = 16):
     self._cfg = cfg
-    self._params = params
-    self._version = version
+    self._weights = (params, version)  # one attribute: a generate on another thread reads both
     self._pad_id = pad_id
     self._min_batch = min_batch
     self._min_prompt_len = min_prompt_len
 
   @property
   def version(self) -> int:
-    return self._version
+    return self._weights[1]
 
   @property
   def params(self):
-    return self._params
+    return self._weights[0]
 
-  def update_weights(self, params, version: int) -> float:
-    self._params = params
-    self._version = version
+  def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
+    """A generate running meanwhile finishes on the weights it started with."""
+    self._weights = (params, version)
     return 0.0  # in memory: nothing to export or send
 
   def close(self) -> None:
@@ -188,7 +187,7 @@ class JaxEngine:
   def score(self, prompts: Sequence[Sequence[int]],
             continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Teacher scoring: f32[len(continuation)] log-probs of each continuation's tokens."""
-    return score_continuations(self._params, self._cfg, prompts, continuations,
+    return score_continuations(self._weights[0], self._cfg, prompts, continuations,
                                pad_id=self._pad_id, min_batch=self._min_batch,
                                min_len=self._min_prompt_len)
 
@@ -202,7 +201,7 @@ class JaxEngine:
     if not sequences:
       return []
     tokens, lengths = _padded(sequences, self._pad_id, self._min_batch, self._min_prompt_len)
-    logp, ids, top_logp = jax.device_get(sequence_scores(self._params, tokens, lengths,
+    logp, ids, top_logp = jax.device_get(sequence_scores(self._weights[0], tokens, lengths,
                                                          cfg=self._cfg, k=k))
     spans = [slice(len(p), len(p) + len(c)) for p, c in zip(prompts, continuations)]
     return [(logp[row, span].copy(), ids[row, span].copy(), top_logp[row, span].copy())
@@ -216,7 +215,7 @@ class JaxEngine:
     if any(len(p) == 0 for p in prompts):
       raise ValueError("JaxEngine.generate: every prompt needs at least one token")
     # One read of both: update_weights from another thread takes effect at the next call.
-    params, version = self._params, self._version
+    params, version = self._weights
     n = len(prompts)
     batch = bucket(n, self._min_batch)
     plen = bucket(max(len(p) for p in prompts), self._min_prompt_len)

@@ -250,6 +250,8 @@ class Scheduler:
     self.lock = threading.Condition()
     self.waiting: list[Request] = []
     self.running: list[Request] = []
+    self.held: list[Request] = []  # arrived during a weight update: they wait for it
+    self.updating = 0  # weight updates waiting for the requests in flight
     self.paused: str | None = None  # None, "in_place" or "retract" (abort unpauses nothing)
     self.stopped = False
     self.prefixes: dict[tuple[int, ...], CachedPrefix] = {}  # insertion order = age
@@ -276,17 +278,18 @@ class Scheduler:
         if r.max_new_tokens == 0:
           self._finish(r, {"type": "length", "length": 0})
         else:
-          self.waiting.append(r)
+          (self.held if self.updating else self.waiting).append(r)
       self.lock.notify_all()
 
   def abort(self, rid: str | None, message: str = "Aborted"):
     if os.environ.get("LONGRL_SERVER_DEBUG"):
       print(f"abort {rid!r} at {time.time():.3f}", file=sys.stderr)
     with self.lock:
-      for r in list(self.waiting):
-        if rid is None or r.rid.startswith(rid):
-          self.waiting.remove(r)
-          self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
+      for queue in (self.waiting, self.held):
+        for r in list(queue):
+          if rid is None or r.rid.startswith(rid):
+            queue.remove(r)
+            self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
       for r in self.running:
         if rid is None or r.rid.startswith(rid):
           r.aborted = message
@@ -308,21 +311,27 @@ class Scheduler:
       self.paused = None
       self.lock.notify_all()
 
-  def update_weights(self, params, version: str | None, model_path: str | None,
-                     flush_cache: bool) -> tuple[bool, str]:
+  def update_weights(self, params, version: str | None, model_path: str | None) -> None:
     with self.lock:
-      while self.running and self.paused is None:  # the writer lock waits for in-flight work
-        self.lock.wait(0.01)
-      self.params = params
-      self.prefixes.clear()  # their keys and values belong to the old weights
-      if version is not None:
-        self.weight_version = str(version)
-      if model_path is not None:
-        self.model_path = model_path
-      if flush_cache and self.waiting and self.paused is None:
-        return False, ("Weights were updated, but the cache was not flushed because "
-                       "requests are queued")
-      return True, "Succeeded to update model weights."
+      # SGLang's model-update writer lock: unless paused, the update waits for the requests
+      # in flight (running or queued), which finish on the old weights, and requests that
+      # arrive meanwhile wait for the new ones (self.held).
+      self.updating += 1
+      try:
+        while (self.running or self.waiting) and self.paused is None:
+          self.lock.wait(0.01)
+        self.params = params
+        self.prefixes.clear()  # their keys and values belong to the old weights
+        if version is not None:
+          self.weight_version = str(version)
+        if model_path is not None:
+          self.model_path = model_path
+      finally:
+        self.updating -= 1
+        if not self.updating:
+          self.waiting.extend(self.held)
+          self.held.clear()
+          self.lock.notify_all()
 
   def flush_cache(self) -> bool:
     """Drop the cached prefixes; refused (False) while requests run or wait, unpaused."""
@@ -334,7 +343,7 @@ class Scheduler:
 
   def loads(self) -> dict:
     with self.lock:
-      return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+      return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting) + len(self.held),
               "num_used_tokens": sum(len(r.input_ids) + len(r.tokens) for r in self.running)}
 
   def warmup(self, max_len: int):
@@ -744,10 +753,9 @@ class Server(http.server.ThreadingHTTPServer):
       return
     if body.get("abort_all_requests"):
       s.abort(None)
-    ok, message = s.update_weights(params, body.get("weight_version"), path,
-                                   body.get("flush_cache", True))
-    h._send(200 if ok else 400, {"success": ok, "message": message,
-                                 "num_paused_requests": 0})
+    s.update_weights(params, body.get("weight_version"), path)  # the cache goes with the weights
+    h._send(200, {"success": True, "message": "Succeeded to update model weights.",
+                  "num_paused_requests": 0})
 
   def update_weight_version(self, h: Handler):
     body = h._body()

@@ -350,9 +350,12 @@ class SGLangClient:
   def loads(self) -> dict[str, dict]:
     return self._run(self._each("GET", "/v1/loads"))
 
-  def sync_weights(self, model_path: str, version: int) -> float:
-    """Per worker, in parallel: pause (abort), /update_weights_from_disk with
-    `weight_version`, check success, continue; then check /model_info reports the version.
+  def sync_weights(self, model_path: str, version: int, *, in_flight: str = "abort") -> float:
+    """Per worker, in parallel: pause, /update_weights_from_disk with `weight_version`, check
+    success, continue; then check /model_info reports the version. `in_flight`: "abort"
+    pauses with abort (requests in flight return cut short); "finish" does not pause, so a
+    server finishes the requests in flight on the old weights (their tokens tagged with its
+    version) and holds new ones until the update is done (SGLang's model-update lock).
     A worker that cannot be reached is marked down (its requests go elsewhere); a down one
     that answers /health again is synced too and rejoins at this version. ServerError when
     no worker could be synced, or one answers but fails the update. Returns the seconds."""
@@ -364,7 +367,7 @@ class SGLangClient:
           *(self._unhealthy(u, 5.0) for u in down))) if why is None]
       self.down -= set(back)
       targets = self._live()
-      results = await asyncio.gather(*(self._sync_one(u, model_path, version)
+      results = await asyncio.gather(*(self._sync_one(u, model_path, version, in_flight)
                                        for u in targets), return_exceptions=True)
       for url, result in zip(targets, results):
         if isinstance(result, ConnectionError):
@@ -377,10 +380,15 @@ class SGLangClient:
     self._run(sync())
     return time.perf_counter() - started
 
-  async def _sync_one(self, url: str, model_path: str, version: int) -> None:
-    """One worker: pause (abort), load `model_path` as `version`, continue, check."""
+  async def _sync_one(self, url: str, model_path: str, version: int,
+                      in_flight: str = "abort") -> None:
+    """One worker: pause (with in_flight "abort"), load `model_path` as `version`, continue,
+    check."""
+    if in_flight not in ("abort", "finish"):
+      raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
     http = self._control
-    await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
+    if in_flight == "abort":
+      await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
     reply = await self._call(http, url, "POST", "/update_weights_from_disk",
                              {"model_path": model_path, "weight_version": str(version),
                               "flush_cache": True, "abort_all_requests": False})
@@ -492,11 +500,13 @@ class SGLangEngine:
         process.kill()
     self.processes = []
 
-  def update_weights(self, params, version: int) -> float:
-    """Export, sync every server, and return the seconds the whole update took."""
+  def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
+    """Export, sync every server, and return the seconds the whole update took. Requests in
+    flight are aborted, or, `while_generating`, finish on the old weights first."""
     started = time.perf_counter()
     path = self.export(params, version)
-    self.client.sync_weights(path, version)
+    self.client.sync_weights(path, version,
+                             in_flight="finish" if while_generating else "abort")
     self._version, self.weights_path = version, path
     seconds = time.perf_counter() - started
     self.sync_seconds.append(seconds)

@@ -3,6 +3,7 @@ weights do not move, no trained token older than the bound, and an engine that f
 the trainer steps is a clear error that leaves the last checkpoint whole."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +16,17 @@ from rl.checkpoint import Checkpointer
 from rl.tasks.arithmetic import Arithmetic
 from rl.train_step import make_train_step
 from rollouts.jax_engine import JaxEngine
+from rollouts.server import local_engine
+from rollouts.sglang import ServerError
 from tests.test_rl import PickADigit, digit_model  # noqa: F401 - the fixture
 
 TIMINGS = ("generate_s", "verify_s", "score_s", "pack_s", "train_s", "weight_sync_s",
            "trainer_idle_s", "engine_idle_s")
 
 
-def run_steps(tokenizer, digit_model, *, max_staleness: int, learning_rate: float, steps: int):
+def ahead_steps(tokenizer, digit_model, *, max_staleness: int, learning_rate: float,
+                engine=None):
+  """The RL steps of PickADigit on `engine` (default: an embedded one), a generator."""
   cfg, params = digit_model
   optimizer = loop.rl_optimizer(learning_rate)
   reward = rewards.named_chain({"correctness": rewards.correctness()})
@@ -31,11 +36,16 @@ def run_steps(tokenizer, digit_model, *, max_staleness: int, learning_rate: floa
   start = jax.tree.map(jnp.copy, params)  # the donating step must not take the fixture's
   state = loop.init_loop_state(start, optimizer, num_prompts=4, sampler=sampler,
                                reward=reward, seed=0, config=rl)
-  records = loop.rl_steps(
-      state, engine=JaxEngine(cfg, start), task=PickADigit(4), tokenizer=tokenizer,
+  return loop.rl_steps(
+      state, engine=engine or JaxEngine(cfg, start), task=PickADigit(4), tokenizer=tokenizer,
       train_step=make_train_step(cfg, optimizer, losses.bind("grpo"), donate_state=True),
       advantage=losses.get("grpo").advantage, reward=reward, sampler=sampler, config=rl,
       ref_params=params)  # grpo's KL to the reference
+
+
+def run_steps(tokenizer, digit_model, *, max_staleness: int, learning_rate: float, steps: int):
+  records = ahead_steps(tokenizer, digit_model, max_staleness=max_staleness,
+                        learning_rate=learning_rate)
   out = [next(records) for _ in range(steps)]
   records.close()  # stops the thread making rollouts ahead
   return out
@@ -61,10 +71,7 @@ def test_ahead_makes_the_same_steps_as_lockstep_when_the_weights_stay(tokenizer,
                (end_b.rng, end_b.prompt_stats, end_b.step))
 
 
-@pytest.mark.parametrize("max_staleness", [1, 2])
-def test_no_trained_token_is_older_than_max_staleness(tokenizer, digit_model, max_staleness):
-  records = run_steps(tokenizer, digit_model, max_staleness=max_staleness,
-                      learning_rate=2e-3, steps=6)
+def check_staleness(records, max_staleness: int):
   for record in records:
     trained_at = record.step - 1  # the version of the params this step updated
     versions = np.concatenate([c.versions for c in record.scored.completions])
@@ -73,6 +80,35 @@ def test_no_trained_token_is_older_than_max_staleness(tokenizer, digit_model, ma
     assert record.metrics["staleness_max"] == trained_at - versions.min()
   # The engine really ran ahead: some step trained on tokens of older weights.
   assert max(r.metrics["staleness_max"] for r in records) >= 1
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_no_trained_token_is_older_than_max_staleness(tokenizer, digit_model, max_staleness):
+  check_staleness(run_steps(tokenizer, digit_model, max_staleness=max_staleness,
+                            learning_rate=2e-3, steps=6), max_staleness)
+
+
+def test_ahead_on_a_server_keeps_the_bound_and_names_the_server_when_it_dies(
+    tokenizer, digit_model, tmp_path):
+  """Rollouts ahead of the trainer from a server process: its weight syncs let the requests
+  in flight finish (no token older than the bound), and once the server is killed while
+  the trainer steps, the next step is an error naming the server."""
+  cfg, params = digit_model
+  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path))
+  steps = ahead_steps(tokenizer, digit_model, max_staleness=1, learning_rate=2e-3,
+                      engine=engine)
+  try:
+    check_staleness([next(steps) for _ in range(5)], 1)
+    engine.processes[0].kill()
+    url = engine.client.urls[0]
+    # Whichever meets the dead server first says so: the thread making rollouts ahead
+    # (RolloutsFailed) or the trainer's weight sync (ServerError).
+    with pytest.raises((loop.RolloutsFailed, ServerError), match=re.escape(url)):
+      for _ in range(3):  # the step in the making may have finished before the kill
+        next(steps)
+  finally:
+    steps.close()
+    engine.close()
 
 
 class FailingEngine(JaxEngine):

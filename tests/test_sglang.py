@@ -305,8 +305,43 @@ def test_prefix_cache_holds_aborted_requests_until_the_weights_change(model):
     (key, kept), = scheduler.prefixes.items()
     assert key == tuple(r.input_ids + r.tokens)
     assert kept.k.shape == (cfg.num_layers, cfg.num_kv_heads, len(key), cfg.head_dim)
-    scheduler.update_weights(params[1], "1", None, False)
+    scheduler.update_weights(params[1], "1", None)
     assert not scheduler.prefixes
+  finally:
+    with scheduler.lock:
+      scheduler.stopped = True
+      scheduler.lock.notify_all()
+
+
+def test_an_unpaused_weight_update_lets_the_requests_in_flight_finish_first(model):
+  """In process, as behind SGLang's model-update lock: an update sent while a request
+  decodes waits for it, which ends on the old weights; a request that arrives meanwhile
+  waits for the update and decodes on the new ones."""
+  from rollouts.server import Request as ServerRequest, Scheduler
+  cfg, params, _, _ = model
+  scheduler = Scheduler(cfg, params[0], weight_version="0")
+
+  def request(rid, max_new):
+    return ServerRequest(rid=rid, input_ids=[3, 17, 22], max_new_tokens=max_new,
+                         temperature=0.0, top_p=1.0, stop_token_ids=(), seed=0,
+                         return_logprob=False)
+  try:
+    early = request("early", 400)
+    scheduler.submit([early])
+    with scheduler.lock:
+      assert scheduler.lock.wait_for(lambda: len(early.tokens) >= 5, 120)
+    update = threading.Thread(target=scheduler.update_weights, args=(params[1], "1", None))
+    update.start()
+    with scheduler.lock:
+      assert scheduler.lock.wait_for(lambda: scheduler.updating, 60)
+      assert len(early.tokens) < 400, "the request ended before the update came"
+    late = request("late", 8)
+    scheduler.submit([late])
+    assert early.done.wait(120) and late.done.wait(120)
+    update.join(timeout=60)
+    assert not update.is_alive() and scheduler.weight_version == "1"
+    assert len(early.tokens) == 400 and set(early.versions) == {"0"}
+    assert len(late.tokens) == 8 and set(late.versions) == {"1"}
   finally:
     with scheduler.lock:
       scheduler.stopped = True
