@@ -183,10 +183,10 @@ def build_ours(remat: str = "none") -> dict:
 
 # ---- plain PyTorch and transformers' generate ----
 
-def _hf_model():
+def hf_model(p: dict = PEER):
+  """transformers' Qwen2 of config `p` (PEER's keys), random weights, fp32."""
   import torch
   import transformers
-  p = PEER
   torch.manual_seed(0)
   cfg = transformers.Qwen2Config(
       vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
@@ -208,7 +208,7 @@ def _grpo_loss_torch(logits, targets, advantages, old_logp, eps=0.2):
 def build_torch() -> dict:
   import torch
   p = PEER
-  model = _hf_model()
+  model = hf_model()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
   tokens, adv = (torch.tensor(x) for x in _batch_numpy())
   tokens = tokens.long()
@@ -236,22 +236,27 @@ def build_torch() -> dict:
 
 # ---- TRL ----
 
+def hf_word_tokenizer(vocab_size: int):
+  """A transformers tokenizer whose token i is the word "t{i}" (pad 0, eos 1, unk 2)."""
+  import tokenizers
+  import transformers
+  vocab = {f"t{i}": i for i in range(vocab_size)}
+  word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t2"))
+  word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="t0",
+                                              eos_token="t1", unk_token="t2")
+
+
 def build_trl(checkpointing: bool = True) -> dict:
   """TRL's default (gradient checkpointing on) or, with checkpointing=False, without it."""
   import tempfile
 
   import datasets
-  import tokenizers
   import torch
-  import transformers
   import trl
 
   p = PEER
-  vocab = {f"t{i}": i for i in range(p["vocab"])}
-  word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t2"))
-  word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-  tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="t0",
-                                                   eos_token="t1", unk_token="t2")
+  tokenizer = hf_word_tokenizer(p["vocab"])
   tokens, adv = (torch.tensor(x) for x in _batch_numpy())
   tokens = tokens.long()
   inputs = {"prompt_ids": tokens[:, :p["prompt"]],
@@ -261,7 +266,7 @@ def build_trl(checkpointing: bool = True) -> dict:
             "advantages": adv,
             "num_items_in_batch": torch.tensor(float(p["rows"] * p["completion"]))}
   num_items = torch.tensor(p["rows"] * p["completion"])
-  model = _hf_model()
+  model = hf_model()
   args = trl.GRPOConfig(
       output_dir=tempfile.mkdtemp(), per_device_train_batch_size=p["rows"],
       num_generations=p["rows"], max_completion_length=p["completion"], learning_rate=1e-6,
@@ -368,8 +373,9 @@ PARTS = {  # name -> (virtual environment, builder)
 OURS_FOR = {"torch": "ours", "trl": "ours_ckpt", "trl_no_ckpt": "ours", "tunix": "ours"}
 
 
-def _python_for(part):
-  env = PARTS[part][0]
+def venv_python(env: str | None) -> str:
+  """The python of virtual environment `env` under bench/.venvs (made and installed with
+  REQUIREMENTS[env] on first use); ours for None."""
   if env is None:
     return os.path.join(ROOT, ".venv", "bin", "python")
   venv = os.path.join(VENVS, env)
@@ -410,10 +416,12 @@ def serve(part: str):
 class Worker:
   """A part served in its own process (so that its peak RSS is its own)."""
 
-  def __init__(self, part: str):
+  def __init__(self, part: str, command: list[str] | None = None):
+    """`command` serves the part (default: this script's `--_serve part` in its venv)."""
     self.part = part
-    self.proc = subprocess.Popen([_python_for(part), __file__, "--_serve", part],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    command = command or [venv_python(PARTS[part][0]), __file__, "--_serve", part]
+    self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
     self.measures = self._answer()
 
   def _answer(self):

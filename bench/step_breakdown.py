@@ -94,7 +94,7 @@ def torch(rounds: int) -> dict:
   old_logp = pt.full(targets.shape, -9.0)
 
   def make(attention, mlp, head):
-    model = peers._hf_model()
+    model = peers.hf_model()
     if not attention:
       model.config._attn_implementation = "stand_in"
     if not mlp:
@@ -136,7 +136,7 @@ def main():
     return
   results = {}
   for framework, python in (("ours", os.path.join(ROOT, ".venv", "bin", "python")),
-                            ("torch", peers._python_for("torch"))):
+                            ("torch", peers.venv_python("torch"))):
     print(f"== {framework}", flush=True)
     proc = subprocess.run([python, __file__, "--_framework", framework, "--rounds",
                            str(args.rounds)], stdout=subprocess.PIPE, text=True)

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -213,8 +213,11 @@ def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, 
   keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
   greedy = temperature < GREEDY_BELOW
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-  cut = nucleus(scaled, top_p[:, None])
-  cut = jnp.where((top_p < 1.0)[:, None], cut, scaled)
+  # The nucleus sorts the whole vocabulary of every row: only when some row asks for it.
+  cut = jax.lax.cond(jnp.any(top_p < 1.0),
+                     lambda: jnp.where((top_p < 1.0)[:, None], nucleus(scaled, top_p[:, None]),
+                                       scaled),
+                     lambda: scaled)
   sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, cut)
   token = jnp.where(greedy, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
   logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], -1)[:, 0]
@@ -844,11 +847,14 @@ def main(argv=None, *, load=None):
 
 
 def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,
-           module: str = "rollouts.server") -> tuple[subprocess.Popen, str]:
+           module: str = "rollouts.server", cores: Sequence[int] = ()
+           ) -> tuple[subprocess.Popen, str]:
   """Start `python -m MODULE ARGS` (this server, or experiments.serve for a gin-bound model)
-  and return (process, base URL) once it accepts connections; its stderr goes to ours."""
+  and return (process, base URL) once it accepts connections; its stderr goes to ours.
+  `cores`: the CPU cores it runs on (taskset; default: ours)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  process = subprocess.Popen([sys.executable, "-m", module, *args,
+  pin = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
+  process = subprocess.Popen([*pin, sys.executable, "-m", module, *args,
                               "--exit_with_parent"], cwd=root, stdout=subprocess.PIPE,
                              text=True, env=env)
   deadline = time.monotonic() + timeout
@@ -876,12 +882,14 @@ def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,
 
 
 def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: str = "",
-                 max_in_flight: int = 64, max_batch: int = 64, router: bool = False):
+                 max_in_flight: int = 64, max_batch: int = 64, router: bool = False,
+                 cores: Sequence[int] = ()):
   """train.rollout_engine that serves the policy from `servers` subprocesses of this module
   on 127.0.0.1 and talks to them with the SGLang client (rollouts/sglang.py): the production
   path, minus the GPUs. Weights travel through `weights_dir` (default: a temporary
   directory) as Hugging Face checkpoints. `router`: /generate goes through the real
-  sglang-router in front of them (rollouts/router.py), started and stopped with the engine."""
+  sglang-router in front of them (rollouts/router.py), started and stopped with the engine.
+  `cores`: the CPU cores the servers run on (e.g. apart from the trainer's)."""
   from rollouts import router as router_lib
   from rollouts.sglang import SGLangClient, SGLangEngine
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
@@ -892,7 +900,7 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   try:
     for _ in range(servers):
       process, url = launch(["--hf_checkpoint", start, "--weight_version", str(version),
-                             "--max_batch", str(max_batch)])
+                             "--max_batch", str(max_batch)], cores=cores)
       processes.append(process)
       urls.append(url)
     router_url = None

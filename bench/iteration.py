@@ -1,0 +1,298 @@
+"""Whole RL iterations, ours in lockstep and ahead against TRL's GRPO. Not a test.
+
+  python bench/iteration.py [--parts ours_sync,ours_sync_server,ours_ahead,trl]
+                            [--rounds 3] [--steps 4] [--out bench/results]
+
+One iteration = sample 8 prompts x 8 completions (32-token prompts, up to 256 new tokens,
+temperature 1), verify them (reward 1 when a completion holds token 7), group advantages,
+one optimizer step of GRPO (clip 0.2, no KL) with AdamW on all 64, and the weight sync to the
+engine. The model is the quickstart's (Qwen2-style, width 128, 2 layers, 4 heads over 2 KV
+heads, MLP 384, fp32) over the word vocabulary of bench/peers.py (8192 ids, token i = "t{i}").
+
+Parts, each served by its own process (bench/peers.py's Worker):
+  ours_sync         rl.loop.rl_steps in lockstep on the embedded engine, both cores
+  ours_sync_server  lockstep, the engine a server process (rollouts.server) pinned to core 1
+                    and the trainer to core 0: what the pinning costs without overlap
+  ours_ahead        the same pinning with RLConfig.max_staleness = 1: step t + 1's rollouts
+                    are generated while step t trains (as on separate devices)
+  trl               TRL's GRPOTrainer: one `training_step` with its own generation, both cores
+(Tunix's GRPOLearner is not here yet: its RLCluster's vanilla rollout handed our word
+tokenizer numpy arrays instead of strings.)
+
+Timed like bench/peers.py: the parts take turns, `--rounds` times, each turn `--steps`
+iterations in a row of which the first is dropped (it fills the pipeline of ours_ahead,
+which starts afresh every turn and is stopped and drained before the next part's turn).
+Reported per part: the median seconds per iteration over every kept iteration, iterations/s,
+completed tokens/s (tokens generated, pad excluded, per second of iteration), and ours' time
+breakdown (generate, verify, pack, train, sync, idle) from the loop's metrics; then ours_sync
+against each peer and ours_ahead against ours_sync as the median over the turns of the ratio.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import peers  # noqa: E402
+
+ITERATION = dict(vocab=8192, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
+                 intermediate=384, prompts=8, samples=8, prompt_len=32, new_tokens=256,
+                 learning_rate=1e-6, clip_eps=0.2, rewarded_token=7)
+BREAKDOWN = ("generate_s", "verify_s", "score_s", "pack_s", "train_s", "weight_sync_s",
+             "trainer_idle_s", "engine_idle_s")
+
+
+# ---- ours ----
+
+class WordTokenizer:
+  """Token i is the word "t{i}" (ids 0, 1, 2: pad, eos, bos), as for the peers."""
+  pad_id, eos_id, bos_id, vocab_size = 0, 1, 2, ITERATION["vocab"]
+
+  def encode(self, text, *, add_bos=False, add_eos=False):
+    return ([self.bos_id] if add_bos else []) + [int(w[1:]) for w in text.split()] + (
+        [self.eos_id] if add_eos else [])
+
+  def decode(self, ids):
+    return " ".join(f"t{int(i)}" for i in ids if int(i) > 2)
+
+
+class RandomPrompts:
+  """Prompts of random words; a completion is right when it holds the rewarded token."""
+
+  def __init__(self, num_records: int = 64):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    self.train = [{"prompt": " ".join(f"t{t}" for t in rng.integers(
+        3, ITERATION["vocab"], ITERATION["prompt_len"] - 1))} for _ in range(num_records)]
+    self.test = self.train
+
+  def prompt(self, record):
+    return record["prompt"]
+
+  def solution(self, record):
+    return f"t{ITERATION['rewarded_token']}"
+
+  def verify(self, completion, record):
+    return f"t{ITERATION['rewarded_token']}" in completion.split()
+
+  def well_formed(self, completion):
+    return True
+
+
+def build_ours(engine: str, max_staleness: int = 0) -> dict:
+  """rl.loop.rl_steps on the embedded engine ("embedded") or on a server process pinned to
+  core 1 ("server"); "iteration" runs `n` steps from a fresh generator (so ahead of the
+  trainer the pipeline starts empty) and drains it before returning."""
+  import jax
+  from models import config, transformer
+  from rl import loop, losses, rewards, sampling
+  from rl.train_step import make_train_step
+  from rollouts.jax_engine import JaxEngine
+  from rollouts.server import local_engine
+
+  p = ITERATION
+  cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"],
+                           num_layers=p["layers"], num_heads=p["heads"],
+                           num_kv_heads=p["kv_heads"], head_dim=p["head_dim"],
+                           intermediate_size=p["intermediate"])
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  optimizer = loop.rl_optimizer(p["learning_rate"])
+  reward = rewards.named_chain({"correctness": rewards.correctness()})
+  sampler = sampling.uniform()
+  rl = loop.RLConfig(prompts_per_step=p["prompts"], samples_per_prompt=p["samples"],
+                     max_new_tokens=p["new_tokens"], seq_len=p["prompt_len"] + p["new_tokens"],
+                     max_staleness=max_staleness)
+  task, tokenizer = RandomPrompts(), WordTokenizer()
+  rollouts = (JaxEngine(cfg, params) if engine == "embedded" else
+              local_engine(cfg, params, 0, cores=[1]))
+  train_step = make_train_step(cfg, optimizer, losses.bind(
+      "grpo", {"clip_eps": p["clip_eps"], "kl_coef": 0.0}), donate_state=True)
+  holder = {"state": loop.init_loop_state(params, optimizer, num_prompts=len(task.train),
+                                          sampler=sampler, reward=reward, seed=0, config=rl)}
+
+  def iterations(n: int) -> list[dict]:
+    steps = loop.rl_steps(holder["state"], engine=rollouts, task=task, tokenizer=tokenizer,
+                          train_step=train_step, advantage=losses.get("grpo").advantage,
+                          reward=reward, sampler=sampler, config=rl)
+    out = []
+    try:
+      for _ in range(n):
+        started = time.perf_counter()
+        record = next(steps)
+        seconds = time.perf_counter() - started
+        holder["state"] = record.state
+        out.append({"seconds": seconds,
+                    "completion_tokens": int(sum(len(c.token_ids)
+                                                 for c in record.scored.completions)),
+                    **{k: record.metrics[k] for k in BREAKDOWN}})
+    finally:
+      steps.close()
+    # The rollouts of the step after the last, still being made ahead: let them end, so
+    # that the next part's turn has the cores to itself.
+    for thread in threading.enumerate():
+      if thread.name == "rollouts-ahead":
+        thread.join(timeout=600)
+    return out
+
+  return {"iterations": iterations, "close": rollouts.close}
+
+
+# ---- the peers ----
+
+def _reward(completions, **kwargs) -> list[float]:
+  word = f"t{ITERATION['rewarded_token']}"
+  return [float(word in c.split()) for c in completions]
+
+
+def build_trl() -> dict:
+  """TRL's GRPOTrainer: `training_step` generates the 64 completions with the policy itself
+  (transformers' generate, no weight sync needed), scores them with the reward function,
+  computes group advantages and the loss, and backpropagates; then its AdamW steps (as
+  Trainer's inner loop does). No gradient checkpointing, like ours."""
+  import tempfile
+
+  import datasets
+  import torch
+  import trl
+
+  p = ITERATION
+  torch.manual_seed(0)
+  n = p["prompts"] * p["samples"]
+  args = trl.GRPOConfig(
+      output_dir=tempfile.mkdtemp(), per_device_train_batch_size=n,
+      num_generations=p["samples"], max_completion_length=p["new_tokens"], temperature=1.0,
+      learning_rate=p["learning_rate"], epsilon=p["clip_eps"], beta=0.0, use_cpu=True,
+      report_to="none", bf16=False, gradient_checkpointing=False)
+  trainer = trl.GRPOTrainer(
+      model=peers.hf_model(p), reward_funcs=[_reward], args=args,
+      train_dataset=datasets.Dataset.from_dict(
+          {"prompt": [r["prompt"] for r in RandomPrompts().train]}),
+      processing_class=peers.hf_word_tokenizer(p["vocab"]))
+  trainer.create_optimizer()
+  trainer.model.train()
+  trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() per step
+  def forever():
+    while True:
+      yield from trainer.get_train_dataloader()
+  batches = forever()
+
+  def iterations(count: int) -> list[dict]:
+    out = []
+    for _ in range(count):
+      batch = next(batches)
+      started = time.perf_counter()
+      trainer.training_step(trainer.model, batch, num_items_in_batch=None)
+      trainer.optimizer.step()
+      trainer.optimizer.zero_grad(set_to_none=True)
+      seconds = time.perf_counter() - started
+      lengths = trainer._metrics["train"]["completions/mean_length"][-1]
+      out.append({"seconds": seconds, "completion_tokens": int(round(lengths * n))})
+    return out
+
+  return {"iterations": iterations}
+
+
+
+PARTS = {  # name -> (virtual environment, trainer's cores, builder)
+    "ours_sync": (None, "0,1", lambda: build_ours("embedded")),
+    "ours_sync_server": (None, "0", lambda: build_ours("server")),
+    "ours_ahead": (None, "0", lambda: build_ours("server", max_staleness=1)),
+    "trl": ("trl", "0,1", build_trl),
+}
+PEERS = ("trl",)
+
+
+def serve(part: str):
+  """Child process: build `part`, run 2 iterations (compilation, warm-up), then answer each
+  "N" read from stdin with the JSON list of N iterations' records; exit at "done"."""
+  built = PARTS[part][2]()
+  runs = built["iterations"]
+  runs(2)
+  print(json.dumps("ready"), flush=True)
+  for line in sys.stdin:
+    if line.strip() == "done":
+      break
+    print(json.dumps(runs(int(line))), flush=True)
+  built.get("close", lambda: None)()
+  print(json.dumps({"peak_rss_bytes": peers._peak_rss()}), flush=True)
+
+
+def worker(part: str) -> peers.Worker:
+  env, cores, _ = PARTS[part]
+  return peers.Worker(part, ["taskset", "-c", cores, peers.venv_python(env), __file__,
+                             "--_serve", part])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--parts", default=",".join(PARTS))
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=4,
+                      help="iterations per turn; the first of each turn is not counted")
+  parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+  parser.add_argument("--_serve", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args._serve:
+    serve(args._serve)
+    return
+  parts = args.parts.split(",")
+  for part in parts:
+    if part not in PARTS:
+      parser.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
+  if args.steps < 2:
+    parser.error("--steps must be at least 2 (the first of each turn is not counted)")
+  workers = {}
+  for part in parts:
+    print(f"== {part} (building, compiling, 2 warm-up iterations)", flush=True)
+    workers[part] = worker(part)
+  turns = {part: [] for part in parts}  # part -> per turn, its kept iterations
+  for i in range(args.rounds):
+    for part in (parts if i % 2 == 0 else parts[::-1]):
+      time.sleep(peers.SETTLE_S)
+      kept = workers[part].time(str(args.steps))[1:]
+      turns[part].append(kept)
+      print(f"round {i + 1} {part}: " + " ".join(f"{r['seconds']:.2f}" for r in kept)
+            + " s/iteration", flush=True)
+  results = {part: {"turns": turns[part], **workers[part].close()} for part in parts}
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "iteration.json"), "w") as f:
+    json.dump({"config": ITERATION, "rounds": args.rounds, "steps": args.steps, **results},
+              f, indent=1)
+  report(results)
+
+
+def _turn_seconds(turn: list[dict]) -> float:
+  return statistics.median(r["seconds"] for r in turn)
+
+
+def report(results: dict):
+  print(f"{'':>17} {'s/iter':>7} {'iter/s':>7} {'tok/s':>7} {'peak RSS':>9}  breakdown "
+        "(median s: generate verify score pack train sync | idle trainer engine)")
+  for part, r in results.items():
+    kept = [x for turn in r["turns"] for x in turn]
+    seconds = statistics.median(x["seconds"] for x in kept)
+    tokens = statistics.median(x["completion_tokens"] / x["seconds"] for x in kept)
+    line = (f"{part:>17} {seconds:7.2f} {1 / seconds:7.3f} {tokens:7.0f} "
+            f"{r['peak_rss_bytes'] / 2**30:8.2f}G")
+    if "train_s" in kept[0]:
+      m = {k: statistics.median(x[k] for x in kept) for k in BREAKDOWN}
+      line += ("  " + " ".join(f"{m[k]:.2f}" for k in BREAKDOWN[:6])
+               + f" | {m['trainer_idle_s']:.2f} {m['engine_idle_s']:.2f}")
+    print(line)
+  pairs = [("ours_ahead", "ours_sync")] + [("ours_sync", peer) for peer in PEERS]
+  for ours, other in pairs:
+    if ours in results and other in results:
+      ratios = [_turn_seconds(b) / _turn_seconds(a)
+                for a, b in zip(results[ours]["turns"], results[other]["turns"])]
+      print(f"{ours} vs {other}: {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} turns; > 1: "
+            f"{ours} faster)")
+
+
+if __name__ == "__main__":
+  main()
