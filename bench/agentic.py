@@ -84,8 +84,8 @@ class CountingEngine:
   def version(self) -> int:
     return self.engine.version
 
-  def update_weights(self, params, version: int) -> float:
-    return self.engine.update_weights(params, version)
+  def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
+    return self.engine.update_weights(params, version, while_generating=while_generating)
 
   def close(self) -> None:
     self.engine.close()

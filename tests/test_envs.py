@@ -62,7 +62,7 @@ class ScriptedEngine:
   def version(self):
     return self._version
 
-  def update_weights(self, params, version):
+  def update_weights(self, params, version, *, while_generating=False):
     self._version = version
     return 0.0
 
