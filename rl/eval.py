@@ -8,6 +8,8 @@ their lengths, and so the token budgets of `sampled_eval`, count the policy's to
 """
 
 import dataclasses
+import queue
+import threading
 import time
 from typing import Any, Sequence
 
@@ -40,29 +42,102 @@ def generate_and_verify(engine: RolloutEngine, task, tokenizer, records: Sequenc
                         sampling: SamplingParams, *, samples: int = 1, seed: int = 0,
                         max_sequence_tokens: int | None = None,
                         timings: dict[str, float] | None = None) -> Scored:
-  """`samples` completions per record, verified. A task with an `environment` (agentic:
-  rl/tasks/agentic.py) gets multi-turn episodes instead (rl/envs/driver.py), with
-  sampling.max_new_tokens their budget of policy tokens and `max_sequence_tokens` the most
-  tokens a prompt and its episode may hold (the packed row's room; single-turn completions
-  ignore it). `timings`, when given, gets the seconds of both parts added to its
-  "generate_s" and "verify_s" (an episode's tool calls count as generation)."""
+  """`samples` completions per record, verified. Each completion is verified as soon as the
+  engine hands it over (RolloutEngine.generate's `on_ready`), on a thread of its own (so in the task's worker
+  pool: MathVerifier, CodeSandbox, Judge), while the others are still generated: on servers,
+  where completions arrive one by one, verification runs concurrently with generation; the
+  embedded engine hands over all of them at once.
+  A task with an `environment` (agentic: rl/tasks/agentic.py) gets multi-turn episodes
+  instead (rl/envs/driver.py), verified once they all ended, with sampling.max_new_tokens
+  their budget of policy tokens and `max_sequence_tokens` the most tokens a prompt and its
+  episode may hold (the packed row's room; single-turn completions ignore it). `timings`,
+  when given, gets added to its "generate_s" (an episode's tool calls count as
+  generation), "verify_s" (the wait for verification after generation ended: its share of
+  the critical path) and "verify_busy_s" (the verifying thread's whole time)."""
   started = time.perf_counter()
   prompts = [prompt_ids(task, tokenizer, r) for r in records]
   requests = [p for p in prompts for _ in range(samples)]
   repeated = [r for r in records for _ in range(samples)]
   environment = getattr(task, "environment", None)
-  if environment is None:
-    completions = engine.generate(requests, sampling, seed=seed)
-  else:
-    completions = envs.run_episodes(engine, environment, tokenizer, repeated, requests,
-                                    sampling, seed=seed,
-                                    max_sequence_tokens=max_sequence_tokens)
+  verifying = _Verifying(task, tokenizer, repeated, requests)
+  try:
+    if environment is None:
+      completions = engine.generate(requests, sampling, seed=seed,
+                                    on_ready=verifying.put)
+    else:
+      completions = envs.run_episodes(engine, environment, tokenizer, repeated, requests,
+                                      sampling, seed=seed,
+                                      max_sequence_tokens=max_sequence_tokens)
+      verifying.put(dict(enumerate(completions)))
+  except BaseException:
+    verifying.abandon()
+    raise
   generated = time.perf_counter()
-  scored = score(task, tokenizer, repeated, requests, completions)
+  scored = verifying.result(len(completions))
   if timings is not None:
     timings["generate_s"] = timings.get("generate_s", 0.0) + generated - started
     timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - generated
+    timings["verify_busy_s"] = timings.get("verify_busy_s", 0.0) + verifying.busy_s
   return scored
+
+
+class _Verifying:
+  """Verifies completions as they are handed over ({index: Completion}), on a thread of its
+  own: whatever has arrived since its last check is scored together (one verify_batch), so
+  a batched verifier still sees batches."""
+
+  def __init__(self, task, tokenizer, records: Sequence[dict],
+               prompts: Sequence[Sequence[int]]):
+    self._task, self._tokenizer, self._records, self._prompts = task, tokenizer, records, prompts
+    self._arrived: queue.SimpleQueue = queue.SimpleQueue()
+    self._parts: list[tuple[list[int], Scored]] = []
+    self._error: BaseException | None = None
+    self.busy_s = 0.0
+    self._thread = threading.Thread(target=self._run, daemon=True, name="verifier")
+    self._thread.start()
+
+  def put(self, ready: dict[int, Completion]) -> None:
+    self._arrived.put(ready)
+
+  def _run(self) -> None:
+    ended = False
+    while not ended:
+      arrived = [self._arrived.get()]
+      while not self._arrived.empty():
+        arrived.append(self._arrived.get())
+      ended = arrived[-1] is None  # put last, after every completion
+      ready = {i: c for a in arrived if a is not None for i, c in a.items()}
+      if not ready or self._error is not None:
+        continue
+      started = time.perf_counter()
+      indices = list(ready)
+      try:
+        self._parts.append((indices, score(
+            self._task, self._tokenizer, [self._records[i] for i in indices],
+            [self._prompts[i] for i in indices], list(ready.values()))))
+      except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by result()
+        self._error = e
+      self.busy_s += time.perf_counter() - started
+
+  def abandon(self) -> None:
+    """Generation failed: the thread ends once done with what it holds."""
+    self._arrived.put(None)
+
+  def result(self, count: int) -> Scored:
+    """All `count` completions, verified, in index order (waits for the rest)."""
+    self._arrived.put(None)
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+    indices = [i for part_indices, _ in self._parts for i in part_indices]
+    if sorted(indices) != list(range(count)):
+      raise RuntimeError(f"the engine returned {count} completions but handed over "
+                         f"{len(indices)} through on_ready (missing: "
+                         f"{sorted(set(range(count)) - set(indices))[:8]}); it must hand over "
+                         "each once")
+    if not self._parts:  # nothing was asked
+      return score(self._task, self._tokenizer, [], [], [])
+    return take(concat([part for _, part in self._parts]), np.argsort(indices))
 
 
 def concat(parts: Sequence[Scored], limit: int | None = None) -> Scored:
@@ -71,6 +146,15 @@ def concat(parts: Sequence[Scored], limit: int | None = None) -> Scored:
   arrays = lambda name: np.concatenate([getattr(p, name) for p in parts])[:limit]
   return Scored(lists("prompt_ids"), lists("completions"), lists("texts"), arrays("correct"),
                 arrays("lengths"), arrays("truncated"), arrays("well_formed"), lists("records"))
+
+
+def take(scored: Scored, rows: Sequence[int]) -> Scored:
+  """The completions at `rows` (indices into `scored`), in that order."""
+  rows = np.asarray(rows, int)
+  pick = lambda xs: [xs[i] for i in rows]
+  return Scored(pick(scored.prompt_ids), pick(scored.completions), pick(scored.texts),
+                scored.correct[rows], scored.lengths[rows], scored.truncated[rows],
+                scored.well_formed[rows], pick(scored.records))
 
 
 def score(task, tokenizer, records: Sequence[dict], prompts: Sequence[Sequence[int]],

@@ -140,7 +140,8 @@ class _StepRollouts:
   rollouts: Rollouts
   num_groups: int
   state: LoopState
-  metrics: dict[str, float]  # generate_s, verify_s, score_s, generation_rounds, partial_*
+  # generate_s, verify_s, verify_busy_s, score_s, generation_rounds, partial_*
+  metrics: dict[str, float]
 
 
 class RolloutsFailed(RuntimeError):
@@ -249,7 +250,9 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   ahead) are made on a thread while a step trains; the engine gets its own copy of each
   step's weights, and a failure there raises RolloutsFailed here. Close the generator
   (`.close()`) to stop that thread. Each StepRecord's metrics break the step's time down:
-  generate_s, verify_s, score_s (drawing prompts, reward transforms, statistics), pack_s,
+  generate_s, verify_s (the wait for verification once generation ended; verify_busy_s is
+  the verifier's whole time, most of it concurrent with generation on servers), score_s
+  (drawing prompts, reward transforms, statistics), pack_s,
   train_s, weight_sync_s, and trainer_idle_s / engine_idle_s, how long each waited.
   A `train_step` made with donate_state=True (as `train` makes it) updates the state in
   place: the state of an earlier StepRecord, and the engine's weights until the step's
@@ -275,7 +278,7 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     sampler_state, reward_state = state.sampler_state, state.reward_state
     replay, next_group = state.replay, state.next_group
     kept: list[tuple[eval_lib.Scored, Rollouts]] = []  # one entry per generation round
-    metrics = {"generate_s": 0.0, "verify_s": 0.0}
+    metrics = {"generate_s": 0.0, "verify_s": 0.0, "verify_busy_s": 0.0}
     started = time.perf_counter()
     if config.partial_rollouts:
       rng, draw_key = jax.random.split(rng)
@@ -288,7 +291,7 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       verifying = time.perf_counter()
       scored = eval_lib.score(task, tokenizer, records, [t.prompt_ids for g in trained for t in g],
                               [t.completion() for g in trained for t in g])
-      metrics["verify_s"] = time.perf_counter() - verifying
+      metrics["verify_s"] = metrics["verify_busy_s"] = time.perf_counter() - verifying
       rollouts, reward_state = reward.update(_rollouts(scored, len(trained), [
           t.record for g in trained for t in g]), reward_state,
                                              step=step)

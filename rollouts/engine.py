@@ -6,7 +6,7 @@ anything about training.
 """
 
 import dataclasses
-from typing import Literal, Protocol, Sequence
+from typing import Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
@@ -58,10 +58,16 @@ class RolloutEngine(Protocol):
   def version(self) -> int: ...
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-               seed: int, affinity: Sequence[int] | None = None) -> list[Completion]:
+               seed: int, affinity: Sequence[int] | None = None,
+               on_ready: Callable[[dict[int, Completion]], None] | None = None
+               ) -> list[Completion]:
     """One completion per prompt. `affinity` (one key per prompt) picks the server where an
     engine has several: the same key, the same server, so that the continuations of one
-    multi-turn episode find their prefix in its cache. Engines with one model ignore it."""
+    multi-turn episode find their prefix in its cache. Engines with one model ignore it.
+    `on_ready({prompt index: completion})` is called, before generate returns, with each
+    completion once as soon as it is done (so that it can be verified while the rest are
+    generated): one by one on servers, all in one call by an engine that makes them together.
+    It may run on another thread and must return quickly."""
     ...
 
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:

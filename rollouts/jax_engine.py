@@ -7,7 +7,7 @@ rounded up to buckets so that a run compiles a few shapes, not one per call.
 """
 
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -208,7 +208,9 @@ class JaxEngine:
             for row, span in enumerate(spans)]
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-               seed: int, affinity: Sequence[int] | None = None) -> list[Completion]:
+               seed: int, affinity: Sequence[int] | None = None,
+               on_ready: Callable[[dict[int, Completion]], None] | None = None
+               ) -> list[Completion]:
     del affinity  # one model in this process: nothing to route
     if not prompts:
       return []
@@ -235,4 +237,6 @@ class JaxEngine:
           token_ids=out_tokens[row, :k].copy(), logprobs=out_logp[row, :k].copy(),
           finish_reason="stop" if stopped[row] else "length",
           versions=np.full((k,), version, np.int32)))
+    if on_ready is not None:  # one batch: all are done together
+      on_ready(dict(enumerate(completions)))
     return completions

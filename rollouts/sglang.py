@@ -245,7 +245,8 @@ class SGLangClient:
     return [results[i] for i in range(total)]
 
   async def _generate(self, requests: Sequence[Request], sampling: SamplingParams,
-                      stop_when: Callable[[int, Completion], bool] | None, abort_prefix: str):
+                      stop_when: Callable[[int, Completion], bool] | None, abort_prefix: str,
+                      on_ready: Callable[[dict[int, Completion]], None] | None):
     results: dict[int, Completion] = {}
     stopping = False
     limits = self._limits()
@@ -255,11 +256,15 @@ class SGLangClient:
       sent = await self._post_generate(request_body(request, sampling), request.affinity,
                                        limits, results, len(requests), lambda: stopping)
       if sent is None:  # the iteration ended before this request was sent
-        results[index] = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort",
-                                    np.zeros(0, np.int32))
-        return
-      completion = parse_response(*sent)
+        completion = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort",
+                                np.zeros(0, np.int32))
+      else:
+        completion = parse_response(*sent)
       results[index] = completion
+      if on_ready is not None:
+        on_ready({index: completion})
+      if sent is None:
+        return
       if stop_when is not None and not stopping and stop_when(index, completion):
         stopping = True  # the rest come back aborted, with what they generated so far
         await self._each_async(self._control, "POST", "/abort_request", {"rid": abort_prefix})
@@ -294,14 +299,17 @@ class SGLangClient:
 
   def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
                stop_when: Callable[[int, Completion], bool] | None = None,
-               abort_prefix: str = "") -> list[Completion]:
-    """Completions in request order. `stop_when(index, completion)` is asked as each one
-    arrives; once it says True, requests not yet sent are not sent and those whose rid
-    starts with `abort_prefix` are aborted on every worker: they return "abort" with the
-    tokens generated so far (partial rollouts)."""
+               abort_prefix: str = "",
+               on_ready: Callable[[dict[int, Completion]], None] | None = None
+               ) -> list[Completion]:
+    """Completions in request order. `on_ready({index: completion})` is called (on the
+    client's event-loop thread) as each one arrives. `stop_when(index, completion)` is
+    asked as each one arrives; once it says True, requests not yet sent are not sent and
+    those whose rid starts with `abort_prefix` are aborted on every worker: they return
+    "abort" with the tokens generated so far (partial rollouts)."""
     if stop_when is not None and not abort_prefix:
       raise ValueError("SGLangClient.generate: stop_when needs the abort_prefix of the rids")
-    return self._run(self._generate(requests, sampling, stop_when, abort_prefix))
+    return self._run(self._generate(requests, sampling, stop_when, abort_prefix, on_ready))
 
   # --- control, sent to every worker
 
@@ -451,11 +459,13 @@ class SGLangEngine:
             for i, (p, key) in enumerate(zip(prompts, keys))]
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-               seed: int, affinity: Sequence[int] | None = None) -> list[Completion]:
+               seed: int, affinity: Sequence[int] | None = None,
+               on_ready: Callable[[dict[int, Completion]], None] | None = None
+               ) -> list[Completion]:
     if not prompts:
       return []
     return self.client.generate(self.requests(prompts, sampling.max_new_tokens, seed,
-                                              affinity=affinity), sampling)
+                                              affinity=affinity), sampling, on_ready=on_ready)
 
   def score(self, prompts: Sequence[Sequence[int]],
             continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import pytest
@@ -15,6 +16,8 @@ from models import config, transformer
 from rl import eval as eval_lib
 from rl import loop, rewards, sampling, sft
 from rl.checkpoint import Checkpointer
+from rl.tasks.arithmetic import Arithmetic
+from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +110,37 @@ def test_sampled_eval_and_report(tokenizer, tmp_path):
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   assert json.load(open(paths[0]))["budgets"]["8"] == top
   assert accuracy[0] < accuracy[-1]
+
+
+class _BrokenVerifier(Arithmetic):
+  def verify(self, completion, record):
+    raise ValueError("verifier bug")
+
+
+class _LosingEngine(JaxEngine):
+  """The embedded engine, handing over one completion fewer than it returns."""
+
+  def generate(self, prompts, sampling, *, seed, affinity=None, on_ready=None):
+    return super().generate(prompts, sampling, seed=seed,
+                            on_ready=lambda ready: on_ready(dict(list(ready.items())[1:])))
+
+
+def test_generate_and_verify_raises_its_verifiers_and_engines_errors(tiny_cfg, tiny_params,
+                                                                     tokenizer):
+  """A verifier that raises on its thread raises in the caller; an engine that hands over
+  fewer completions than it returns is named; neither leaves the verifying thread running."""
+  records = [Arithmetic(digits=1, num_train=4, num_test=1).train[i] for i in range(2)]
+  # Stop on every id: each completion finishes (and so is verified) at once.
+  sampling = SamplingParams(4, stop_token_ids=tuple(range(tiny_cfg.vocab_size)))
+  engine = JaxEngine(tiny_cfg, tiny_params)
+  with pytest.raises(ValueError, match="verifier bug"):
+    eval_lib.generate_and_verify(engine, _BrokenVerifier(digits=1, num_train=4, num_test=1),
+                                 tokenizer, records, sampling, samples=2)
+  with pytest.raises(RuntimeError, match=r"returned 4 completions but handed over 3.*\[0\]"):
+    eval_lib.generate_and_verify(_LosingEngine(tiny_cfg, tiny_params),
+                                 Arithmetic(digits=1, num_train=4, num_test=1), tokenizer,
+                                 records, sampling, samples=2)
+  assert not [t for t in threading.enumerate() if t.name == "verifier"]
 
 
 def test_sampled_eval_rejects_bad_specs():

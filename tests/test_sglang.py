@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 from models import config, hf, transformer
+from rl import eval as eval_lib
 from rl import loop, rewards, sampling
+from rl.tasks.arithmetic import Arithmetic
 from rl.checkpoint import Checkpointer
 from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
@@ -346,6 +348,64 @@ def test_an_unpaused_weight_update_lets_the_requests_in_flight_finish_first(mode
     with scheduler.lock:
       scheduler.stopped = True
       scheduler.lock.notify_all()
+
+
+class _SlowlyVerified(Arithmetic):
+  """Arithmetic whose verifier takes `seconds` per completion and notes when it ran."""
+
+  def __init__(self, seconds: float, **kwargs):
+    super().__init__(**kwargs)
+    self.seconds, self.verified_at = seconds, []
+
+  def verify(self, completion, record):
+    self.verified_at.append(time.perf_counter())
+    time.sleep(self.seconds)
+    return super().verify(completion, record)
+
+
+class _Returned:
+  """An engine's generate, with the moment it returned noted."""
+
+  def __init__(self, engine):
+    self.engine, self.returned_at = engine, None
+
+  def generate(self, *args, **kwargs):
+    completions = self.engine.generate(*args, **kwargs)
+    self.returned_at = time.perf_counter()
+    return completions
+
+
+def test_completions_from_a_server_are_verified_while_the_rest_generate(model, tokenizer):
+  """A server that decodes two requests at a time hands back 8 completions in 4 waves: the
+  first are verified while later waves decode, the result equals verifying them all after,
+  and what was verified during generation is off the critical path (verify_s)."""
+  from rollouts.server import serve
+  cfg, params, _, _ = model
+  server = serve(cfg, params[0], max_batch=2)
+  client = SGLangClient([f"http://127.0.0.1:{server.server_address[1]}"])
+  try:
+    task = _SlowlyVerified(0.02, digits=1, num_train=8, num_test=4)
+    engine = _Returned(SGLangEngine(client, cfg, weights_dir="unused"))
+    records = [task.train[i] for i in range(4)]
+    timings = {}
+    scored = eval_lib.generate_and_verify(engine, task, tokenizer, records,
+                                          # Stop on 5 of the 55 ids: ~11 tokens each.
+                                          SamplingParams(32, stop_token_ids=(3, 4, 5, 6, 7)),
+                                          samples=2, seed=5, timings=timings)
+  finally:
+    client.close()
+    server.shutdown()
+    with server.scheduler.lock:
+      server.scheduler.stopped = True
+      server.scheduler.lock.notify_all()
+  assert min(task.verified_at) < engine.returned_at, "nothing was verified during generation"
+  assert len(task.verified_at) == int((~scored.truncated).sum()) > 0
+  assert timings["verify_busy_s"] >= 0.02 * len(task.verified_at)
+  assert timings["verify_s"] < timings["verify_busy_s"]
+  after = eval_lib.score(task, tokenizer, scored.records, scored.prompt_ids, scored.completions)
+  assert scored.texts == after.texts and scored.records == [r for r in records for _ in "ab"]
+  np.testing.assert_array_equal(scored.correct, after.correct)
+  np.testing.assert_array_equal(scored.truncated, after.truncated)
 
 
 def test_warmup_compiles_every_batch_shape_served_after_it(model):
