@@ -16,6 +16,11 @@ Parts, each served by its own process (bench/peers.py's Worker):
   ours_ahead        the same pinning with RLConfig.max_staleness = 1: step t + 1's rollouts
                     are generated while step t trains (as on separate devices)
   trl               TRL's GRPOTrainer: one `training_step` with its own generation, both cores
+  ours_sglang       lockstep on a real SGLang server (bench/gpu_iteration.sh on a GPU, which
+                    the trainer shares with the server), the weight sync through the disk
+  ours_sglang_ahead the same with RLConfig.max_staleness = 1
+                    (both read LONGRL_SGLANG_URL and LONGRL_SGLANG_WEIGHTS, a directory the
+                    server reads too; not in the default --parts)
 (Tunix's GRPOLearner is not here yet: its RLCluster's vanilla rollout handed our word
 tokenizer numpy arrays instead of strings.)
 
@@ -85,15 +90,17 @@ class RandomPrompts:
 
 
 def build_ours(engine: str, max_staleness: int = 0) -> dict:
-  """rl.loop.rl_steps on the embedded engine ("embedded") or on a server process pinned to
-  core 1 ("server"); "iteration" runs `n` steps from a fresh generator (so ahead of the
-  trainer the pipeline starts empty) and drains it before returning."""
+  """rl.loop.rl_steps on the embedded engine ("embedded"), on our server process pinned to
+  core 1 ("server") or on a running SGLang server ("sglang"); "iteration" runs `n` steps from
+  a fresh generator (so ahead of the trainer the pipeline starts empty) and drains it before
+  returning."""
   import jax
   from models import config, transformer
   from rl import loop, losses, rewards, sampling
   from rl.train_step import make_train_step
   from rollouts.jax_engine import JaxEngine
   from rollouts.server import local_engine
+  from rollouts.sglang import remote_engine
 
   p = ITERATION
   cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"],
@@ -108,8 +115,14 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
                      max_new_tokens=p["new_tokens"], seq_len=p["prompt_len"] + p["new_tokens"],
                      max_staleness=max_staleness)
   task, tokenizer = RandomPrompts(), WordTokenizer()
-  rollouts = (JaxEngine(cfg, params) if engine == "embedded" else
-              local_engine(cfg, params, 0, cores=[1]))
+  if engine == "embedded":
+    rollouts = JaxEngine(cfg, params)
+  elif engine == "server":
+    rollouts = local_engine(cfg, params, 0, cores=[1])
+  else:
+    rollouts = remote_engine(cfg, params, 0, urls=[os.environ["LONGRL_SGLANG_URL"]],
+                             weights_dir=os.environ["LONGRL_SGLANG_WEIGHTS"],
+                             health_timeout=600)
   train_step = make_train_step(cfg, optimizer, losses.bind(
       "grpo", {"clip_eps": p["clip_eps"], "kl_coef": 0.0}), donate_state=True)
   holder = {"state": loop.init_loop_state(params, optimizer, num_prompts=len(task.train),
@@ -198,12 +211,15 @@ def build_trl() -> dict:
 
 
 
-PARTS = {  # name -> (virtual environment, trainer's cores, builder)
+PARTS = {  # name -> (virtual environment, trainer's cores (None: all), builder)
     "ours_sync": (None, "0,1", lambda: build_ours("embedded")),
     "ours_sync_server": (None, "0", lambda: build_ours("server")),
     "ours_ahead": (None, "0", lambda: build_ours("server", max_staleness=1)),
     "trl": ("trl", "0,1", build_trl),
+    "ours_sglang": (None, None, lambda: build_ours("sglang")),
+    "ours_sglang_ahead": (None, None, lambda: build_ours("sglang", max_staleness=1)),
 }
+DEFAULT_PARTS = ("ours_sync", "ours_sync_server", "ours_ahead", "trl")
 PEERS = ("trl",)
 
 
@@ -224,13 +240,13 @@ def serve(part: str):
 
 def worker(part: str) -> peers.Worker:
   env, cores, _ = PARTS[part]
-  return peers.Worker(part, ["taskset", "-c", cores, peers.venv_python(env), __file__,
-                             "--_serve", part])
+  pin = ["taskset", "-c", cores] if cores else []
+  return peers.Worker(part, pin + [peers.venv_python(env), __file__, "--_serve", part])
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--parts", default=",".join(PARTS))
+  parser.add_argument("--parts", default=",".join(DEFAULT_PARTS))
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=4,
                       help="iterations per turn; the first of each turn is not counted")
@@ -284,7 +300,13 @@ def report(results: dict):
       line += ("  " + " ".join(f"{m[k]:.2f}" for k in BREAKDOWN[:6])
                + f" | {m['trainer_idle_s']:.2f} {m['engine_idle_s']:.2f}")
     print(line)
-  pairs = [("ours_ahead", "ours_sync")] + [("ours_sync", peer) for peer in PEERS]
+  for part, r in results.items():  # each weight sync (export included), as k1.5's infra reports
+    syncs = [x["weight_sync_s"] for turn in r["turns"] for x in turn if "weight_sync_s" in x]
+    if syncs:
+      print(f"{part} weight syncs: {len(syncs)}, median {statistics.median(syncs):.3f} s, "
+            f"{min(syncs):.3f}-{max(syncs):.3f} s")
+  pairs = ([("ours_ahead", "ours_sync"), ("ours_ahead", "ours_sync_server"),
+            ("ours_sglang_ahead", "ours_sglang")] + [("ours_sync", peer) for peer in PEERS])
   for ours, other in pairs:
     if ours in results and other in results:
       ratios = [_turn_seconds(b) / _turn_seconds(a)

@@ -122,17 +122,21 @@ def gather(value: Any) -> list[Any]:
   return [pickle.loads(everyone[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
 
 
-def checked(fn: Callable[[], Any]) -> Any:
+def checked(fn: Callable[[], Any], *, before_exchange: Callable[[], None] = lambda: None
+            ) -> Any:
   """fn() on this process, returned once every process's fn() has returned. When one
   raises, every process raises: that one its own error, the others ProcessFailed naming it
   (rather than waiting forever in the next collective for a process that has left). Wrap
-  the parts one process may fail alone (process 0's calls to the rollout servers)."""
+  the parts one process may fail alone (process 0's calls to the rollout servers).
+  `before_exchange()` runs between fn() and the collective that exchanges the outcomes (a
+  thread that must wait its turn for collectives waits there)."""
   if jax.process_count() == 1:
     return fn()
   try:
     value, error = fn(), None
   except Exception as e:  # noqa: BLE001 - every error must reach the other processes
     value, error = None, e
+  before_exchange()
   failures = gather(None if error is None else f"{type(error).__name__}: {error}")
   if error is not None:
     raise error

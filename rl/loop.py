@@ -148,15 +148,25 @@ class RolloutsFailed(RuntimeError):
   """Making rollouts ahead of the trainer failed (the engine crashed): says at which step."""
 
 
+class _Stopped(Exception):
+  """The loop closed while rollouts were made ahead of it."""
+
+
 class _RolloutsAhead:
   """Makes each step's rollouts on a thread of its own while earlier steps train: step p's
   start once the engine holds weights of version >= p - max_staleness, so no token trained
-  at step p is older than that (the engine's generate reads its weights once per call)."""
+  at step p is older than that (the engine's generate reads its weights once per call).
+  With several JAX processes the collectives of step p's rollouts (gathering the
+  completions, the reference's log-probs) wait until the trainer waits for them in next():
+  the two threads never issue collectives at once, so every process issues them in the same
+  order. Each step's generation still runs while the step before it trains."""
 
   def __init__(self, roll_out: Callable, state: LoopState, max_staleness: int):
     self._roll_out, self._max_staleness = roll_out, max_staleness
     self._made: queue.Queue = queue.Queue()
     self._version = int(state.step)  # the engine's weights
+    self._awaited = None  # the step whose rollouts the trainer waits for in next()
+    self._next_step = int(state.step)
     self._changed = threading.Condition()
     self._stopped = False
     threading.Thread(target=self._run, args=(state,), daemon=True,
@@ -173,19 +183,33 @@ class _RolloutsAhead:
           if self._stopped:
             return
         waited = time.perf_counter() - waiting
-        made = self._roll_out(state, step)
+        made = self._roll_out(state, step, gate=lambda step=step: self._collectives(step))
         made.metrics["engine_idle_s"] = waited
         self._made.put(made)
         state, step = made.state, step + 1
+    except _Stopped:
+      return
     except Exception as e:  # noqa: BLE001 - raised on the trainer's thread by next()
       failed = RolloutsFailed(f"rollouts for RL step {step + 1}, made ahead of the trainer, "
                               f"failed: {type(e).__name__}: {e}")
       failed.__cause__ = e
       self._made.put(failed)
 
+  def _collectives(self, step: int) -> None:
+    """Returns once the trainer waits for `step`'s rollouts (its thread then issues no
+    collectives); _Stopped if the loop closes first."""
+    with self._changed:
+      self._changed.wait_for(lambda: self._stopped or self._awaited == step)
+      if self._stopped:
+        raise _Stopped
+
   def next(self) -> _StepRollouts:
     """The next step's rollouts, once made; RolloutsFailed if making them failed."""
+    with self._changed:
+      self._awaited = self._next_step
+      self._changed.notify_all()
     made = self._made.get()
+    self._next_step += 1
     if isinstance(made, RolloutsFailed):
       raise made
     return made
@@ -270,10 +294,12 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   if config.offpolicy_tokens in ("tis", "trust_region") and trainer_logprobs is None:
     raise ValueError(f"RLConfig.offpolicy_tokens={config.offpolicy_tokens!r} needs "
                      "trainer_logprobs")
-  def roll_out(state: LoopState, step: int) -> _StepRollouts:
+  def roll_out(state: LoopState, step: int, gate: Callable[[], None] = lambda: None
+               ) -> _StepRollouts:
     """Step `step`'s rollouts from the rollout side of `state` (rng, prompt statistics,
     sampler, reward and replay state): generation, verification, reward transforms. Returns
-    them with that side of the state advanced past them."""
+    them with that side of the state advanced past them. `gate()` is called before the
+    first collective (made ahead: the turn of this thread, _RolloutsAhead)."""
     rng, stats = state.rng, state.prompt_stats
     sampler_state, reward_state = state.sampler_state, state.reward_state
     replay, next_group = state.replay, state.next_group
@@ -311,7 +337,7 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       part = distributed.checked(lambda: eval_lib.generate_and_verify(
           engine, task, tokenizer, records, sampling, samples=group_size, seed=seed,
           max_sequence_tokens=config.seq_len + 1,  # an episode fits its packed row
-          timings=metrics) if records else None)
+          timings=metrics) if records else None, before_exchange=gate)
       scored = eval_lib.concat([p for p in distributed.gather(part) if p is not None])
       rollouts, reward_state = reward.update(
           _rollouts(scored, groups, np.repeat(indices, group_size)), reward_state, step=step)
@@ -808,13 +834,9 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   if rl.max_staleness < 0:
     raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} must be >= 0 (0: lockstep)")
   if rl.max_staleness:
-    ahead_unsupported = [name for name, on in {
-        "RLConfig.partial_rollouts": rl.partial_rollouts,
-        f"{jax.process_count()} JAX processes": multi}.items() if on]
-    if ahead_unsupported:
+    if rl.partial_rollouts:
       raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} (rollouts ahead of the "
-                        f"trainer) does not run with {', '.join(ahead_unsupported)} yet; "
-                        "one process does, on the embedded engine or on servers")
+                        "trainer) does not run with RLConfig.partial_rollouts yet")
   if multi:
     check_multiprocess(mesh, rl, init_from=init_from, teachers=teachers)
 

@@ -3,7 +3,7 @@ step on 2 processes x 4 devices (each placing only its own rows) equals 1 x 8;
 experiments/run.py on 2 processes writes its run directory once, survives SIGKILLs at three
 points, one of them mid-checkpoint (restarted with the same command, it ends with the params
 of an uninterrupted run), never reads a checkpoint whose write was cut off, and resumes on
-another number of processes; two trainers on a server fleet behind the real sglang-router
+another number of processes, and makes rollouts ahead of the trainer; two trainers on a server fleet behind the real sglang-router
 survive a dead server, stop clearly when the router dies and resume, and a killed trainer
 leaves no server behind; a process whose coordinator is not there says which address
 failed."""
@@ -128,6 +128,28 @@ def test_train_step_on_two_processes_equals_one(tmp_path):
   # Three losses and the updated params' L1 norm: the same global computation.
   np.testing.assert_allclose(two, one, rtol=1e-5)
   assert two[0] > two[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["embedded", "server"])
+def test_two_processes_make_rollouts_ahead_of_the_trainer(tmp_path, engine):
+  """RLConfig.max_staleness = 1 on 2 processes, with the held-out evaluation's and the
+  checkpoints' collectives between steps: every step trains all its groups, no token is
+  older than the bound, and the rollouts really were made ahead (one version stale)."""
+  run_dir = str(tmp_path / "run")
+  command = [*RUN, "--gin_param", "RLConfig.max_staleness = 1",
+             "--gin_param", "train.eval_every = 2", "--gin_param", "train.num_steps = 5",
+             "--run_dir", run_dir]
+  if engine == "server":
+    command += ["--gin", "experiments/configs/quickstart_server.gin"]
+  log = finish(start(command, 2, 2, tmp_path, "ahead"), tmp_path, "ahead")
+  assert "rl_accuracy=" in log
+  records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+  assert all(r["groups_trained"] == 4 for r in records)
+  assert all(0 <= r["staleness_max"] <= 1 for r in records)
+  assert sum(r["staleness_max"] == 1 for r in records) >= 3, records
+  assert all("eval_accuracy" in r for r in records if r["step"] % 2 == 0)
 
 
 def committed(checkpoints: str) -> list[int]:

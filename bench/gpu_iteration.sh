@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Whole RL iterations on one GPU with a real SGLang server (not part of CI):
+#   bash bench/gpu_iteration.sh [--rounds 3] [--steps 4]
+# bench/iteration.py's iteration (8 prompts x 8 samples, up to 256 new tokens, verifier, GRPO
+# step, weight sync through the disk) with the trainer (JAX) and an SGLang server sharing the
+# GPU: the server takes SERVER_MEM of it (--mem-fraction-static, --enable-memory-saver) and
+# JAX TRAINER_MEM (XLA_PYTHON_CLIENT_MEM_FRACTION). Parts ours_sglang (lockstep) and
+# ours_sglang_ahead (RLConfig.max_staleness = 1: the next step generates while one trains, a
+# weight sync lets the requests in flight finish on the old weights). Prints the seconds per
+# iteration, its breakdown (generate, verify, score, pack, train, sync | idle of trainer and
+# engine) and every weight sync's seconds; bench/results/iteration.json keeps them all.
+#
+# SGLang comes from SGLANG_PYTHON (default: bench/.venvs/sglang, made here from SGLANG_WHEELS,
+# a directory of wheels, or from PyPI), as in bench/gpu_sglang_e2e.sh. The trainer's JAX needs
+# its CUDA plugin in .venv: from JAX_CUDA_WHEELS (a directory of wheels) or PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
+PORT=${PORT:-30124}
+SERVER_MEM=${SERVER_MEM:-0.35}
+TRAINER_MEM=${TRAINER_MEM:-0.45}
+WORK=$(mktemp -d /tmp/longrl-gpu-iteration.XXXXXX)
+bash scripts/setup.sh
+
+if ! .venv/bin/python -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
+  if [ -n "${JAX_CUDA_WHEELS:-}" ]; then
+    .venv/bin/pip install -q --no-index --find-links "$JAX_CUDA_WHEELS" "jax[cuda12]"
+  else
+    .venv/bin/pip install -q "jax[cuda12]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
+  fi
+fi
+if [ -z "${SGLANG_PYTHON:-}" ]; then
+  if [ ! -x bench/.venvs/sglang/bin/python ]; then
+    python3 -m venv bench/.venvs/sglang
+    if [ -n "${SGLANG_WHEELS:-}" ]; then
+      bench/.venvs/sglang/bin/pip install --no-index --find-links "$SGLANG_WHEELS" \
+        "sglang==$SGLANG_VERSION"
+    else
+      bench/.venvs/sglang/bin/pip install "sglang==$SGLANG_VERSION"
+    fi
+  fi
+  SGLANG_PYTHON=bench/.venvs/sglang/bin/python
+fi
+
+# The iteration's model at its starting weights, for the server to load (the trainer loads
+# the same weights into it again before the first step: remote_engine).
+JAX_PLATFORMS=cpu .venv/bin/python - "$WORK/start" <<'PY'
+import sys
+sys.path.insert(0, "bench")
+import jax
+from iteration import ITERATION as p
+from models import config, hf, transformer
+cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], num_layers=p["layers"],
+                         num_heads=p["heads"], num_kv_heads=p["kv_heads"], head_dim=p["head_dim"],
+                         intermediate_size=p["intermediate"])
+hf.save(transformer.init_params(cfg, jax.random.PRNGKey(0)), cfg, sys.argv[1])
+PY
+
+"$SGLANG_PYTHON" -m sglang.launch_server --model-path "$WORK/start" --skip-tokenizer-init \
+  --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype float32 \
+  --mem-fraction-static "$SERVER_MEM" --enable-memory-saver > "$WORK/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then break; fi
+  if ! kill -0 $SERVER 2>/dev/null; then cat "$WORK/server.log"; exit 1; fi
+  sleep 1
+done
+LONGRL_SGLANG_URL="http://127.0.0.1:$PORT" LONGRL_SGLANG_WEIGHTS="$WORK/weights" \
+  XLA_PYTHON_CLIENT_MEM_FRACTION="$TRAINER_MEM" \
+  .venv/bin/python bench/iteration.py --parts ours_sglang,ours_sglang_ahead "$@"
