@@ -492,11 +492,16 @@ class SGLangEngine:
 
   def export(self, params, version: int) -> str:
     from models import hf
-    path = os.path.join(self.weights_dir, f"v{version:06d}")
+    name = f"v{version:06d}"
+    path = os.path.join(self.weights_dir, name)
     hf.save(params, self.cfg, path, copy_from=self.copy_from)
-    old = sorted(d for d in os.listdir(self.weights_dir) if d.startswith("v"))
-    for name in old[:-self.keep_versions]:
-      shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
+    # Kept: this version and the keep_versions - 1 below it (a server may still be loading
+    # one). Versions above it come from a run that died after them (this one resumed from an
+    # earlier checkpoint, or another run used the directory): nothing will read them.
+    older = sorted(d for d in os.listdir(self.weights_dir) if d.startswith("v") and d < name)
+    newer = [d for d in os.listdir(self.weights_dir) if d.startswith("v") and d > name]
+    for stale in older[:max(0, len(older) - (self.keep_versions - 1))] + newer:
+      shutil.rmtree(os.path.join(self.weights_dir, stale), ignore_errors=True)
     return path
 
   def close(self) -> None:

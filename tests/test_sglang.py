@@ -558,6 +558,26 @@ def test_partial_rollouts_abort_resume_and_keep_versions(model, servers):
   engine.client.sync_weights(paths[0], 0)
 
 
+def test_exports_keep_the_versions_servers_may_read_even_after_a_resume(model, tmp_path):
+  """Each export keeps itself and the version below it; a weights directory left by a run
+  that got further (this one resumed from an earlier step) loses those later versions, not
+  the export just written."""
+  cfg, params, _, _ = model
+  for stale in ("v000003", "v000004"):
+    (tmp_path / stale).mkdir()
+  client = SGLangClient(["http://127.0.0.1:9"])  # export talks to no server
+  try:
+    engine = SGLangEngine(client, cfg, weights_dir=str(tmp_path))
+    engine.export(params[0], 1)
+    assert sorted(os.listdir(tmp_path)) == ["v000001"]
+    engine.export(params[1], 2)
+    engine.export(params[0], 3)
+    assert sorted(os.listdir(tmp_path)) == ["v000002", "v000003"]
+    assert (tmp_path / "v000003" / "model.safetensors").exists()
+  finally:
+    client.close()
+
+
 def test_replay_buffer_round_trip():
   trajectories = [t for g in range(3) for t in partial.new_group(g, 10 + g, [1, 2, g + 3], 2)]
   for i, t in enumerate(trajectories):
