@@ -1,6 +1,6 @@
-"""Whole RL iterations, ours in lockstep and ahead against TRL's GRPO. Not a test.
+"""Whole RL iterations, ours in lockstep and ahead against TRL's and Tunix's GRPO. Not a test.
 
-  python bench/iteration.py [--parts ours_sync,ours_sync_server,ours_ahead,trl]
+  python bench/iteration.py [--parts ours_sync,ours_sync_server,ours_ahead,trl,tunix]
                             [--rounds 3] [--steps 4] [--out bench/results]
 
 One iteration = sample 8 prompts x 8 completions (32-token prompts, up to 256 new tokens,
@@ -16,13 +16,13 @@ Parts, each served by its own process (bench/peers.py's Worker):
   ours_ahead        the same pinning with RLConfig.max_staleness = 1: step t + 1's rollouts
                     are generated while step t trains (as on separate devices)
   trl               TRL's GRPOTrainer: one `training_step` with its own generation, both cores
+  tunix             Tunix's GRPOLearner: one global step of `train` on an RLCluster with its
+                    vanilla rollout (its Sampler) on the trainer's mesh, both cores
   ours_sglang       lockstep on a real SGLang server (bench/gpu_iteration.sh on a GPU, which
                     the trainer shares with the server), the weight sync through the disk
   ours_sglang_ahead the same with RLConfig.max_staleness = 1
                     (both read LONGRL_SGLANG_URL and LONGRL_SGLANG_WEIGHTS, a directory the
                     server reads too; not in the default --parts)
-(Tunix's GRPOLearner is not here yet: its RLCluster's vanilla rollout handed our word
-tokenizer numpy arrays instead of strings.)
 
 Timed like bench/peers.py: the parts take turns, `--rounds` times, each turn `--steps`
 iterations in a row of which the first is dropped (it fills the pipeline of ours_ahead,
@@ -210,17 +210,108 @@ def build_trl() -> dict:
   return {"iterations": iterations}
 
 
+class _TunixWordTokenizer:
+  """WordTokenizer behind the methods Tunix's TokenizerAdapter calls. `encode` also takes an
+  array (Tunix repeats a batch's prompts with numpy): of words, or of token ids already."""
+
+  def encode(self, text, **kwargs):
+    import numpy as np
+    if isinstance(text, str):
+      return [int(w[1:]) for w in text.split()]
+    items = np.ravel(text)
+    if items.dtype.kind in "USO":
+      return [int(w[1:]) for s in items for w in str(s).split()]
+    return [int(i) for i in items]
+
+  def decode(self, ids, **kwargs):
+    return " ".join(f"t{int(i)}" for i in ids if int(i) != 0)
+
+  def bos_id(self):
+    return 2
+
+  def eos_id(self):
+    return 1
+
+  def pad_id(self):
+    return 0
+
+
+def build_tunix() -> dict:
+  """Tunix's GRPOLearner over an RLCluster with the vanilla rollout (its Sampler), trainer
+  and rollout on one mesh: one global step of `GRPOLearner.train` generates the 64
+  completions, scores them, computes group advantages, and takes one AdamW step; on one mesh
+  the rollout shares the trainer's weights, so Tunix skips its weight sync."""
+  import jax
+  import numpy as np
+  import optax
+  from flax import nnx
+  from tunix.models.qwen2 import model as qwen2
+  from tunix.rl import rl_cluster as rl_cluster_lib
+  from tunix.rl.grpo import grpo_learner
+  from tunix.rl.rollout import base_rollout
+
+  p = ITERATION
+  cfg = qwen2.ModelConfig(num_layers=p["layers"], vocab_size=p["vocab"], embed_dim=p["hidden"],
+                          hidden_dim=p["intermediate"], num_heads=p["heads"],
+                          head_dim=p["head_dim"], num_kv_heads=p["kv_heads"], rope_theta=10000,
+                          norm_eps=1e-6, use_tied_embedding=False)
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  config = rl_cluster_lib.ClusterConfig(
+      role_to_mesh={role: mesh for role in (rl_cluster_lib.Role.ACTOR,
+                                            rl_cluster_lib.Role.REFERENCE,
+                                            rl_cluster_lib.Role.ROLLOUT)},
+      rollout_engine="vanilla", offload_to_cpu=False,
+      # No checkpoint directory, metrics options or eval set: nothing written or evaluated.
+      training_config=rl_cluster_lib.RLTrainingConfig(
+          actor_optimizer=optax.adamw(p["learning_rate"]), eval_every_n_steps=10**9,
+          max_steps=0),
+      rollout_config=base_rollout.RolloutConfig(
+          max_tokens_to_generate=p["new_tokens"], max_prompt_length=p["prompt_len"],
+          kv_cache_size=p["prompt_len"] + p["new_tokens"], temperature=1.0))
+  cluster = rl_cluster_lib.RLCluster(actor=qwen2.Qwen2(cfg, rngs=nnx.Rngs(0)),
+                                     tokenizer=_TunixWordTokenizer(), cluster_config=config)
+  tokens = [0]
+
+  def reward(prompts, completions, **kwargs):
+    tokens[0] += sum(len(c.split()) for c in completions)  # decode leaves pad out
+    return _reward(completions)
+
+  learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster, reward_fns=[reward], algo_config=grpo_learner.GRPOConfig(
+          num_generations=p["samples"], num_iterations=1, beta=0.0, epsilon=p["clip_eps"]))
+  prompts = [r["prompt"] for r in RandomPrompts().train]
+  def batches():  # arrays, as grain's batches: Tunix repeats each leaf G times with np.repeat
+    while True:
+      for i in range(0, len(prompts), p["prompts"]):
+        yield {"prompts": np.array(prompts[i:i + p["prompts"]])}
+  data = batches()
+
+  def iterations(count: int) -> list[dict]:
+    out = []
+    for _ in range(count):
+      # train() runs global steps until the trainer has taken max_steps optimizer steps.
+      config.training_config.max_steps = cluster.actor_trainer.train_steps + 1
+      tokens[0] = 0
+      started = time.perf_counter()
+      learner.train(data)
+      seconds = time.perf_counter() - started
+      out.append({"seconds": seconds, "completion_tokens": tokens[0]})
+    return out
+
+  return {"iterations": iterations}
+
 
 PARTS = {  # name -> (virtual environment, trainer's cores (None: all), builder)
     "ours_sync": (None, "0,1", lambda: build_ours("embedded")),
     "ours_sync_server": (None, "0", lambda: build_ours("server")),
     "ours_ahead": (None, "0", lambda: build_ours("server", max_staleness=1)),
     "trl": ("trl", "0,1", build_trl),
+    "tunix": ("tunix", "0,1", build_tunix),
     "ours_sglang": (None, None, lambda: build_ours("sglang")),
     "ours_sglang_ahead": (None, None, lambda: build_ours("sglang", max_staleness=1)),
 }
-DEFAULT_PARTS = ("ours_sync", "ours_sync_server", "ours_ahead", "trl")
-PEERS = ("trl",)
+DEFAULT_PARTS = ("ours_sync", "ours_sync_server", "ours_ahead", "trl", "tunix")
+PEERS = ("trl", "tunix")
 
 
 def serve(part: str):

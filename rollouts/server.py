@@ -46,7 +46,7 @@ import numpy as np
 
 from models import hf, transformer
 from models.config import ModelConfig
-from rollouts.jax_engine import bucket, nucleus, score_continuations
+from rollouts.jax_engine import bucket, categorical, nucleus, score_continuations
 
 SAMPLING_KEYS = {  # api_types.SamplingParams: anything else is a 400, as in SGLang
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -218,7 +218,7 @@ def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, 
                      lambda: jnp.where((top_p < 1.0)[:, None], nucleus(scaled, top_p[:, None]),
                                        scaled),
                      lambda: scaled)
-  sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, cut)
+  sampled = jax.vmap(lambda k, l: categorical(k, l[None])[0])(keys, cut)
   token = jnp.where(greedy, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
   logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], -1)[:, 0]
   kv_valid = kv_valid.at[:, slot].set(active)

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --durations=25 "$@"

@@ -55,7 +55,7 @@ def seven_teacher(tokenizer, digit_model):
   cfg, params = digit_model
   sevens = PickADigit(10)
   sevens.train = [{"digit": "7"}] * 10
-  params, _ = sft.warm_start(params, cfg, sevens, tokenizer, steps=40, batch_size=32,
+  params, _ = sft.warm_start(params, cfg, sevens, tokenizer, steps=100, batch_size=32,
                              seq_len=16, progress=False)
   return distill.Teachers({"seven": JaxEngine(cfg, params)}, {"*": "seven"})
 
@@ -81,7 +81,7 @@ def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer, digit_model
       teachers=teachers)
   history = [next(steps).metrics["reward"] for _ in range(60)]
   assert history[0] < 0.5
-  assert max(history) == 1.0
+  assert max(history) == 1.0, history
   assert np.mean(history[-10:]) >= 0.9, history
 
 
