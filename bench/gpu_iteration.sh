@@ -15,7 +15,6 @@
 # its CUDA plugin in .venv: from JAX_CUDA_WHEELS (a directory of wheels) or PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
 PORT=${PORT:-30124}
 SERVER_MEM=${SERVER_MEM:-0.35}
 TRAINER_MEM=${TRAINER_MEM:-0.45}
@@ -29,32 +28,14 @@ if ! .venv/bin/python -c "import jax, sys; sys.exit(jax.default_backend() != 'gp
     .venv/bin/pip install -q "jax[cuda12]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
   fi
 fi
-if [ -z "${SGLANG_PYTHON:-}" ]; then
-  if [ ! -x bench/.venvs/sglang/bin/python ]; then
-    python3 -m venv bench/.venvs/sglang
-    if [ -n "${SGLANG_WHEELS:-}" ]; then
-      bench/.venvs/sglang/bin/pip install --no-index --find-links "$SGLANG_WHEELS" \
-        "sglang==$SGLANG_VERSION"
-    else
-      bench/.venvs/sglang/bin/pip install "sglang==$SGLANG_VERSION"
-    fi
-  fi
-  SGLANG_PYTHON=bench/.venvs/sglang/bin/python
-fi
+source bench/sglang_python.sh
 
 # The iteration's model at its starting weights, for the server to load (the trainer loads
 # the same weights into it again before the first step: remote_engine).
-JAX_PLATFORMS=cpu .venv/bin/python - "$WORK/start" <<'PY'
-import sys
-sys.path.insert(0, "bench")
-import jax
-from iteration import ITERATION as p
-from models import config, hf, transformer
-cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], num_layers=p["layers"],
-                         num_heads=p["heads"], num_kv_heads=p["kv_heads"], head_dim=p["head_dim"],
-                         intermediate_size=p["intermediate"])
-hf.save(transformer.init_params(cfg, jax.random.PRNGKey(0)), cfg, sys.argv[1])
-PY
+JAX_PLATFORMS=cpu .venv/bin/python -c "import sys; sys.path.insert(0, 'bench')
+from iteration import start_model
+from models import hf
+hf.save(*reversed(start_model()), sys.argv[1])" "$WORK/start"
 
 "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$WORK/start" --skip-tokenizer-init \
   --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype float32 \

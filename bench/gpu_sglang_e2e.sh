@@ -10,23 +10,11 @@
 # machines without network) or from PyPI. longrl's own checks run in .venv (scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
 PORT=${PORT:-30123}
 WORK=$(mktemp -d /tmp/longrl-sglang-e2e.XXXXXX)
 bash scripts/setup.sh
 
-if [ -z "${SGLANG_PYTHON:-}" ]; then
-  if [ ! -x bench/.venvs/sglang/bin/python ]; then
-    python3 -m venv bench/.venvs/sglang
-    if [ -n "${SGLANG_WHEELS:-}" ]; then
-      bench/.venvs/sglang/bin/pip install --no-index --find-links "$SGLANG_WHEELS" \
-        "sglang==$SGLANG_VERSION"
-    else
-      bench/.venvs/sglang/bin/pip install "sglang==$SGLANG_VERSION"
-    fi
-  fi
-  SGLANG_PYTHON=bench/.venvs/sglang/bin/python
-fi
+source bench/sglang_python.sh
 API_TYPES=$("$SGLANG_PYTHON" -c "import sglang, os; print(os.path.join(os.path.dirname(sglang.__file__), 'api', 'v1', 'api_types.py'))")
 
 # Two tiny random Qwen2 checkpoints (v0 served first, v1 for the refit).

@@ -89,13 +89,24 @@ class RandomPrompts:
     return True
 
 
+def start_model():
+  """(ModelConfig, params) of ours at the start of every part (bench/gpu_iteration.sh gives
+  the SGLang server the same weights)."""
+  import jax
+  from models import config, transformer
+  p = ITERATION
+  cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"],
+                           num_layers=p["layers"], num_heads=p["heads"],
+                           num_kv_heads=p["kv_heads"], head_dim=p["head_dim"],
+                           intermediate_size=p["intermediate"])
+  return cfg, transformer.init_params(cfg, jax.random.PRNGKey(0))
+
+
 def build_ours(engine: str, max_staleness: int = 0) -> dict:
   """rl.loop.rl_steps on the embedded engine ("embedded"), on our server process pinned to
   core 1 ("server") or on a running SGLang server ("sglang"); "iteration" runs `n` steps from
   a fresh generator (so ahead of the trainer the pipeline starts empty) and drains it before
   returning."""
-  import jax
-  from models import config, transformer
   from rl import loop, losses, rewards, sampling
   from rl.train_step import make_train_step
   from rollouts.jax_engine import JaxEngine
@@ -103,11 +114,7 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
   from rollouts.sglang import remote_engine
 
   p = ITERATION
-  cfg = config.ModelConfig(vocab_size=p["vocab"], hidden_size=p["hidden"],
-                           num_layers=p["layers"], num_heads=p["heads"],
-                           num_kv_heads=p["kv_heads"], head_dim=p["head_dim"],
-                           intermediate_size=p["intermediate"])
-  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  cfg, params = start_model()
   optimizer = loop.rl_optimizer(p["learning_rate"])
   reward = rewards.named_chain({"correctness": rewards.correctness()})
   sampler = sampling.uniform()
