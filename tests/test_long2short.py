@@ -150,7 +150,7 @@ def long_run(tmp_path_factory, tokenizer):
   task = Arithmetic(digits=1, operands=2, filler=3, num_train=256, num_test=64)
   cfg = factory(tokenizer.vocab_size)
   params, _ = sft.warm_start(transformer.init_params(cfg, jax.random.PRNGKey(0)), cfg, task,
-                             tokenizer, steps=120, batch_size=32, seq_len=32, progress=False)
+                             tokenizer, steps=400, batch_size=32, seq_len=32, progress=False)
   run_dir = str(tmp_path_factory.mktemp("long"))
   checkpoint.save_policy(run_dir, params)
   return run_dir, factory, task, params
