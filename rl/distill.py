@@ -30,7 +30,8 @@ class Teachers:
   routes: keys "domain/effort", "domain" or "*" (anything), tried in that order with the
   record's "domain" and "effort" fields (missing ones read as ""); values name an engine.
   top_k > 0 also asks each teacher for its k most likely tokens at every position (top-k
-  distillation, the loss's topk_coef); embedded teachers only (JaxEngine.score_top_k).
+  distillation, the loss's topk_coef): engines with a `score_top_k` (JaxEngine, and
+  SGLangEngine through SGLang's top_logprobs_num on the input tokens).
   """
   engines: Mapping[str, Scorer]
   routes: Mapping[str, str]
@@ -46,8 +47,7 @@ class Teachers:
     without = sorted(n for n, e in self.engines.items() if not hasattr(e, "score_top_k"))
     if self.top_k and without:
       raise ConfigError(f"Teachers.top_k={self.top_k}: teacher(s) {without} cannot give top-k "
-                        "tokens (only the embedded JaxEngine does; SGLang's input top-logprobs "
-                        "are not wired yet)")
+                        "tokens (they have no score_top_k; JaxEngine and SGLangEngine do)")
 
   def route(self, record: Mapping[str, Any]) -> str:
     domain, effort = str(record.get("domain", "")), str(record.get("effort", ""))

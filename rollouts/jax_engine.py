@@ -153,22 +153,45 @@ def _padded(sequences, pad_id: int, min_batch: int, min_len: int):
   return jnp.asarray(tokens), jnp.asarray(lengths)
 
 
-def score_continuations(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
-                        continuations: Sequence[Sequence[int]], *, pad_id: int = 0,
-                        min_batch: int = 8, min_len: int = 16) -> list[np.ndarray]:
-  """The log-prob of each continuation token after its prompt and the tokens before it
-  (temperature 1): one f32[len(continuation)] per pair, in batches of bucketed shape."""
+def _scoring_batch(prompts, continuations, pad_id: int, min_batch: int, min_len: int):
+  """(tokens, lengths) of the prompt + continuation sequences, or None when there are none."""
   if len(prompts) != len(continuations):
     raise ValueError(f"score: {len(prompts)} prompts for {len(continuations)} continuations")
   if any(len(p) == 0 for p in prompts):
     raise ValueError("score: every prompt needs at least one token")
   sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
-  if not sequences:
+  return _padded(sequences, pad_id, min_batch, min_len) if sequences else None
+
+
+def score_continuations(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+                        continuations: Sequence[Sequence[int]], *, pad_id: int = 0,
+                        min_batch: int = 8, min_len: int = 16) -> list[np.ndarray]:
+  """The log-prob of each continuation token after its prompt and the tokens before it
+  (temperature 1): one f32[len(continuation)] per pair, in batches of bucketed shape."""
+  batch = _scoring_batch(prompts, continuations, pad_id, min_batch, min_len)
+  if batch is None:
     return []
-  tokens, lengths = _padded(sequences, pad_id, min_batch, min_len)
-  logp = jax.device_get(sequence_scores(params, tokens, lengths, cfg=cfg)[0])
+  logp = jax.device_get(sequence_scores(params, *batch, cfg=cfg)[0])
   return [logp[row, len(p):len(p) + len(c)].copy()
           for row, (p, c) in enumerate(zip(prompts, continuations))]
+
+
+def score_continuations_top_k(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+                              continuations: Sequence[Sequence[int]], k: int, *,
+                              pad_id: int = 0, min_batch: int = 8, min_len: int = 16
+                              ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """`score_continuations` and top-k distillation's teacher side, in one prefill: for each
+  pair, its continuation's log-probs f32[n] and, at each of those n positions, the k tokens
+  the model finds most likely there and their log-probs, i32[n, k] and f32[n, k]."""
+  if k < 1:
+    raise ValueError(f"score_continuations_top_k: k must be >= 1, got {k}")
+  batch = _scoring_batch(prompts, continuations, pad_id, min_batch, min_len)
+  if batch is None:
+    return []
+  logp, ids, top_logp = jax.device_get(sequence_scores(params, *batch, cfg=cfg, k=k))
+  spans = [slice(len(p), len(p) + len(c)) for p, c in zip(prompts, continuations)]
+  return [(logp[row, span].copy(), ids[row, span].copy(), top_logp[row, span].copy())
+          for row, span in enumerate(spans)]
 
 
 class JaxEngine:
@@ -208,18 +231,11 @@ class JaxEngine:
   def score_top_k(self, prompts: Sequence[Sequence[int]],
                   continuations: Sequence[Sequence[int]], k: int
                   ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Teacher scoring with top-k distillation's teacher side, in one prefill: for each
-    continuation, its tokens' log-probs f32[n] (as `score`) and, for each token, the k tokens
-    this model finds most likely in its place and their log-probs, i32[n, k] and f32[n, k]."""
-    sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
-    if not sequences:
-      return []
-    tokens, lengths = _padded(sequences, self._pad_id, self._min_batch, self._min_prompt_len)
-    logp, ids, top_logp = jax.device_get(sequence_scores(self._weights[0], tokens, lengths,
-                                                         cfg=self._cfg, k=k))
-    spans = [slice(len(p), len(p) + len(c)) for p, c in zip(prompts, continuations)]
-    return [(logp[row, span].copy(), ids[row, span].copy(), top_logp[row, span].copy())
-            for row, span in enumerate(spans)]
+    """Teacher scoring with top-k distillation's teacher side (score_continuations_top_k):
+    per continuation its tokens' log-probs f32[n], and i32[n, k] / f32[n, k] top-k."""
+    return score_continuations_top_k(self._weights[0], self._cfg, prompts, continuations, k,
+                                     pad_id=self._pad_id, min_batch=self._min_batch,
+                                     min_len=self._min_prompt_len)
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int, affinity: Sequence[int] | None = None,

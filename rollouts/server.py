@@ -46,7 +46,8 @@ import numpy as np
 
 from models import hf, transformer
 from models.config import ModelConfig
-from rollouts.jax_engine import bucket, categorical, nucleus, score_continuations
+from rollouts.jax_engine import (bucket, categorical, nucleus, score_continuations,
+                                 score_continuations_top_k)
 
 SAMPLING_KEYS = {  # api_types.SamplingParams: anything else is a 400, as in SGLang
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -89,7 +90,9 @@ class Request:
   seed: int
   return_logprob: bool
   logprob_start_len: int = -1  # >= 0: also the log-probs of input tokens from there on
+  top_logprobs_num: int = 0  # > 0 (scoring only): also the top tokens at each input position
   input_logprobs: list = dataclasses.field(default_factory=list)  # [logprob | None, token]
+  input_top_logprobs: list = dataclasses.field(default_factory=list)  # [[logprob, token]] | None
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[str] = dataclasses.field(default_factory=list)
@@ -167,9 +170,21 @@ def expand_request(body: dict) -> tuple[list[Request], bool]:
     start_len = [start_len] * len(prompts)
   if not all(isinstance(s, int) and not isinstance(s, bool) for s in start_len):
     raise BadRequest("logprob_start_len must be an integer")
+  top_num = body.get("top_logprobs_num", 0) or 0
+  if isinstance(top_num, list):
+    if n > 1 or len(top_num) != len(prompts):
+      raise BadRequest("a list-valued top_logprobs_num needs n == 1 and one entry per prompt")
+  else:
+    top_num = [top_num] * len(prompts)
+  if not all(type(k) is int and k >= 0 for k in top_num):
+    raise BadRequest("top_logprobs_num must be an integer >= 0")
   requests = []
-  for prompt, params, item_rid, want_logprob, start in zip(prompts, per_item, rids,
-                                                            return_logprob, start_len):
+  for prompt, params, item_rid, want_logprob, start, top in zip(
+      prompts, per_item, rids, return_logprob, start_len, top_num):
+    if top and (params.get("max_new_tokens", 128) > 0 or start < 0 or not want_logprob):
+      # Top-k of the prompt's tokens is teacher scoring's; generation does not need it.
+      raise BadRequest("top_logprobs_num > 0 is served for prompt scoring only "
+                       "(max_new_tokens 0, return_logprob, logprob_start_len >= 0)")
     for _ in range(n):
       temperature = float(params.get("temperature", 1.0))
       seed = params.get("sampling_seed")
@@ -181,7 +196,8 @@ def expand_request(body: dict) -> tuple[list[Request], bool]:
           stop_token_ids=() if params.get("ignore_eos") else tuple(
               params.get("stop_token_ids") or ()),
           seed=int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little"),
-          return_logprob=bool(want_logprob), logprob_start_len=start))
+          return_logprob=bool(want_logprob), logprob_start_len=start,
+          top_logprobs_num=top))
   return requests, batched or n > 1
 
 
@@ -269,13 +285,24 @@ class Scheduler:
       with self.lock:
         params = self.params
       starts = [max(1, min(r.logprob_start_len, len(r.input_ids))) for r in scored]
-      logprobs = score_continuations(params, self.cfg, [r.input_ids[:s] for r, s in
-                                                        zip(scored, starts)],
-                                     [r.input_ids[s:] for r, s in zip(scored, starts)])
-      for r, s, lp in zip(scored, starts, logprobs):
+      heads, tails = ([r.input_ids[:s] for r, s in zip(scored, starts)],
+                      [r.input_ids[s:] for r, s in zip(scored, starts)])
+      k = max(r.top_logprobs_num for r in scored)
+      if k:  # one prefill gives both
+        results = score_continuations_top_k(params, self.cfg, heads, tails, k)
+      else:
+        results = [(lp, None, None) for lp in score_continuations(params, self.cfg, heads,
+                                                                    tails)]
+      for r, tail, (lp, ids, top) in zip(scored, tails, results):
         # SGLang's first entry, for the first input token, has no log-prob.
-        head = [[None, r.input_ids[0]]] if r.logprob_start_len == 0 else []
-        r.input_logprobs = head + [[float(v), t] for v, t in zip(lp, r.input_ids[s:])]
+        first = r.logprob_start_len == 0
+        r.input_logprobs = [[None, r.input_ids[0]]] * first + [
+            [float(v), t] for v, t in zip(lp, tail)]
+        if r.top_logprobs_num:
+          r.input_top_logprobs = [None] * first + [
+              [[float(v), int(t)] for v, t in zip(row_lp[:r.top_logprobs_num],
+                                                  row_ids[:r.top_logprobs_num])]
+              for row_lp, row_ids in zip(top, ids)]
     with self.lock:
       for r in requests:
         if r.max_new_tokens == 0:
@@ -569,6 +596,10 @@ def response(r: Request, weight_version: str) -> dict:
     del meta["prompt_tokens"], meta["cached_tokens"]
   if r.return_logprob:
     meta["input_token_logprobs"] = [[lp, t, None] for lp, t in r.input_logprobs]
+    if r.top_logprobs_num:
+      meta["input_top_logprobs"] = [None if row is None else [[lp, t, None] for lp, t in row]
+                                    for row in r.input_top_logprobs]
+      meta["output_top_logprobs"] = []
     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.tokens)]
     meta["output_token_logprobs_length"] = len(r.tokens)
   return {"output_ids": list(r.tokens), "meta_info": meta}

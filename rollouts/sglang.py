@@ -103,8 +103,11 @@ def parse_response(server: str, body: Any) -> Completion:
                     versions=versions)
 
 
-def parse_scores(server: str, body: Any, tokens: Sequence[int]) -> tuple[np.ndarray, int]:
-  """(log-probs of `tokens`, weight version) from a prompt-scoring /generate response."""
+def parse_scores(server: str, body: Any, tokens: Sequence[int], top_k: int = 0
+                 ) -> tuple[np.ndarray, int] | tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+  """(log-probs of `tokens`, weight version) from a prompt-scoring /generate response; with
+  top_k > 0 also the top-k token ids and log-probs at each of their positions, i32 / f32[n, k]
+  (meta_info.input_top_logprobs)."""
   entries = body.get("meta_info", {}).get("input_token_logprobs") if isinstance(body, dict) \
       else None
   if not isinstance(entries, list) or [e[1] if isinstance(e, list) and len(e) == 3 else None
@@ -113,8 +116,19 @@ def parse_scores(server: str, body: Any, tokens: Sequence[int]) -> tuple[np.ndar
                       f"{len(tokens)} scored tokens: {str(body)[:300]}")
   if any(e[0] is None for e in entries):
     raise ServerError(f"{server}/generate: a scored token has no log-prob")
-  return (np.array([e[0] for e in entries], np.float32),
-          _version(body["meta_info"].get("weight_version")))
+  scores = (np.array([e[0] for e in entries], np.float32),
+            _version(body["meta_info"].get("weight_version")))
+  if not top_k:
+    return scores
+  rows = body["meta_info"].get("input_top_logprobs")
+  if not isinstance(rows, list) or len(rows) != len(entries) or not all(
+      isinstance(row, list) and len(row) == top_k and all(
+          isinstance(e, list) and len(e) >= 2 and e[0] is not None for e in row)
+      for row in rows):
+    raise ServerError(f"{server}/generate: input_top_logprobs do not give {top_k} tokens at "
+                      f"each of the {len(entries)} scored positions: {str(body)[:300]}")
+  return (*scores, np.array([[e[1] for e in row] for row in rows], np.int32).reshape(-1, top_k),
+          np.array([[e[0] for e in row] for row in rows], np.float32).reshape(-1, top_k))
 
 
 class SGLangClient:
@@ -272,30 +286,32 @@ class SGLangClient:
     return await self._gather([one(i, r) for i, r in enumerate(requests)], results,
                               len(requests))
 
-  async def _score(self, requests: Sequence[Request], starts: Sequence[int]):
-    results: dict[int, tuple[np.ndarray, int]] = {}
+  async def _score(self, requests: Sequence[Request], starts: Sequence[int], top_k: int):
+    results: dict[int, tuple] = {}
     limits = self._limits()
 
     async def one(index: int, request: Request, start: int):
       body = {"rid": request.rid, "input_ids": list(request.input_ids),
               "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "n": 1},
-              "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 0,
+              "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": top_k,
               "return_text_in_logprobs": False, "stream": False}
       server, reply = await self._post_generate(body, request.affinity, limits, results,
                                                 len(requests))
-      results[index] = parse_scores(server, reply, request.input_ids[start:])
+      results[index] = parse_scores(server, reply, request.input_ids[start:], top_k)
 
     return await self._gather([one(i, r, s) for i, (r, s) in enumerate(zip(requests, starts))],
                               results, len(requests))
 
-  def score(self, requests: Sequence[Request], starts: Sequence[int]
-            ) -> list[tuple[np.ndarray, int]]:
+  def score(self, requests: Sequence[Request], starts: Sequence[int], *, top_k: int = 0
+            ) -> list[tuple]:
     """(log-probs f32[len(input_ids) - start], weight version) per request: SGLang's prompt
-    scoring, a /generate with max_new_tokens 0 and logprob_start_len = start (>= 1)."""
+    scoring, a /generate with max_new_tokens 0 and logprob_start_len = start (>= 1). With
+    top_k > 0 (top_logprobs_num) each tuple also holds the top-k ids and log-probs at those
+    positions, i32 / f32[len(input_ids) - start, top_k]."""
     if any(s < 1 for s in starts):
       raise ValueError("SGLangClient.score: every start must be >= 1 (the first token has "
                        "no log-prob)")
-    return self._run(self._score(requests, starts))
+    return self._run(self._score(requests, starts, top_k))
 
   def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
                stop_when: Callable[[int, Completion], bool] | None = None,
@@ -471,18 +487,31 @@ class SGLangEngine:
             continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Teacher scoring on the servers: f32[len(continuation)] log-probs per pair; the
     servers' weight version must be this engine's."""
+    return [logprobs for logprobs, *_ in self._score(prompts, continuations, 0)]
+
+  def score_top_k(self, prompts: Sequence[Sequence[int]],
+                  continuations: Sequence[Sequence[int]], k: int
+                  ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Teacher scoring with top-k distillation's teacher side (SGLang's top_logprobs_num on
+    the input tokens), as JaxEngine.score_top_k: per pair f32[n], i32[n, k], f32[n, k]."""
+    if k < 1:
+      raise ValueError(f"SGLangEngine.score_top_k: k must be >= 1, got {k}")
+    return [(logprobs, ids, top) for logprobs, _, ids, top in
+            self._score(prompts, continuations, k)]
+
+  def _score(self, prompts, continuations, top_k: int) -> list[tuple]:
     self._scored += 1
     # Each pair goes to its prompt's server (the one that generated it: its prefix cache).
     requests = [Request(rid=f"{self.rid_prefix}-score{self._scored}-{i}",
                         input_ids=tuple(p) + tuple(c), max_new_tokens=0,
                         affinity=hash(tuple(p)) & 0x7FFFFFFF)
                 for i, (p, c) in enumerate(zip(prompts, continuations))]
-    scored = self.client.score(requests, [len(p) for p in prompts])
-    stale = {v for _, v in scored if v != self._version}
+    scored = self.client.score(requests, [len(p) for p in prompts], top_k=top_k)
+    stale = {v for _, v, *_ in scored if v != self._version}
     if stale:
       raise ServerError(f"teacher scoring: servers answered at weight version(s) "
                         f"{sorted(stale)}, not {self._version}")
-    return [logprobs for logprobs, _ in scored]
+    return scored
 
   def add_worker(self, url: str) -> None:
     """A new server (already up at `url`) joins at this engine's current weights."""

@@ -33,15 +33,23 @@ def test_teacher_scoring_equals_the_trainers_logprobs(tiny_cfg, tiny_params):
   prompts, continuations = _pairs(tiny_cfg.vocab_size)
   want = _trainer_logprobs(tiny_params, tiny_cfg, prompts, continuations)
   embedded = JaxEngine(tiny_cfg, tiny_params).score(prompts, continuations)
+  embedded_top = JaxEngine(tiny_cfg, tiny_params).score_top_k(prompts, continuations, 3)
   engine = local_engine(tiny_cfg, tiny_params, 3)
   try:
     served = engine.score(prompts, continuations)
+    served_top = engine.score_top_k(prompts, continuations, 3)  # SGLang's top_logprobs_num
   finally:
     engine.close()
   for w, e, s, c in zip(want, embedded, served, continuations):
     assert e.shape == s.shape == (len(c),)
     np.testing.assert_allclose(e, w, atol=1e-4)
     np.testing.assert_allclose(s, w, atol=1e-4)
+  for (e_lp, e_ids, e_top), (s_lp, s_ids, s_top), w, c in zip(embedded_top, served_top, want,
+                                                              continuations):
+    assert s_ids.shape == s_top.shape == (len(c), 3) and s_ids.dtype == np.int32
+    np.testing.assert_allclose(s_lp, w, atol=1e-4)
+    np.testing.assert_array_equal(s_ids, e_ids)
+    np.testing.assert_allclose(s_top, e_top, atol=1e-4)
 
 
 def test_the_server_answers_sglangs_input_logprobs(tiny_cfg, tiny_params):
@@ -59,6 +67,15 @@ def test_the_server_answers_sglangs_input_logprobs(tiny_cfg, tiny_params):
     want = _trainer_logprobs(tiny_params, tiny_cfg, [ids[:1]], [ids[1:]])[0]
     np.testing.assert_allclose([e[0] for e in entries[1:]], want, atol=1e-4)
     assert reply["output_ids"] == [] and reply["meta_info"]["finish_reason"]["type"] == "length"
+    _, reply = engine.client._run(engine.client._post_generate(
+        {**body, "top_logprobs_num": 2}, 0, engine.client._limits(), {}, 1))
+    top = reply["meta_info"]["input_top_logprobs"]
+    assert len(top) == len(ids) and top[0] is None  # as the first input token's log-prob
+    assert all(len(row) == 2 and row[0][0] >= row[1][0] for row in top[1:])
+    with pytest.raises(Exception, match="top_logprobs_num > 0 is served for prompt scoring"):
+      engine.client._run(engine.client._post_generate(
+          {**body, "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4}}, 0,
+          engine.client._limits(), {}, 1))
     engine._version = 5  # the servers still hold version 0
     with pytest.raises(Exception, match=r"weight version\(s\) \[0\], not 5"):
       engine.score(prompts, continuations)

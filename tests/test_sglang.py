@@ -150,6 +150,12 @@ def test_server_responses_validate_against_sglangs_contract(api_types, servers):
   for chunk in chunks:
     api_types.GenerateResponse.from_json_value(chunk)
   api_types.GetModelInfoResponse.from_json_value(http.get(urls[0] + "/model_info").json())
+  scored = http.post(urls[0] + "/generate", json={  # teacher scoring with its top-k
+      **body, "sampling_params": {**body["sampling_params"], "max_new_tokens": 0},
+      "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}).json()
+  api_types.GenerateResponse.from_json_value(scored)
+  top = scored["meta_info"]["input_top_logprobs"]
+  assert len(top) == len(PROMPTS[0]) and top[0] is None and all(len(r) == 2 for r in top[1:])
   bad = http.post(urls[0] + "/generate", json={**body, "sampling_params": {"max_tokens": 3}})
   assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]
   api_types.ErrorBody.from_json_value({"message": bad.json()["error"]})
