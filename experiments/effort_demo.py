@@ -1,6 +1,7 @@
-"""Reasoning effort (low / high / max), second try: budgets fixed from the warm start.
+"""Reasoning effort (low / high / max): budgets fixed from the warm start, and a warm start
+that reads the level.
 
-  python experiments/effort_demo.py [--variant filler|shortcut|shortcut_penalty]
+  python experiments/effort_demo.py [--variant VARIANT] [--seeds S]
       [--out_dir runs/effort2] [--docs docs/effort]
 
 The first try (experiments/configs/effort.gin, docs/effort/first_try.json) estimated each
@@ -15,17 +16,23 @@ ratchet), and low = 0.5 x median was shorter than a correct answer. Here, as in 
    the level's multiplier), then fixed for the whole run (`rewards.effort_budget(budgets=)`).
 3. RL (k1.5, 150 steps) on that pool from the warm start: reward = correctness, replaced by
    `over_reward` over the record's budget x a schedule that holds 1.5 (loose) for 30 steps
-   and falls to 1.0 over 60.
+   and falls to 1.0 over 60. With `--seeds S`, S RL runs (seeds 0..S-1) from the same warm
+   start and budgets, reported as mean and 95% interval per level.
 4. The sampled evaluation's budget sweep once per level (64 test problems, 8 samples) for the
-   SFT model and the RL model.
+   SFT model and the RL model(s).
 
-Variants (VARIANTS): "filler", demonstrations start with 0..8 "hmm;" steps (length the low
-level can drop without losing the answer), budgets 0.7 / 1.0 / 1.6 x the median; "shortcut",
-no filler but 30% of the demonstrations give the bare answer (short and often wrong, so that
-tokens buy accuracy), budgets 0.5 / 1.0 / 1.5 x the upper quartile; "shortcut_penalty", the
-same with over-budget reward -1 instead of 0. Each variant goes to OUT_DIR/VARIANT and
-DOCS/second_try_VARIANT.png, and its numbers to DOCS/second_try.json ("variants"). Runs resume: a finished stage is read back from OUT_DIR
-(shortcut_penalty reuses shortcut's warm start and budgets when they are copied there).
+Variants (VARIANTS). Second try, demonstrations that ignore the level: "filler",
+demonstrations start with 0..8 "hmm;" steps (length the low level can drop without losing the
+answer), budgets 0.7 / 1.0 / 1.6 x the median; "shortcut", no filler but 30% of the
+demonstrations give the bare answer (short and often wrong, so that tokens buy accuracy),
+budgets 0.5 / 1.0 / 1.5 x the upper quartile; "shortcut_penalty", the same with over-budget
+reward -1 instead of 0. Third try, a warm start that reads the level (LevelShortcut: 70% /
+30% / 10% bare answers at low / high / max): "conditioned", budgets as in shortcut;
+"conditioned_own", each level's budget its own upper quartile (multipliers 1 / 1 / 1.5, the
+levels' lengths already differ); "conditioned_own_penalty", the same with over-budget -1.
+Each variant goes to OUT_DIR/VARIANT and DOCS/second_try_VARIANT[_sft].png, and its numbers
+to DOCS/second_try.json ("variants"). Runs resume: a finished stage is read back from OUT_DIR
+(a variant reuses another's warm start and budgets when they are copied there).
 """
 
 import argparse
@@ -41,16 +48,13 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from models import host_allocator  # noqa: E402
-
-host_allocator.keep_freed_memory()
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import config, transformer  # noqa: E402
+from experiments import stats  # noqa: E402
+from models import config, host_allocator, transformer  # noqa: E402
 from models.tokenizer import CharTokenizer  # noqa: E402
-from rl import checkpoint, effort, loop, rewards  # noqa: E402
+from rl import ConfigError, checkpoint, effort, loop, rewards  # noqa: E402
 from rl import eval as eval_lib  # noqa: E402
 from rl.tasks.arithmetic import Arithmetic  # noqa: E402
 from rollouts.jax_engine import JaxEngine  # noqa: E402
@@ -115,10 +119,34 @@ class Shortcut:
     return self.inner.answer(completion)
 
 
+@dataclasses.dataclass(frozen=True)
+class LevelShortcut(effort.EffortTask):
+  """An EffortTask whose demonstrations answer directly (the bare answer, "#106") in a share
+  `direct[level]` of each level's records: a warm start that reads the effort field, but
+  only partly obeys it, for RL with budgets to sharpen. Which records is a pure function of
+  (problem, level)."""
+  direct: tuple[float, ...] = ()
+
+  def __post_init__(self):
+    super().__post_init__()
+    if len(self.direct) != len(self.levels) or not all(0 <= d <= 1 for d in self.direct):
+      raise ConfigError(f"LevelShortcut.direct needs a probability per level {self.levels}, "
+                        f"got {self.direct}")
+
+  def solution(self, record):
+    share = self.direct[record["effort_level"]]
+    if random.Random(f"direct/{record['problem']}/{record['effort']}").random() < share:
+      return "#" + record["answer"]
+    return self.inner.solution(record)
+
+
 def tasks(variant: dict):
   """(SFT task: 20,000 problems, RL task: the first POOL of them), both EffortTasks."""
   inner = lambda **kw: Arithmetic(digits=2, operands=3, sloppy=0.0, filler=variant["filler"],
                                   **kw)
+  if isinstance(variant["direct"], tuple):
+    return (LevelShortcut(inner(), levels=LEVELS, direct=variant["direct"]),
+            LevelShortcut(inner(num_train=POOL), levels=LEVELS, direct=variant["direct"]))
   wrap = ((lambda t: Shortcut(t, direct=variant["direct"])) if variant["direct"]
           else (lambda t: t))
   return (effort.EffortTask(wrap(inner()), levels=LEVELS),
@@ -139,6 +167,13 @@ VARIANTS = {
                      over_reward=0.0),
     "shortcut_penalty": dict(filler=0, direct=0.3, multipliers=(0.5, 1.0, 1.5),
                              quantile=0.75, over_reward=-1.0),
+    "conditioned": dict(filler=0, direct=(0.7, 0.3, 0.1), multipliers=(0.5, 1.0, 1.5),
+                        quantile=0.75, over_reward=0.0),
+    "conditioned_own": dict(filler=0, direct=(0.7, 0.3, 0.1), multipliers=(1.0, 1.0, 1.5),
+                            quantile=0.75, over_reward=0.0),
+    "conditioned_own_penalty": dict(filler=0, direct=(0.7, 0.3, 0.1),
+                                    multipliers=(1.0, 1.0, 1.5), quantile=0.75,
+                                    over_reward=-1.0),
 }
 
 
@@ -153,7 +188,7 @@ def run(run_dir: str, **kwargs) -> dict:
     return json.load(open(summary))
   return loop.train(run_dir, model=model, rl=RL, eval_records=256, eval_every=0,
                     checkpoint_every=25, sft_steps=600, sft_batch_size=64,
-                    sft_learning_rate=3e-3, learning_rate=1e-4, loss="k1.5", seed=0,
+                    sft_learning_rate=3e-3, learning_rate=1e-4, loss="k1.5",
                     progress=False, **kwargs)
 
 
@@ -168,12 +203,28 @@ def brief(report: dict) -> dict:
           "accuracy_by_budget": {str(b): r["accuracy"] for b, r in report["budgets"].items()}}
 
 
+def over_seeds(reports: dict[int, dict]) -> dict:
+  """Per level, the RL models' sampled accuracy and mean length as mean and 95% t interval
+  over the seeds (`reports`: seed -> sampled_eval_by_level's report)."""
+  seeds = sorted(reports)
+  out = {"seeds": seeds}
+  for level in LEVELS:
+    briefs = [brief(reports[s][level]) for s in seeds]
+    out[level] = {
+        key: stats.mean_ci([b[key] for b in briefs]).as_dict()
+        for key in ("accuracy", "mean_length")}
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--variant", choices=sorted(VARIANTS), default="filler")
   parser.add_argument("--out_dir", default="runs/effort2")
   parser.add_argument("--docs", default="docs/effort")
+  parser.add_argument("--seeds", type=int, default=1,
+                      help="RL runs from the same warm start and budgets, seeds 0..SEEDS-1")
   args = parser.parse_args(argv)
+  host_allocator.keep_freed_memory()  # as experiments/run.py does, before JAX starts
   variant = VARIANTS[args.variant]
   sft_task, rl_task = tasks(variant)
   started = time.perf_counter()
@@ -189,7 +240,7 @@ def main(argv=None):
   timed = lambda stage, ran, since: seconds.update({stage: round(time.perf_counter() - since, 1)}
                                                    ) if ran else None
   t, ran = time.perf_counter(), not done("sft/summary.json")
-  sft_summary = run(out("sft"), task=sft_task, num_steps=0)
+  sft_summary = run(out("sft"), task=sft_task, num_steps=0, seed=0)
   sft_params = checkpoint.load_policy(out("sft"), like=like)
   timed("sft", ran, t)
 
@@ -210,21 +261,26 @@ def main(argv=None):
   print(f"budgets from the warm start: {budget_stats}")
   timed("estimate_budgets", ran, t)
 
-  t, ran = time.perf_counter(), not done("rl/summary.json")
   reward = rewards.named_chain({
       "correctness": rewards.correctness(),
       "effort": rewards.effort_budget(
           levels=levels, budgets=budgets, multipliers=variant["multipliers"],
           over_reward=variant["over_reward"],
           schedule=rewards.tightening(loose=LOOSE, tight=1.0, steps=TIGHTEN, hold=HOLD))})
-  rl_summary = run(out("rl"), task=rl_task, init_from=out("sft"), reward=reward,
-                   num_steps=RL_STEPS)
-  timed("rl", ran, t)
+  rl_dir = lambda seed: "rl" if seed == 0 else f"rl_seed{seed}"
+  rl_summaries = {}
+  for seed in range(args.seeds):  # the same warm start and budgets, RL's seed varies
+    t, ran = time.perf_counter(), not done(f"{rl_dir(seed)}/summary.json")
+    rl_summaries[seed] = run(out(rl_dir(seed)), task=rl_task, init_from=out("sft"),
+                             reward=reward, num_steps=RL_STEPS, seed=seed)
+    timed(rl_dir(seed), ran, t)
+  rl_summary = rl_summaries[0]
 
   t = time.perf_counter()
-  rl_params = checkpoint.load_policy(out("rl"), like=like)
-  reports = {"sft": by_level(sft_params, cfg, tokenizer, rl_task),
-             "rl": by_level(rl_params, cfg, tokenizer, rl_task)}
+  reports = {"sft": by_level(sft_params, cfg, tokenizer, rl_task)}
+  rl_reports = {seed: by_level(checkpoint.load_policy(out(rl_dir(seed)), like=like), cfg,
+                               tokenizer, rl_task) for seed in rl_summaries}
+  reports["rl"] = rl_reports[0]
   timed("eval", True, t)
   with open(seconds_path, "w") as f:
     json.dump(seconds, f)
@@ -234,12 +290,11 @@ def main(argv=None):
       print(f"{args.variant} {name} effort {level}: accuracy={brief(r)['accuracy']:.3f} "
             f"mean_length={brief(r)['mean_length']:.1f}")
   os.makedirs(args.docs, exist_ok=True)
-  plot = effort.write_level_plot(
-      reports["rl"], out("rl_eval"),
-      title=f"second try ({args.variant}): RL model, budgets from the warm start")
-  shutil.copy(plot, os.path.join(args.docs, f"second_try_{args.variant}.png"))
-  effort.write_level_plot(reports["sft"], out("sft_eval"),
-                          title=f"second try ({args.variant}): the SFT warm start")
+  for name, stage in (("rl", "after RL"), ("sft", "the SFT warm start")):
+    plot = effort.write_level_plot(reports[name], out(f"{name}_eval"),
+                                   title=f"{args.variant}: {stage}")
+    suffix = "" if name == "rl" else "_sft"
+    shutil.copy(plot, os.path.join(args.docs, f"second_try_{args.variant}{suffix}.png"))
   result = {
       "command": f"python experiments/effort_demo.py --variant {args.variant}",
       "design": {**variant, "levels": LEVELS, "estimate_samples": ESTIMATE_SAMPLES,
@@ -256,6 +311,7 @@ def main(argv=None):
       "greedy_length_after_rl": rl_summary.get("rl_length"),
       "by_level": {name: {level: brief(r) for level, r in report.items()}
                    for name, report in reports.items()},
+      "rl_over_seeds": over_seeds(rl_reports),
       "seconds": seconds,
   }
   path = os.path.join(args.docs, "second_try.json")
@@ -264,7 +320,7 @@ def main(argv=None):
   everything["variants"][args.variant] = result
   with open(path, "w") as f:
     json.dump(everything, f, indent=2)
-  print(f"wrote {path}, {args.docs}/second_try_{args.variant}.png "
+  print(f"wrote {path}, {args.docs}/second_try_{args.variant}[_sft].png "
         f"({time.perf_counter() - started:.0f}s)")
   return result
 

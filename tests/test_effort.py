@@ -136,6 +136,29 @@ def test_effort_task_names_the_level_and_keeps_the_verifier(tokenizer):
       True, False]
 
 
+def test_the_level_conditioned_warm_start_answers_directly_in_each_levels_share():
+  from experiments.effort_demo import LevelShortcut  # the third try's demonstrations
+  inner = Arithmetic(digits=2, operands=3, num_train=1000)
+  task = LevelShortcut(inner, direct=(0.9, 0.5, 0.0))
+  solutions = [task.solution(task.train[i]) for i in range(len(task.train))]
+  assert solutions == [task.solution(task.train[i]) for i in range(len(task.train))]  # pure
+  for level, share in enumerate((0.9, 0.5, 0.0)):
+    records = range(level, len(task.train), 3)
+    direct = [solutions[i] == "#" + task.train[i]["answer"] for i in records]
+    assert abs(np.mean(direct) - share) < 0.05, (level, np.mean(direct))
+    for i, bare in zip(records, direct):  # either answer is right; the rest is the column
+      assert task.verify(solutions[i], task.train[i])
+      assert bare or solutions[i] == inner.train[i // 3]["solution"]
+  # A problem's levels draw apart: it is not direct at every level or at none.
+  low, high = (np.array([solutions[i].startswith("#") for i in range(j, 3000, 3)])
+               for j in (0, 1))
+  assert 0.3 < np.mean(low != high) < 0.7
+  with pytest.raises(ConfigError, match=r"a probability per level \('low', 'high', 'max'\)"):
+    LevelShortcut(inner, direct=(0.5, 0.5))
+  with pytest.raises(ConfigError, match="a probability per level"):
+    LevelShortcut(inner, direct=(0.5, 1.5, 0.0))
+
+
 def test_effort_bindings_that_cannot_work_raise_clearly():
   with pytest.raises(ConfigError, match=r"levels must lie in \[0, 2\)"):
     rewards.effort_budget(levels=[0, 1, 2], multipliers=(0.5, 1.0))
