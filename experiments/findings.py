@@ -3,6 +3,7 @@ addition, repeated over seeds, then a plot, a table of intervals and a verdict.
 
     python experiments/findings.py --all [--seeds 5] [--jobs N] [--tiny] [--report_dir DIR]
     python experiments/findings.py a e          # some of them
+    python experiments/findings.py c2 d2 f2     # the second designs of c, d and f
 
 A finding is an entry of FINDINGS below (the published claim, its arms, how its predicted
 differences are read off their metrics), its configs experiments/configs/findings/<letter>_*.gin
@@ -34,7 +35,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -65,6 +66,10 @@ TINY_BINDINGS = ["Arithmetic.filler = 1", "BUDGET = 10", "train.eval_every = 1",
                  "long2short.eval_records = 8", "long2short.max_new_tokens = 16",
                  "long2short.seq_len = 32", "long2short.samples = 4"]
 WARM_START = "warm_start"
+# Every SFT warm start, by name: its config (run with num_steps 0). The second designs of c, d
+# and f change the task, so they start from warm starts of their own.
+WARM_STARTS = {WARM_START: "base.gin", "warm_start_3op": "base_3op.gin",
+               "warm_start_4digit": "d2_base.gin"}
 SEEDS = 5  # the default number of seeds: 0..4
 LONG2SHORT_METHODS = ("shortest_rejection", "dpo", "merge")
 
@@ -112,6 +117,19 @@ ARMS = {
                                     "budget, -L&C (mask long correct)"),
     "budget_stale": Arm("g_stale.gin", "budget, 4 updates per batch"),
     "long2short_rl": Arm("h_long2short.gin", "long2short RL", init_from="baseline"),
+    # Second designs (configs c2_*, d2_*, f2_*).
+    "baseline_3op": Arm("c2_baseline.gin", "k1.5, 3 operands", "warm_start_3op"),
+    "rest_3op": Arm("c2_rest.gin", "ReST, 3 operands", "warm_start_3op"),
+    "uniform_4digit": Arm("d2_uniform.gin", "uniform, 1-4 digits", "warm_start_4digit"),
+    "prioritized_4digit": Arm("d2_prioritized.gin", "prioritized, 1-4 digits",
+                              "warm_start_4digit"),
+    "curriculum_4digit": Arm("d2_curriculum.gin", "curriculum by width, 1-4 digits",
+                             "warm_start_4digit"),
+    "budget_3op": Arm("f2_budget.gin", "budget 18, 3 operands", "warm_start_3op"),
+    "budget_3op_mask_incorrect": Arm("f2_mask_incorrect.gin", "budget 18, -I, 3 operands",
+                                     "warm_start_3op"),
+    "budget_3op_mask_long_correct": Arm("f2_mask_long_correct.gin",
+                                        "budget 18, -L&C, 3 operands", "warm_start_3op"),
 }
 
 
@@ -155,8 +173,8 @@ def _arm_job(name: str, seed: int) -> seeds_lib.Job:
   """Arm `name` (or the warm start) on `seed`: run.py in runs/<name>/seed<seed>."""
   out = _arm_dir(name, seed)
   bindings, after = [f"train.seed = {seed}", "train.progress = False"], ()
-  if name == WARM_START:
-    config, bindings = "base.gin", [*bindings, "train.num_steps = 0"]
+  if name in WARM_STARTS:
+    config, bindings = WARM_STARTS[name], [*bindings, "train.num_steps = 0"]
   else:
     spec = ARMS[name]
     config, start = spec.config, _arm_dir(spec.init_from, seed)
@@ -207,7 +225,7 @@ def _needed_arms(names) -> list[str]:
   order = []
   for name in names:
     chain = [name]
-    while chain[-1] != WARM_START:
+    while chain[-1] not in WARM_STARTS:
       chain.append(ARMS[chain[-1]].init_from)
     order += [n for n in reversed(chain) if n not in order]
   return order
@@ -788,7 +806,17 @@ class Finding:
   analyse: Callable[[dict], Analysis]
   before_rl: tuple[str, ...] = ()  # arms whose starting model is sampled before RL
   load: Callable[[dict], dict] | None = None  # arms -> what analyse reads (default: arms)
+  # A second design's arms under the names its analysis reads (e.g. {"rest": "rest_3op"}).
+  roles: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
+
+CLAIM_C = ("At equal samples the k1.5 objective, which also learns from failed samples, beats "
+           "ReST (positive-only fine-tuning) [Kimi k1.5, arXiv 2501.12599, sec. 3.5].")
+CLAIM_D = ("Curriculum sampling (easy first) and prioritized sampling (p ~ 1 - success rate) "
+           "both beat uniform sampling at equal steps [Kimi k1.5, sec. 2.3.4 and 3.5].")
+CLAIM_F = ("Masking incorrect answers out of the loss (\"-I\") drives the policy to short "
+           "nonsense; masking long correct ones (\"-L&C\") keeps longer reasoning "
+           "[arXiv 2602.20945].")
 
 FINDINGS = {f.key: f for f in [
     Finding("a_two_stages", "a. Length penalty's two stages",
@@ -801,22 +829,33 @@ FINDINGS = {f.key: f for f in [
             "entropy spikes, accuracy falls); on easy prompts it stays stable and generalises "
             "[arXiv 2602.20945].", ("penalty_easy", "penalty_hard"), easy_vs_hard),
     Finding("c_negative_gradients", "c. Negative gradients: k1.5 vs ReST",
-            "At equal samples the k1.5 objective, which also learns from failed samples, "
-            "beats ReST (positive-only fine-tuning) [Kimi k1.5, arXiv 2501.12599, sec. 3.5].",
-            ("baseline", "rest"), negative_gradients),
+            CLAIM_C, ("baseline", "rest"), negative_gradients),
+    # c2, d2, f2: second designs, kept beside the first, giving the claim a fair chance.
+    Finding("c2_negative_gradients_harder", "c2. Negative gradients, second design: a harder "
+            "task", CLAIM_C + " Here on sums of three numbers (more failed samples).",
+            ("baseline_3op", "rest_3op"), negative_gradients,
+            roles={"baseline": "baseline_3op", "rest": "rest_3op"}),
     Finding("d_sampling", "d. Curriculum and prioritized sampling",
-            "Curriculum sampling (easy first) and prioritized sampling (p ~ 1 - success rate) "
-            "both beat uniform sampling at equal steps [Kimi k1.5, sec. 2.3.4 and 3.5].",
-            ("baseline", "prioritized", "curriculum"), samplers),
+            CLAIM_D, ("baseline", "prioritized", "curriculum"), samplers),
+    Finding("d2_sampling_spread", "d2. Curriculum and prioritized sampling, second design: a "
+            "pool with a spread of difficulty", CLAIM_D + " Here on a pool of 512 "
+            "sums of 1- to 4-digit numbers, each drawn about 7 times.",
+            ("uniform_4digit", "prioritized_4digit", "curriculum_4digit"), samplers,
+            roles={"baseline": "uniform_4digit", "prioritized": "prioritized_4digit",
+                   "curriculum": "curriculum_4digit"}),
     Finding("e_coverage", "e. Coverage vs sharpening",
             "RL sharpens the distribution: mean@k (pass@1) rises while pass@k at large k "
             "stays flat or falls [Yue et al. 2025, arXiv 2504.13837].",
             ("baseline",), coverage, before_rl=("baseline",)),
     Finding("f_masking", "f. Masking incorrect vs long-correct completions",
-            "Masking incorrect answers out of the loss (\"-I\") drives the policy to short "
-            "nonsense; masking long correct ones (\"-L&C\") keeps longer reasoning "
-            "[arXiv 2602.20945].",
-            ("budget", "budget_mask_incorrect", "budget_mask_long_correct"), masking),
+            CLAIM_F, ("budget", "budget_mask_incorrect", "budget_mask_long_correct"), masking),
+    Finding("f2_masking_long_answers", "f2. Masking, second design: correct answers that "
+            "cannot be shortened", CLAIM_F + " Here with a budget under most "
+            "correct answers' length on sums of three numbers without filler.",
+            ("budget_3op", "budget_3op_mask_incorrect", "budget_3op_mask_long_correct"),
+            masking, roles={"budget": "budget_3op",
+                            "budget_mask_incorrect": "budget_3op_mask_incorrect",
+                            "budget_mask_long_correct": "budget_3op_mask_long_correct"}),
     Finding("g_staleness", "g. Off-policy staleness",
             "Mildly stale (off-policy) updates speed up the length-adaptation phase but raise "
             "entropy later [arXiv 2602.20945].", ("budget", "budget_stale"), staleness),
@@ -834,7 +873,11 @@ def run(key: str) -> Result:
   finding = FINDINGS[key]
   ensure([key])
   arms = {name: arm(name) for name in finding.arms}
+  arms = {role: arms[name] for role, name in finding.roles.items()} if finding.roles else arms
   analysis = finding.analyse(finding.load(arms) if finding.load else arms)
+  if finding.roles:  # a second design's plot goes by its own name (c2, not c)
+    title = analysis.figure.get_suptitle()
+    analysis.figure.suptitle(key.split("_")[0] + title[title.index("."):])
   result = Result(key, finding.title, finding.claim, analysis, seeds(), minutes(key))
   result.save(os.path.join(report_dir(), key))
   return result
@@ -896,7 +939,8 @@ def _minutes(value) -> str:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("keys", nargs="*", help="findings by letter (a..h) or name")
+  parser.add_argument("keys", nargs="*",
+                      help="findings by letter (a..h, c2, d2, f2) or name")
   parser.add_argument("--all", action="store_true", help="every finding")
   parser.add_argument("--seeds", type=int, default=SEEDS,
                       help=f"seeds 0..SEEDS-1 per arm (default {SEEDS})")
@@ -909,12 +953,13 @@ def main(argv=None):
   parser.add_argument("--tiny", action="store_true", help="a smoke test of seconds each")
   parser.add_argument("--report_dir", default=None, help="default: runs/findings")
   args = parser.parse_args(argv)
-  by_letter = {key[0]: key for key in FINDINGS}
+  by_letter = {key.split("_")[0]: key for key in FINDINGS}
   keys = list(FINDINGS) if args.all else [by_letter.get(k, k) for k in args.keys]
   unknown = [k for k in keys if k not in FINDINGS]
   if not keys or unknown:
-    parser.error(f"unknown finding(s) {unknown}; valid: {', '.join(FINDINGS)} (or a..h), "
-                 "or --all" if unknown else "name findings (a..h) or give --all")
+    parser.error(f"unknown finding(s) {unknown}; valid: {', '.join(FINDINGS)} (or a..h, c2, "
+                 "d2, f2), or --all" if unknown else "name findings (a..h, c2, d2, f2) or give "
+                 "--all")
   if args.seeds < 1:
     parser.error(f"--seeds must be at least 1, got {args.seeds}")
   os.environ["LONGRL_FINDINGS_DIR"] = os.path.abspath(args.report_dir or report_dir())

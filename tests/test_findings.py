@@ -55,8 +55,9 @@ def test_every_finding_runs_headless_on_the_tiny_config(tmp_path, monkeypatch):
                for o in outputs), key
   # Arms shared between findings ran once per seed, each seed in its own directory.
   runs = tmp_path / "runs"
-  assert sorted(os.listdir(runs)) == sorted([*findings.ARMS, findings.WARM_START, "long2short"])
-  for name in [*findings.ARMS, findings.WARM_START]:
+  assert sorted(os.listdir(runs)) == sorted([*findings.ARMS, *findings.WARM_STARTS,
+                                             "long2short"])
+  for name in [*findings.ARMS, *findings.WARM_STARTS]:
     assert sorted(os.listdir(runs / name)) == ["seed0", "seed1"], name
     assert "train.seed = 1" in open(runs / name / "seed1" / "config.gin").read()
   for method in findings.LONG2SHORT_METHODS:
