@@ -21,13 +21,7 @@ TRAINER_MEM=${TRAINER_MEM:-0.45}
 WORK=$(mktemp -d /tmp/longrl-gpu-iteration.XXXXXX)
 bash scripts/setup.sh
 
-if ! .venv/bin/python -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
-  if [ -n "${JAX_CUDA_WHEELS:-}" ]; then
-    .venv/bin/pip install -q --no-index --find-links "$JAX_CUDA_WHEELS" "jax[cuda12]"
-  else
-    .venv/bin/pip install -q "jax[cuda12]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
-  fi
-fi
+source bench/jax_cuda.sh
 source bench/sglang_python.sh
 
 # The iteration's model at its starting weights, for the server to load (the trainer loads

@@ -176,6 +176,17 @@ def test_dispatch_rules_on_cpu():
       dispatch.attention(q, k, v, seg, kernel="dense")
 
 
+def test_dispatch_takes_float32_past_cudnn(monkeypatch):
+  """cuDNN's fused attention takes bf16 and f16 only: on a GPU (where resolve picks cudnn)
+  auto runs a float32 model blockwise and an explicit cudnn says why it cannot. The GPU run
+  of bench/gpu_checks.py checks the same on the real kernel."""
+  monkeypatch.setattr(dispatch, "resolve", lambda kernel, backend: "cudnn")
+  assert dispatch.plan("auto", 1, jnp.float32) == "blockwise"
+  assert dispatch.plan("auto", 1, jnp.bfloat16) == "cudnn"
+  with pytest.raises(dispatch.KernelUnavailable, match="'cudnn' takes bfloat16 or float16"):
+    dispatch.plan("cudnn", 1, jnp.float32)
+
+
 def test_make_mesh_names_missing_devices():
   with pytest.raises(sharding.MeshUnavailable, match="needs 16 devices.*device_count=16"):
     sharding.make_mesh(data=2, context=8)

@@ -5,11 +5,11 @@ Owns the kernel names, the per-backend default and the vendor-kernel calls. Mode
 larger than 1 that is ring attention over blockwise tiles, otherwise:
 
   auto       TPU -> splash, GPU -> cudnn, CPU -> cpu (the only choice that falls back: to
-             blockwise when the vendor kernel is missing, or on CPU for arrays it does not
-             take)
+             blockwise when the vendor kernel is missing, or for a dtype it does not take:
+             cudnn takes bf16 and f16, cpu float32)
   blockwise  models/attention/blockwise.py (any backend)
   dense      models/attention/reference.py (tests; O(seq^2) memory)
-  cudnn      jax.nn.dot_product_attention(implementation="cudnn"); GPU only
+  cudnn      jax.nn.dot_product_attention(implementation="cudnn"); GPU only, bf16 / f16
   splash     Pallas splash attention; TPU only
   cpu        models/attention/cpu.py: C++ kernels through XLA's FFI; CPU only, float32
 
@@ -30,6 +30,9 @@ from models.attention import blockwise, cpu, reference, ring
 
 KERNELS = ("auto", "blockwise", "dense", "cudnn", "splash", "cpu")
 _DEFAULTS = {"tpu": "splash", "gpu": "cudnn", "cpu": "cpu"}
+# The dtypes a vendor kernel takes (cuDNN's fused attention: half precision only), where it
+# does not take them all; `auto` runs blockwise for the others.
+_DTYPES = {"cpu": (jnp.float32,), "cudnn": (jnp.bfloat16, jnp.float16)}
 _log = logging.getLogger("longrl.attention")
 
 
@@ -135,7 +138,7 @@ def resolve(kernel: str, backend: str) -> str:
 def plan(kernel: str, context: int, dtype=jnp.float32) -> str:
   """What runs for request `kernel` on q, k, v of `dtype` with the sequence split `context`
   ways: "ring" (over blockwise tiles) or the kernel `resolve` picks, except that `auto` runs
-  blockwise where the CPU kernel does not take the dtype. Raises KernelUnavailable."""
+  blockwise where the vendor kernel does not take the dtype. Raises KernelUnavailable."""
   if context > 1:
     if kernel not in ("auto", "blockwise"):
       raise KernelUnavailable(f"attention={kernel!r} cannot run context-parallel (context="
@@ -143,11 +146,14 @@ def plan(kernel: str, context: int, dtype=jnp.float32) -> str:
                               "'blockwise'")
     return "ring"
   chosen = resolve(kernel, jax.default_backend())
-  if chosen == "cpu" and jnp.dtype(dtype) != jnp.float32:
+  takes = _DTYPES.get(chosen)
+  if takes is not None and jnp.dtype(dtype) not in takes:
+    names = " or ".join(jnp.dtype(t).name for t in takes)
     if kernel != "auto":
-      raise KernelUnavailable(f"attention='cpu' takes float32; this model computes in "
+      raise KernelUnavailable(f"attention={chosen!r} takes {names}; this model computes in "
                               f"{jnp.dtype(dtype)}. Use attention='auto' or 'blockwise'.")
-    _log_once(f"attention: the CPU kernel takes float32; {jnp.dtype(dtype)} runs blockwise")
+    _log_once(f"attention: the {chosen} kernel takes {names}; {jnp.dtype(dtype)} runs "
+              "blockwise")
     return "blockwise"
   return chosen
 

@@ -1,0 +1,313 @@
+"""What only a GPU shows, in one short run (not tests; bench/gpu_checks.sh runs it there):
+
+  python bench/gpu_checks.py [--parts peak,attention,attention_speed,train_step,engine,quickstart]
+                             [--out bench/results] [--small]
+
+peak             the bf16 matrix product's TFLOP/s on this GPU (8192^3, median of 5 warm
+                 calls): the reference of the MFU figures below.
+attention        cuDNN's fused attention through models/attention/dispatch.py against the
+                 float32 dense reference, forward and gradients, packed rows with padding and
+                 grouped KV heads, in bf16 and float32, for cudnn, blockwise and auto: the
+                 largest error over real tokens, the kernel `plan` picked, or the error raised.
+attention_speed  forward+backward, bf16, one row of 8 packed documents at 4k, 16k and 32k
+                 tokens, 16 heads over 4 KV heads of 128: cudnn vs blockwise, the compiled
+                 executable's peak memory and the median of 5 warm calls.
+train_step       one k1.5 train step (forward, chunked log-probs, backward, AdamW) of a model
+                 of width 1024, 8 layers, vocabulary 32,768, computing in bf16, on one packed
+                 16,384-token row, attention cudnn vs blockwise: seconds, tokens/s, MFU
+                 against `peak`, and the two losses.
+engine           the embedded engine (rollouts/jax_engine.py) on the GPU: generation tokens/s
+                 (256 sequences x 64 tokens, the quickstart's model) and the engine-vs-trainer
+                 log-prob gap on its samples, in float32 and bf16.
+quickstart       experiments/configs/quickstart.gin for 50 RL steps on the GPU: SFT seconds,
+                 the median RL step's seconds and its parts, accuracies, the engine-trainer
+                 log-prob gap.
+
+Each part's rows are printed and written to OUT/gpu_checks.json as soon as the part ends (a
+run cut short keeps what it measured); a part that raises records its error and the next one
+runs. --small shrinks every size (a dry run on CPU: its numbers mean nothing).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+GiB = 2 ** 30
+SMALL = False  # --small
+
+
+def _median_seconds(fn, *args, n: int = 5) -> float:
+  jax.block_until_ready(fn(*args))  # warm
+  times = []
+  for _ in range(n):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _peak_bytes(compiled) -> int:
+  m = compiled.memory_analysis()
+  return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+
+
+def _packed_segments(seq: int, docs: int) -> np.ndarray:
+  """i32[seq]: `docs` documents of equal length, numbered from 1."""
+  return np.repeat(np.arange(1, docs + 1), seq // docs).astype(np.int32)
+
+
+def part_peak():
+  n = 1024 if SMALL else 8192
+  a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.bfloat16)
+  seconds = _median_seconds(jax.jit(lambda a, b: a @ b), a, a)
+  return [{"n": n, "seconds": seconds, "tflops": 2 * n ** 3 / seconds / 1e12}]
+
+
+def part_attention():
+  from models.attention import dispatch, reference
+
+  batch, seq, heads, kv_heads, dim = 2, (128 if SMALL else 1024), 8, 2, 64
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(batch, seq, heads, dim)).astype(np.float32)
+  k = rng.normal(size=(batch, seq, kv_heads, dim)).astype(np.float32)
+  v = rng.normal(size=(batch, seq, kv_heads, dim)).astype(np.float32)
+  cotangent = rng.normal(size=q.shape).astype(np.float32)
+  # Row 0: three documents and padding; row 1: one document filling the row.
+  a, b = seq * 3 // 10, seq // 2
+  seg = np.stack([np.concatenate([np.full(a, 1), np.full(b, 2), np.full(seq - a - b - 24, 3),
+                                  np.zeros(24)]), np.ones(seq)]).astype(np.int32)
+  real = seg != 0
+
+  def grads(attend, dtype):
+    def f(q, k, v, cot):
+      out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, jnp.asarray(seg)), q, k, v)
+      return (out, *pullback(cot.astype(out.dtype)))
+    return jax.jit(f)(*(jnp.asarray(x, dtype) for x in (q, k, v, cotangent)))
+
+  expected = grads(lambda q, k, v, s: reference.attention(q, k, v,
+                                                          reference.segment_causal_mask(s)),
+                   jnp.float32)
+  rows = []
+  for dtype in (jnp.bfloat16, jnp.float32):
+    for kernel in ("cudnn", "blockwise", "auto"):
+      row = {"dtype": jnp.dtype(dtype).name, "kernel": kernel}
+      try:
+        row["runs"] = dispatch.plan(kernel, 1, dtype)
+        got = grads(lambda q, k, v, s: dispatch.attention(q, k, v, s, kernel=kernel), dtype)
+        for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+          g, e = np.asarray(g, np.float32), np.asarray(e)
+          keep = real[:, :, None, None] if name in ("out", "dq") else np.ones_like(g, bool)
+          row[f"{name}_max_err"] = float(np.abs(g - e)[np.broadcast_to(keep, g.shape)].max())
+      except Exception as e:  # noqa: BLE001 - what a GPU user would meet, recorded
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      rows.append(row)
+      print(row, flush=True)
+  return rows
+
+
+def part_attention_speed():
+  from models.attention import dispatch
+
+  heads, kv_heads, dim = 16, 4, 128
+  rows = []
+  for seq in ((1024, 2048) if SMALL else (4096, 16384, 32768)):
+    seg = jnp.asarray(_packed_segments(seq, 8)[None])
+    arg = lambda h: jnp.asarray(np.random.default_rng(seq).normal(size=(1, seq, h, dim)),
+                                jnp.bfloat16)
+    q, k, v = arg(heads), arg(kv_heads), arg(kv_heads)
+    # Causal within each document: QK^T and PV over half of each document's square, forward;
+    # the backward pass about 2.5 times that.
+    flops = 3.5 * 2 * 2 * heads * dim * 8 * (seq // 8) ** 2 / 2
+    for kernel in ("cudnn", "blockwise"):
+      row = {"seq": seq, "kernel": kernel}
+      try:
+        def f(q, k, v, kernel=kernel):
+          out, pullback = jax.vjp(lambda q, k, v: dispatch.attention(q, k, v, seg,
+                                                                     kernel=kernel), q, k, v)
+          return pullback(out)
+        fn = jax.jit(f)
+        row["peak_bytes"] = _peak_bytes(fn.lower(q, k, v).compile())
+        row["seconds"] = _median_seconds(fn, q, k, v)
+        row["tflops"] = flops / row["seconds"] / 1e12
+      except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      rows.append(row)
+      print(row, flush=True)
+  return rows
+
+
+def part_train_step(peak_tflops=None):
+  from models import config, transformer
+  from rl import losses
+  from rl.loop import rl_optimizer
+  from rl.train_step import init_train_state, make_train_step
+  from rl.types import TrainBatch
+
+  width, layers, heads, kv_heads, inter, vocab = 1024, 8, 16, 4, 2816, 32768
+  seq, docs = 16384, 8
+  if SMALL:
+    width, layers, heads, kv_heads, inter, vocab, seq = 128, 2, 4, 2, 256, 512, 1024
+  dim = width // heads
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, vocab, (1, seq)).astype(np.int32)
+  batch = TrainBatch(tokens=jnp.asarray(tokens), targets=jnp.asarray(np.roll(tokens, -1, 1)),
+                     positions=jnp.asarray(np.tile(np.arange(seq // docs), docs)[None]),
+                     segment_ids=jnp.asarray(_packed_segments(seq, docs)[None]),
+                     loss_mask=jnp.ones((1, seq), jnp.float32),
+                     old_logp=jnp.full((1, seq), -9.0, jnp.float32),
+                     advantages=jnp.asarray(rng.normal(size=(1, seq)), jnp.float32))
+  matmul_params = layers * (width * heads * dim * 2 + 2 * width * kv_heads * dim
+                            + 3 * width * inter) + width * vocab
+  flops = (6 * matmul_params * seq
+           + 3 * layers * 2 * 2 * heads * dim * docs * (seq // docs) ** 2 / 2)
+  rows = []
+  for kernel in ("cudnn", "blockwise"):
+    row = {"kernel": kernel, "seq": seq, "width": width, "layers": layers, "vocab": vocab,
+           "dtype": "bfloat16", "param_dtype": "float32"}
+    try:
+      cfg = dataclasses.replace(
+          config.tiny(vocab, hidden_size=width, num_layers=layers, num_heads=heads,
+                      num_kv_heads=kv_heads, intermediate_size=inter, attention=kernel),
+          dtype="bfloat16")
+      optimizer = rl_optimizer(1e-5)
+      step = jax.jit(make_train_step(cfg, optimizer, losses.bind("k1.5", None)))
+      state = init_train_state(transformer.init_params(cfg, jax.random.PRNGKey(0)), optimizer)
+      compiled = step.lower(state, batch).compile()
+      row["peak_bytes"] = _peak_bytes(compiled)
+      _, metrics = compiled(state, batch)
+      row["loss"] = float(metrics["loss"])
+      times = []
+      for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(state, batch))
+        times.append(time.perf_counter() - start)
+      row["seconds"] = statistics.median(times)
+      row["tokens_per_s"] = seq / row["seconds"]
+      row["tflops"] = flops / row["seconds"] / 1e12
+      if peak_tflops:
+        row["mfu_vs_peak"] = row["tflops"] / peak_tflops
+    except Exception as e:  # noqa: BLE001
+      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+    print(row, flush=True)
+  return rows
+
+
+def part_engine():
+  from models import config, transformer
+  from models.tokenizer import CharTokenizer
+  from rl.packing import trajectory_batch
+  from rl.train_step import policy_logprobs
+  from rollouts.engine import SamplingParams
+  from rollouts.jax_engine import JaxEngine
+
+  vocab = CharTokenizer().vocab_size
+  n, new = (32, 16) if SMALL else (256, 64)
+  rng = np.random.default_rng(0)
+  prompts = [[1, *rng.integers(3, vocab, rng.integers(4, 24)).tolist()] for _ in range(n)]
+  rows = []
+  for dtype in ("float32", "bfloat16"):
+    row = {"dtype": dtype, "sequences": n, "new_tokens": new}
+    try:
+      cfg = dataclasses.replace(config.tiny(vocab), dtype=dtype)  # the quickstart's model
+      params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+      engine = JaxEngine(cfg, params)
+      sampling = SamplingParams(max_new_tokens=new, temperature=1.0)
+      engine.generate(prompts, sampling, seed=0)  # compiles
+      start = time.perf_counter()
+      out = engine.generate(prompts, sampling, seed=1)
+      seconds = time.perf_counter() - start
+      made = sum(len(c.token_ids) for c in out)
+      row.update(seconds=seconds, tokens_per_s=made / seconds)
+      batch, _ = trajectory_batch(prompts, [c.token_ids for c in out],
+                                  [c.logprobs for c in out], [0.0] * n, [True] * n,
+                                  seq_len=128)
+      logp, _ = jax.jit(policy_logprobs, static_argnums=1)(params, cfg,
+                                                           jax.tree.map(jnp.asarray, batch))
+      diff = np.abs(np.asarray(logp) - batch.old_logp)[batch.loss_mask > 0]
+      row.update(logp_diff_mean=float(diff.mean()), logp_diff_max=float(diff.max()))
+    except Exception as e:  # noqa: BLE001
+      row["error"] = f"{type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-600:]}"
+    rows.append(row)
+    print(row, flush=True)
+  return rows
+
+
+def part_quickstart():
+  steps = 4 if SMALL else 50
+  run_dir = tempfile.mkdtemp(prefix="longrl-gpu-quickstart-")
+  argv = [sys.executable, os.path.join(ROOT, "experiments/run.py"),
+          "--gin", os.path.join(ROOT, "experiments/configs/quickstart.gin"),
+          "--gin_param", f"train.num_steps = {steps}", "--gin_param", "train.eval_every = 25",
+          "--gin_param", "train.checkpoint_every = 50", "--gin_param", "train.progress = False",
+          "--run_dir", run_dir]
+  if SMALL:
+    argv += ["--gin_param", "train.sft_steps = 20", "--gin_param", "train.eval_every = 2",
+             "--gin_param", "train.eval_records = 16"]
+  start = time.perf_counter()
+  done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400)
+  row = {"rl_steps": steps, "wall_seconds": time.perf_counter() - start,
+         "returncode": done.returncode}
+  if done.returncode:
+    row["error"] = done.stderr[-1500:]
+    return [row]
+  summary = json.load(open(os.path.join(run_dir, "summary.json")))
+  records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+  steps_ = [r for r in records if "train_s" in r][1:]  # the first compiles
+  parts = ("generate_s", "verify_s", "score_s", "pack_s", "train_s", "weight_sync_s")
+  row.update({k: summary.get(k) for k in ("sft_seconds", "sft_accuracy", "rl_accuracy")})
+  row["step_seconds_median"] = statistics.median(sum(r[p] for p in parts) for r in steps_)
+  row.update({f"{p}_median": statistics.median(r[p] for r in steps_) for p in parts})
+  row["engine_logp_diff_max"] = max(r.get("engine_logp_diff_max", 0.0) for r in steps_)
+  row["last_line"] = done.stdout.strip().splitlines()[-1]
+  print(row, flush=True)
+  return [row]
+
+
+PARTS = ("peak", "attention", "attention_speed", "train_step", "engine", "quickstart")
+
+
+def main():
+  global SMALL
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--parts", default=",".join(PARTS))
+  parser.add_argument("--out", default=os.path.join(ROOT, "bench/results"))
+  parser.add_argument("--small", action="store_true")
+  args = parser.parse_args()
+  SMALL = args.small
+  results = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+             "jax": jax.__version__, "small": SMALL}
+  print(results, flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  for part in args.parts.split(","):
+    started = time.perf_counter()
+    try:
+      if part == "train_step":
+        peak = results.get("peak", [{}])[0].get("tflops")
+        results[part] = part_train_step(peak)
+      else:
+        results[part] = globals()[f"part_{part}"]()
+    except Exception as e:  # noqa: BLE001 - the other parts still run
+      results[part] = [{"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}]
+      print(results[part], flush=True)
+    print(f"[{part}] {time.perf_counter() - started:.0f} s", flush=True)
+    with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
