@@ -118,6 +118,13 @@ class RLConfig:
   # rollouts' ("tis" reweights them). On servers a weight sync lets the requests in flight
   # finish on the old weights (tagged so) and holds new ones until it is done.
   max_staleness: int = 0
+  # The engine gets the trainer's weights after every weight_sync_every-th step only (slime's
+  # --update-weights-interval): in between it keeps generating on the weights it has, so step
+  # t's rollouts are t mod weight_sync_every versions old, a staleness fixed by the schedule
+  # and not by timing (what max_staleness gives). Lockstep only; the held-out evaluations run
+  # on an engine of their own with the current weights. A resumed run restarts the cycle at
+  # its checkpoint's step.
+  weight_sync_every: int = 1
 
 
 @dataclasses.dataclass
@@ -269,7 +276,8 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
   to the servers is raised on every process (models.distributed.checked).
   `train_step` comes from rl.train_step.make_train_step; `advantage` names an estimator in
   rl.advantages. Each step makes `config.minibatches` optimizer updates, each on a share of
-  whole groups; after the step the engine gets the new weights (version = RL step).
+  whole groups; after the step the engine gets the new weights (version = RL step), or after
+  every config.weight_sync_every-th step only.
   With config.max_staleness > 0 the rollouts of the next steps (up to max_staleness
   ahead) are made on a thread while a step trains; the engine gets its own copy of each
   step's weights, and a failure there raises RolloutsFailed here. Close the generator
@@ -374,7 +382,9 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     a whole copy of them; ahead of the trainer, on a copy of its own, since the next train
     step takes (donates) these buffers while the engine may still read them."""
     whole = distributed.local_copy(params)
-    if config.max_staleness and isinstance(engine, JaxEngine):  # servers get a file
+    # Servers get a file; an embedded engine that keeps weights past the next step, a copy.
+    if ((config.max_staleness or config.weight_sync_every > 1)
+        and isinstance(engine, JaxEngine)):
       whole = jax.tree.map(jnp.copy, whole)
     distributed.checked(lambda: engine and engine.update_weights(
         whole, version=version, while_generating=bool(config.max_staleness)))
@@ -441,7 +451,8 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
       train_metrics["engine_logp_diff_max"] = float(per_update[0]["logp_diff_max"])
     train_s = time.perf_counter() - started
     started = time.perf_counter()
-    sync(train.params, step + 1)
+    if (step + 1) % config.weight_sync_every == 0:
+      sync(train.params, step + 1)
     sync_s = time.perf_counter() - started
 
     state = made.state.replace(step=jnp.int32(step + 1), train=train)
@@ -462,6 +473,8 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     return StepRecord(step + 1, state, metrics, scored, rewards, adv)
 
   if not config.max_staleness:  # lockstep: the engine waits while the step trains and syncs
+    if config.weight_sync_every > 1:  # the engine's own copy: it outlives the next update
+      sync(state.train.params, int(state.step))
     while True:
       step = int(state.step)
       started = time.perf_counter()
@@ -833,6 +846,13 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     raise ConfigError(f"train.init_from={init_from!r}: no checkpoints/ directory there")
   if rl.max_staleness < 0:
     raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} must be >= 0 (0: lockstep)")
+  if rl.weight_sync_every < 1:
+    raise ConfigError(f"RLConfig.weight_sync_every={rl.weight_sync_every} must be >= 1 (1: "
+                      "after every step)")
+  if rl.weight_sync_every > 1 and rl.max_staleness:
+    raise ConfigError(f"RLConfig.weight_sync_every={rl.weight_sync_every} runs in lockstep "
+                      f"only; RLConfig.max_staleness={rl.max_staleness} bounds the staleness by "
+                      "timing instead: choose one")
   if rl.max_staleness:
     if rl.partial_rollouts:
       raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} (rollouts ahead of the "
@@ -948,8 +968,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
     policy_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
     trainer_logprobs = lambda params, batch: distributed.host_copy(
         policy_fn(params, cfg, place_rows(batch))[0])
-  evaluation_engine = engine if isinstance(engine, JaxEngine) else JaxEngine(
-      cfg, whole, version=int(state.step))
+  evaluation_engine = (engine if isinstance(engine, JaxEngine) and rl.weight_sync_every == 1
+                       else JaxEngine(cfg, whole, version=int(state.step)))
   del whole
   # The rollout engine already has each step's weights (several processes: a whole copy on
   # each); a separate one gets them here.

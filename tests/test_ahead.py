@@ -25,14 +25,14 @@ TIMINGS = ("generate_s", "verify_s", "score_s", "pack_s", "train_s", "weight_syn
 
 
 def ahead_steps(tokenizer, digit_model, *, max_staleness: int, learning_rate: float,
-                engine=None):
+                engine=None, weight_sync_every: int = 1):
   """The RL steps of PickADigit on `engine` (default: an embedded one), a generator."""
   cfg, params = digit_model
   optimizer = loop.rl_optimizer(learning_rate)
   reward = rewards.named_chain({"correctness": rewards.correctness()})
   sampler = sampling.uniform()
   rl = loop.RLConfig(prompts_per_step=2, samples_per_prompt=8, max_new_tokens=4, seq_len=16,
-                     max_staleness=max_staleness)
+                     max_staleness=max_staleness, weight_sync_every=weight_sync_every)
   start = jax.tree.map(jnp.copy, params)  # the donating step must not take the fixture's
   state = loop.init_loop_state(start, optimizer, num_prompts=4, sampler=sampler,
                                reward=reward, seed=0, config=rl)
@@ -145,3 +145,25 @@ def test_an_engine_failing_ahead_of_the_trainer_is_a_clear_error(tmp_path):
   params = checkpoints.restore_params()
   checkpoints.close()
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_weight_sync_every_n_steps_makes_rollouts_stale_by_the_schedule(tokenizer, digit_model):
+  """RLConfig.weight_sync_every = 3: step t's rollouts come from the weights of version
+  t - (t mod 3), in lockstep, whatever the timing; the weights still learn."""
+  steps = ahead_steps(tokenizer, digit_model, max_staleness=0, learning_rate=2e-3,
+                      weight_sync_every=3)
+  records = [next(steps) for _ in range(7)]
+  for record in records:
+    trained_at = record.step - 1
+    versions = np.concatenate([c.versions for c in record.scored.completions])
+    assert set(versions.tolist()) == {trained_at - trained_at % 3}, (record.step, versions)
+  assert [r.metrics["staleness_max"] for r in records] == [0, 1, 2, 0, 1, 2, 0]
+  assert records[-1].metrics["weight_sync_s"] >= 0
+
+
+def test_weight_sync_every_is_checked(tmp_path):
+  for rl, message in [(loop.RLConfig(weight_sync_every=0), "weight_sync_every=0 must be >= 1"),
+                      (loop.RLConfig(weight_sync_every=2, max_staleness=1), "lockstep only")]:
+    with pytest.raises(loop.ConfigError, match=message):
+      loop.train(run_dir=str(tmp_path / "run"), task=Arithmetic(num_train=64, num_test=8),
+                 model=config.tiny, rl=rl, num_steps=1, eval_records=8, progress=False)
