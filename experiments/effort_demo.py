@@ -43,7 +43,6 @@ import random
 import shutil
 import sys
 import time
-from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -67,56 +66,6 @@ RL_STEPS = 150
 RL = loop.RLConfig(prompts_per_step=32, samples_per_prompt=8, max_new_tokens=72, seq_len=160)
 SPEC = eval_lib.SampledEval(samples=8, ks=(1, 2, 4, 8), budgets=(16, 24, 32, 48, 72))
 EVAL_PROBLEMS = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class ShortcutSource:
-  """`source` with a share `direct` of its demonstrations replaced by the bare answer
-  ("#106", no column steps); which ones is a pure function of (split, index)."""
-  source: Any
-  direct: float
-  split: str
-
-  def __len__(self) -> int:
-    return len(self.source)
-
-  def __getitem__(self, index: int) -> dict[str, Any]:
-    record = self.source[index]
-    if random.Random(f"direct/{self.split}/{index}").random() < self.direct:
-      record = {**record, "solution": "#" + record["answer"]}
-    return record
-
-
-@dataclasses.dataclass(frozen=True)
-class Shortcut:
-  """An Arithmetic task whose demonstrations answer directly in a share `direct` of the
-  problems: a short mode that is less often right than the column steps, so that tokens buy
-  accuracy. Prompts, verifier and format are the inner task's."""
-  inner: Any
-  direct: float = 0.3
-
-  @property
-  def train(self):
-    return ShortcutSource(self.inner.train, self.direct, "train")
-
-  @property
-  def test(self):
-    return ShortcutSource(self.inner.test, self.direct, "test")
-
-  def prompt(self, record):
-    return self.inner.prompt(record)
-
-  def solution(self, record):
-    return record["solution"]
-
-  def verify(self, completion, record):
-    return self.inner.verify(completion, record)
-
-  def well_formed(self, completion):
-    return self.inner.well_formed(completion)
-
-  def answer(self, completion):
-    return self.inner.answer(completion)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +96,8 @@ def tasks(variant: dict):
   if isinstance(variant["direct"], tuple):
     return (LevelShortcut(inner(), levels=LEVELS, direct=variant["direct"]),
             LevelShortcut(inner(num_train=POOL), levels=LEVELS, direct=variant["direct"]))
-  wrap = ((lambda t: Shortcut(t, direct=variant["direct"])) if variant["direct"]
-          else (lambda t: t))
-  return (effort.EffortTask(wrap(inner()), levels=LEVELS),
-          effort.EffortTask(wrap(inner(num_train=POOL)), levels=LEVELS))
+  return (effort.EffortTask(inner(direct=variant["direct"]), levels=LEVELS),
+          effort.EffortTask(inner(num_train=POOL, direct=variant["direct"]), levels=LEVELS))
 
 
 # filler: 0..8 "hmm;" steps before the column steps, length that carries no accuracy; budgets

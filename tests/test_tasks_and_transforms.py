@@ -101,3 +101,19 @@ def test_sloppy_demonstrations_drop_only_the_final_carry():
   assert 50 < dropped < 150
   with pytest.raises(ValueError, match="sloppy"):
     Arithmetic(sloppy=1.5)
+
+
+def test_direct_demonstrations_are_the_bare_answer_of_the_same_problems():
+  shortcut = Arithmetic(digits=2, operands=3, filler=4, direct=0.3)
+  full = Arithmetic(digits=2, operands=3, filler=4)
+  bare = 0
+  for i in range(400):
+    short, long = shortcut.train[i], full.train[i]
+    assert short["question"] == long["question"] and shortcut.verify(short["solution"], short)
+    assert shortcut.well_formed(short["solution"])
+    if short["solution"] != long["solution"]:
+      bare += 1
+      assert short["solution"] == "#" + long["answer"]
+  assert 0.25 < bare / 400 < 0.35
+  with pytest.raises(ValueError, match="direct"):
+    Arithmetic(direct=-0.1)

@@ -17,6 +17,12 @@ checks the true sum, so SFT on these demonstrations learns the mistake and RL ca
 Records carry `final_carry` (1 when the last column carries): with `sloppy` > 0 those are the
 hard prompts, a difficulty field for rl.sampling.field_difficulty.
 
+With `direct` > 0 that share of the reference solutions is the bare final answer ("#132", no
+column steps, no filler): a short mode that a small model gets right less often than the
+column steps, so that tokens buy accuracy and a length budget has something to cut. Which
+records answer directly is a pure function of (split, index), drawn apart from the problem
+itself: the problems are those of `direct` = 0.
+
 Train and test problems are disjoint: a problem belongs to the test split iff a stable hash
 of its text falls in one bucket of ten.
 """
@@ -69,6 +75,7 @@ class ArithmeticSource:
   filler: int
   sloppy: float
   seed: int
+  direct: float = 0.0
 
   def __len__(self) -> int:
     return self.num_records
@@ -86,6 +93,8 @@ class ArithmeticSource:
         break
     steps = column_solution(numbers, drop_final_carry=rng.random() < self.sloppy)
     steps = [_FILLER] * rng.randint(0, self.filler) + steps
+    if self.direct and random.Random(f"direct/{self.split}/{index}").random() < self.direct:
+      steps = steps[-1:]
     width = max(len(str(x)) for x in numbers)
     return {"question": question, "answer": str(sum(numbers)), "solution": "".join(steps),
             "digits": width, "final_carry": int(sum(numbers) >= 10 ** width)}
@@ -99,6 +108,7 @@ class Arithmetic:
   operands: int = 2
   filler: int = 0
   sloppy: float = 0.0
+  direct: float = 0.0
   num_train: int = 20_000
   num_test: int = 1_000
   seed: int = 0
@@ -107,18 +117,19 @@ class Arithmetic:
     if self.digits < 1 or self.operands < 2:
       raise ValueError(f"Arithmetic needs digits >= 1 and operands >= 2, got digits="
                        f"{self.digits}, operands={self.operands}")
-    if not 0.0 <= self.sloppy <= 1.0:
-      raise ValueError(f"Arithmetic.sloppy must be a probability, got {self.sloppy}")
+    for name in ("sloppy", "direct"):
+      if not 0.0 <= getattr(self, name) <= 1.0:
+        raise ValueError(f"Arithmetic.{name} must be a probability, got {getattr(self, name)}")
 
   @property
   def train(self) -> ArithmeticSource:
     return ArithmeticSource("train", self.num_train, self.digits, self.operands, self.filler,
-                            self.sloppy, self.seed)
+                            self.sloppy, self.seed, self.direct)
 
   @property
   def test(self) -> ArithmeticSource:
     return ArithmeticSource("test", self.num_test, self.digits, self.operands, self.filler,
-                            self.sloppy, self.seed)
+                            self.sloppy, self.seed, self.direct)
 
   def prompt(self, record: dict[str, Any]) -> str:
     return record["question"] + "="
