@@ -3,7 +3,7 @@ addition, repeated over seeds, then a plot, a table of intervals and a verdict.
 
     python experiments/findings.py --all [--seeds 5] [--jobs N] [--tiny] [--report_dir DIR]
     python experiments/findings.py a e          # some of them
-    python experiments/findings.py c2 d2 f2     # the second designs of c, d and f
+    python experiments/findings.py a2 c2 f3     # later designs of a, c and f
 
 A finding is an entry of FINDINGS below (the published claim, its arms, how its predicted
 differences are read off their metrics), its configs experiments/configs/findings/<letter>_*.gin
@@ -31,6 +31,7 @@ seconds: the tests run it so that nothing here rots.
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -66,10 +67,11 @@ TINY_BINDINGS = ["Arithmetic.filler = 1", "BUDGET = 10", "train.eval_every = 1",
                  "long2short.eval_records = 8", "long2short.max_new_tokens = 16",
                  "long2short.seq_len = 32", "long2short.samples = 4"]
 WARM_START = "warm_start"
-# Every SFT warm start, by name: its config (run with num_steps 0). The second designs of c, d
-# and f change the task, so they start from warm starts of their own.
+# Every SFT warm start, by name: its config (run with num_steps 0). The later designs of a, c,
+# d, e and f change the task, so they start from warm starts of their own.
 WARM_STARTS = {WARM_START: "base.gin", "warm_start_3op": "base_3op.gin",
-               "warm_start_4digit": "d2_base.gin"}
+               "warm_start_4digit": "d2_base.gin", "warm_start_3op_short": "e2_base.gin",
+               "warm_start_shortcut": "base_shortcut.gin"}
 SEEDS = 5  # the default number of seeds: 0..4
 LONG2SHORT_METHODS = ("shortest_rejection", "dpo", "merge")
 
@@ -116,8 +118,9 @@ ARMS = {
     "budget_mask_long_correct": Arm("f_mask_long_correct.gin",
                                     "budget, -L&C (mask long correct)"),
     "budget_stale": Arm("g_stale.gin", "budget, 4 updates per batch"),
+    "budget_sync_every_4": Arm("g2_sync_every_4.gin", "budget, weights synced every 4 steps"),
     "long2short_rl": Arm("h_long2short.gin", "long2short RL", init_from="baseline"),
-    # Second designs (configs c2_*, d2_*, f2_*).
+    # Second and third designs (configs a2_*, c2_*, d2_*, e2_*, f2_*, f3_*, g2_*).
     "baseline_3op": Arm("c2_baseline.gin", "k1.5, 3 operands", "warm_start_3op"),
     "rest_3op": Arm("c2_rest.gin", "ReST, 3 operands", "warm_start_3op"),
     "uniform_4digit": Arm("d2_uniform.gin", "uniform, 1-4 digits", "warm_start_4digit"),
@@ -130,6 +133,16 @@ ARMS = {
                                      "warm_start_3op"),
     "budget_3op_mask_long_correct": Arm("f2_mask_long_correct.gin",
                                         "budget 18, -L&C, 3 operands", "warm_start_3op"),
+    "baseline_3op_short": Arm("e2_baseline.gin", "k1.5, 3 operands, short SFT",
+                              "warm_start_3op_short"),
+    "baseline_shortcut": Arm("a2_baseline.gin", "k1.5, correctness only, with shortcut",
+                             "warm_start_shortcut"),
+    "budget_shortcut": Arm("a2_budget.gin", "budget 10, with shortcut", "warm_start_shortcut"),
+    "budget_shortcut_mask_incorrect": Arm("f3_mask_incorrect.gin",
+                                          "budget 10, -I, with shortcut", "warm_start_shortcut"),
+    "budget_shortcut_mask_long_correct": Arm("f3_mask_long_correct.gin",
+                                             "budget 10, -L&C, with shortcut",
+                                             "warm_start_shortcut"),
 }
 
 
@@ -613,38 +626,39 @@ def samplers(arms) -> Analysis:
                   "second half, seed by seed. " + ALL_CHECKS, checks, _accuracy_table(arms), fig)
 
 
-# pass@16 starts at about 0.95 here (a ceiling: it can hardly rise, so "flat" would hold
-# trivially); pass@4 starts at about 0.87, with room to move either way.
+# On two operands pass@16 starts at about 0.95 (a ceiling: it can hardly rise, so "flat" would
+# hold trivially); pass@4 starts at about 0.87, with room to move either way.
 COVERAGE_K = 4
 COVERAGE_RISE = 0.02  # the largest rise of pass@k that still counts as flat
 
 
-def coverage(arms) -> Analysis:
-  """e. mean@n rises under RL while pass@k (k = COVERAGE_K) stays flat or falls, both from
-  the model before RL (the warm start, sampled alike) to the second half of RL."""
+def coverage(arms, k: int | None = COVERAGE_K) -> Analysis:
+  """e. mean@n rises under RL while pass@k (None: the largest k logged) stays flat or falls,
+  both from the model before RL (the warm start, sampled alike) to the second half of RL."""
   data = arms["baseline"]
   run0 = next(iter(data["seeds"].values()))
-  ks = sorted({int(k.split("@")[1]) for r in run0["records"] for k in r
-               if k.startswith("eval_pass@")})
-  if COVERAGE_K not in ks:
-    raise ValueError(f"finding e reads pass@{COVERAGE_K}; the baseline arm logged pass@k for "
+  ks = sorted({int(key.split("@")[1]) for r in run0["records"] for key in r
+               if key.startswith("eval_pass@")})
+  k = ks[-1] if k is None else k
+  if k not in ks:
+    raise ValueError(f"finding e reads pass@{k}; the baseline arm logged pass@k for "
                      f"k in {ks} (SampledEval.ks)")
   n = ks[-1]
   rows = {"before RL": lambda run, key: run["before_rl"][key],
           "RL, 2nd half": lambda run, key: _final_eval(run, f"eval_{key}")}
-  keys = [*(f"pass@{k}" for k in ks), f"mean@{n}", f"maj@{n}"]
+  keys = [*(f"pass@{j}" for j in ks), f"mean@{n}", f"maj@{n}"]
   change = lambda key: per_seed(data, lambda r: rows["RL, 2nd half"](r, key)
                                 - rows["before RL"](r, key))
   checks = [check(f"mean@{n}: RL 2nd half minus before RL", change(f"mean@{n}"),
                   stats.Prediction(+1, 0.02)),
-            check(f"pass@{COVERAGE_K}: RL 2nd half minus before RL (flat or falls: rises by "
-                  f"under {COVERAGE_RISE})", change(f"pass@{COVERAGE_K}"),
+            check(f"pass@{k}: RL 2nd half minus before RL (flat or falls: rises by "
+                  f"under {COVERAGE_RISE})", change(f"pass@{k}"),
                   stats.Prediction(-1, against=COVERAGE_RISE))]
   table = [{"arm": f"{data['label']}, {when}",
             **{key: per_seed(data, lambda r, key=key: fn(r, key)) for key in keys}}
            for when, fn in rows.items()]
   fig, ax = plt.subplots(figsize=(5.4, 3.6))
-  for key in [*(f"pass@{k}" for k in ks), f"mean@{n}"]:
+  for key in [*(f"pass@{j}" for j in ks), f"mean@{n}"]:
     compare.draw(ax, data["seeds"], f"eval_{key}", label=key, marker="o", markersize=3,
                  linestyle="--" if key.startswith("mean") else "-")
     before = np.array(list(per_seed(data, lambda r: r["before_rl"][key]).values()))
@@ -656,8 +670,8 @@ def coverage(arms) -> Analysis:
          "mean; band and bars: lowest to highest seed")
   return Analysis(stats.all_of(c.verdict for c in checks),
                   f"From before RL to the second half of RL, mean@{n} must rise and "
-                  f"pass@{COVERAGE_K} must not rise by {COVERAGE_RISE} or more"
-                  + (f" (pass@{n} starts near its ceiling). " if n > COVERAGE_K else ". ")
+                  f"pass@{k} must not rise by {COVERAGE_RISE} or more"
+                  + (f" (pass@{n} starts near its ceiling). " if n > k else ". ")
                   + ALL_CHECKS, checks, table, fig)
 
 
@@ -686,8 +700,9 @@ def masking(arms) -> Analysis:
                   "accurate (short nonsense) and -L&C longer. " + ALL_CHECKS, checks, table, fig)
 
 
-def staleness(arms) -> Analysis:
-  """g. Stale (off-policy) updates speed up length adaptation but raise entropy later."""
+def staleness(arms, stale: str = "With 4 updates per batch") -> Analysis:
+  """g. Stale (off-policy) updates speed up length adaptation but raise entropy later.
+  `stale` says how the stale arm is stale, for the rule."""
   def half_fall(run) -> int:  # the step at which the smoothed length has fallen half way
     steps, length = series(run, "completion_length")
     length_s = smooth(length)
@@ -711,7 +726,7 @@ def staleness(arms) -> Analysis:
                        ("entropy", "entropy"), ("eval_accuracy", "held-out greedy accuracy")],
                 "g. off-policy staleness")
   return Analysis(stats.all_of(c.verdict for c in checks),
-                  "With 4 updates per batch the length must fall half way at an earlier step "
+                  f"{stale} the length must fall half way at an earlier step "
                   "(by more than 1) and entropy over the last quarter must be higher (by more "
                   "than 0.01 nats) than on-policy, seed by seed. " + ALL_CHECKS,
                   checks, table, fig)
@@ -810,27 +825,38 @@ class Finding:
   roles: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
+CLAIM_A = ("Under a length budget, training first shortens responses (length adaptation), "
+           "then accuracy within the shorter budget recovers (reasoning refinement) "
+           "[The Art of Efficient Reasoning, arXiv 2602.20945, sec. 3].")
 CLAIM_C = ("At equal samples the k1.5 objective, which also learns from failed samples, beats "
            "ReST (positive-only fine-tuning) [Kimi k1.5, arXiv 2501.12599, sec. 3.5].")
 CLAIM_D = ("Curriculum sampling (easy first) and prioritized sampling (p ~ 1 - success rate) "
            "both beat uniform sampling at equal steps [Kimi k1.5, sec. 2.3.4 and 3.5].")
+CLAIM_E = ("RL sharpens the distribution: mean@k (pass@1) rises while pass@k at large k "
+           "stays flat or falls [Yue et al. 2025, arXiv 2504.13837].")
 CLAIM_F = ("Masking incorrect answers out of the loss (\"-I\") drives the policy to short "
            "nonsense; masking long correct ones (\"-L&C\") keeps longer reasoning "
            "[arXiv 2602.20945].")
+CLAIM_G = ("Mildly stale (off-policy) updates speed up the length-adaptation phase but raise "
+           "entropy later [arXiv 2602.20945].")
 
 FINDINGS = {f.key: f for f in [
-    Finding("a_two_stages", "a. Length penalty's two stages",
-            "Under a length budget, training first shortens responses (length adaptation), "
-            "then accuracy within the shorter budget recovers (reasoning refinement) "
-            "[The Art of Efficient Reasoning, arXiv 2602.20945, sec. 3].",
-            ("budget", "baseline"), two_stages),
+    Finding("a_two_stages", "a. Length penalty's two stages", CLAIM_A, ("budget", "baseline"),
+            two_stages),
+    Finding("a2_two_stages_shortcut", "a2. Length penalty's two stages, second design: a "
+            "short mode that costs accuracy", CLAIM_A + " Here the demonstrations answer directly "
+            "(bare, less accurate) 30% of the time, the budget is met only by those bare "
+            "answers, and there is no demonstrator mistake to unlearn.",
+            ("budget_shortcut", "baseline_shortcut"), two_stages,
+            roles={"budget": "budget_shortcut", "baseline": "baseline_shortcut"}),
     Finding("b_easy_vs_hard", "b. Easy vs hard prompts under a length penalty",
             "Training with a length penalty on hard prompts only collapses (length crashes, "
             "entropy spikes, accuracy falls); on easy prompts it stays stable and generalises "
             "[arXiv 2602.20945].", ("penalty_easy", "penalty_hard"), easy_vs_hard),
     Finding("c_negative_gradients", "c. Negative gradients: k1.5 vs ReST",
             CLAIM_C, ("baseline", "rest"), negative_gradients),
-    # c2, d2, f2: second designs, kept beside the first, giving the claim a fair chance.
+    # a2, c2, d2, e2, f2, f3, g2: later designs, kept beside the first, giving the claim a
+    # fair chance.
     Finding("c2_negative_gradients_harder", "c2. Negative gradients, second design: a harder "
             "task", CLAIM_C + " Here on sums of three numbers (more failed samples).",
             ("baseline_3op", "rest_3op"), negative_gradients,
@@ -843,10 +869,13 @@ FINDINGS = {f.key: f for f in [
             ("uniform_4digit", "prioritized_4digit", "curriculum_4digit"), samplers,
             roles={"baseline": "uniform_4digit", "prioritized": "prioritized_4digit",
                    "curriculum": "curriculum_4digit"}),
-    Finding("e_coverage", "e. Coverage vs sharpening",
-            "RL sharpens the distribution: mean@k (pass@1) rises while pass@k at large k "
-            "stays flat or falls [Yue et al. 2025, arXiv 2504.13837].",
+    Finding("e_coverage", "e. Coverage vs sharpening", CLAIM_E,
             ("baseline",), coverage, before_rl=("baseline",)),
+    Finding("e2_coverage_harder", "e2. Coverage vs sharpening, second design: a harder task",
+            CLAIM_E + " Here from a weak warm start on sums of three numbers (pass@16 about "
+            "0.6 before RL), read at the largest k (16).",
+            ("baseline_3op_short",), functools.partial(coverage, k=None),
+            before_rl=("baseline_3op_short",), roles={"baseline": "baseline_3op_short"}),
     Finding("f_masking", "f. Masking incorrect vs long-correct completions",
             CLAIM_F, ("budget", "budget_mask_incorrect", "budget_mask_long_correct"), masking),
     Finding("f2_masking_long_answers", "f2. Masking, second design: correct answers that "
@@ -856,15 +885,38 @@ FINDINGS = {f.key: f for f in [
             masking, roles={"budget": "budget_3op",
                             "budget_mask_incorrect": "budget_3op_mask_incorrect",
                             "budget_mask_long_correct": "budget_3op_mask_long_correct"}),
-    Finding("g_staleness", "g. Off-policy staleness",
-            "Mildly stale (off-policy) updates speed up the length-adaptation phase but raise "
-            "entropy later [arXiv 2602.20945].", ("budget", "budget_stale"), staleness),
+    Finding("f3_masking_shortcut", "f3. Masking, third design: a short mode that costs "
+            "accuracy", CLAIM_F + " Here with a2's budget of 10 tokens, which only the bare "
+            "answers of base_shortcut.gin meet.",
+            ("budget_shortcut", "budget_shortcut_mask_incorrect",
+             "budget_shortcut_mask_long_correct"), masking,
+            roles={"budget": "budget_shortcut",
+                   "budget_mask_incorrect": "budget_shortcut_mask_incorrect",
+                   "budget_mask_long_correct": "budget_shortcut_mask_long_correct"}),
+    Finding("g_staleness", "g. Off-policy staleness", CLAIM_G, ("budget", "budget_stale"),
+            staleness),
+    Finding("g2_staleness_sync", "g2. Off-policy staleness, second design: stale weights, "
+            "not extra updates", CLAIM_G + " Here the engine's weights are synced every 4th "
+            "step, one update per step.", ("budget", "budget_sync_every_4"),
+            functools.partial(staleness, stale="With weights synced every 4th step"),
+            roles={"budget": "budget", "budget_stale": "budget_sync_every_4"}),
     Finding("h_long2short", "h. long2short",
             "From a long-CoT model, shortest-rejection SFT, DPO, weight merging and "
             "long2short RL all cut tokens; long2short RL gives the best accuracy for its "
             "length [Kimi k1.5, sec. 2.4 and Fig. 7].",
             ("baseline", "long2short_rl"), long2short_methods, load=long2short_models),
 ]}
+
+
+def _retitle(fig, name: str) -> None:
+  """Titles of `fig` (its suptitle or its axes') that begin with a finding's letter ("c. ...")
+  begin with `name` instead ("c2. ...")."""
+  rename = lambda title: name + title[title.index("."):]
+  if fig.get_suptitle():
+    fig.suptitle(rename(fig.get_suptitle()))
+  for ax in fig.axes:
+    if ax.get_title().split(".")[0].isalpha():
+      ax.set_title(rename(ax.get_title()), fontsize=ax.title.get_fontsize())
 
 
 def run(key: str) -> Result:
@@ -876,8 +928,7 @@ def run(key: str) -> Result:
   arms = {role: arms[name] for role, name in finding.roles.items()} if finding.roles else arms
   analysis = finding.analyse(finding.load(arms) if finding.load else arms)
   if finding.roles:  # a second design's plot goes by its own name (c2, not c)
-    title = analysis.figure.get_suptitle()
-    analysis.figure.suptitle(key.split("_")[0] + title[title.index("."):])
+    _retitle(analysis.figure, key.split("_")[0])
   result = Result(key, finding.title, finding.claim, analysis, seeds(), minutes(key))
   result.save(os.path.join(report_dir(), key))
   return result
@@ -940,7 +991,7 @@ def _minutes(value) -> str:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("keys", nargs="*",
-                      help="findings by letter (a..h, c2, d2, f2) or name")
+                      help="findings by letter (a..h, a2, c2, d2, e2, f2, f3, g2) or name")
   parser.add_argument("--all", action="store_true", help="every finding")
   parser.add_argument("--seeds", type=int, default=SEEDS,
                       help=f"seeds 0..SEEDS-1 per arm (default {SEEDS})")
@@ -957,9 +1008,9 @@ def main(argv=None):
   keys = list(FINDINGS) if args.all else [by_letter.get(k, k) for k in args.keys]
   unknown = [k for k in keys if k not in FINDINGS]
   if not keys or unknown:
-    parser.error(f"unknown finding(s) {unknown}; valid: {', '.join(FINDINGS)} (or a..h, c2, "
-                 "d2, f2), or --all" if unknown else "name findings (a..h, c2, d2, f2) or give "
-                 "--all")
+    parser.error(f"unknown finding(s) {unknown}; valid: {', '.join(FINDINGS)} (or their "
+                 "letters: a..h, a2, c2, ...), or --all" if unknown else "name findings (a..h, "
+                 "a2, c2, d2, e2, f2, f3, g2) or give --all")
   if args.seeds < 1:
     parser.error(f"--seeds must be at least 1, got {args.seeds}")
   os.environ["LONGRL_FINDINGS_DIR"] = os.path.abspath(args.report_dir or report_dir())

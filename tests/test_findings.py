@@ -233,6 +233,23 @@ def test_coverage_pass_at_k_rising_a_little_is_not_flat():
 
 
 @pytest.mark.parametrize("effect,jitter,expected", CASES, ids=CASE_IDS)
+def test_coverage_second_design_reads_the_largest_k(effect, jitter, expected):
+  # e2: pass@16 is the coverage read (pass@4 moves the other way and must not matter).
+  def make(j):
+    mean, pass16 = 0.2 + 0.1 * effect + 0.1 * j, 0.6 - 0.1 * effect + 0.1 * j
+    sampled = {"pass@1": mean, "pass@4": 0.4 + 0.2 * effect, "pass@16": pass16,
+               "mean@16": mean, "maj@16": 0.3}
+    run = _run(evals={f"eval_{k}": [None] + [v] * 6 for k, v in sampled.items()})
+    run["before_rl"] = {"pass@1": 0.2, "pass@4": 0.4, "pass@16": 0.6, "mean@16": 0.2,
+                        "maj@16": 0.3}
+    return run
+
+  analysis = _analyse("e2_coverage_harder", {"baseline": _arm("k1.5", make, jitter)})
+  assert analysis.verdict == expected, [(c.name, str(c.interval)) for c in analysis.checks]
+  assert analysis.checks[1].name.startswith("pass@16")
+
+
+@pytest.mark.parametrize("effect,jitter,expected", CASES, ids=CASE_IDS)
 def test_masking(effect, jitter, expected):
   base = lambda j: _run(completion_length=20.0, evals={"eval_accuracy": _evals(0.7, 0.8)})
   arms = {"budget": _arm("budget", base, jitter),
@@ -254,8 +271,10 @@ def test_staleness(effect, jitter, expected):
                          entropy=0.2 + 0.1 * effect + 0.1 * j)
   arms = {"budget": _arm("on-policy", on, jitter),
           "budget_stale": _arm("stale", stale, jitter)}
-  analysis = _analyse("g_staleness", arms)
-  assert analysis.verdict == expected, [(c.name, str(c.interval)) for c in analysis.checks]
+  for key in ("g_staleness", "g2_staleness_sync"):  # g2: the same rule, stale weights
+    analysis = _analyse(key, arms)
+    assert analysis.verdict == expected, [(c.name, str(c.interval)) for c in analysis.checks]
+  assert analysis.rule.startswith("With weights synced every 4th step")
 
 
 @pytest.mark.parametrize("effect,jitter,expected", CASES, ids=CASE_IDS)
