@@ -67,11 +67,11 @@ TINY_BINDINGS = ["Arithmetic.filler = 1", "BUDGET = 10", "train.eval_every = 1",
                  "long2short.eval_records = 8", "long2short.max_new_tokens = 16",
                  "long2short.seq_len = 32", "long2short.samples = 4"]
 WARM_START = "warm_start"
-# Every SFT warm start, by name: its config (run with num_steps 0). The later designs of a, c,
-# d, e and f change the task, so they start from warm starts of their own.
+# Every SFT warm start, by name: its config (run with num_steps 0). The later designs of a, b,
+# c, d, e and f change the task, so they start from warm starts of their own.
 WARM_STARTS = {WARM_START: "base.gin", "warm_start_3op": "base_3op.gin",
                "warm_start_4digit": "d2_base.gin", "warm_start_3op_short": "e2_base.gin",
-               "warm_start_shortcut": "base_shortcut.gin"}
+               "warm_start_shortcut": "base_shortcut.gin", "warm_start_b2": "b2_base.gin"}
 SEEDS = 5  # the default number of seeds: 0..4
 LONG2SHORT_METHODS = ("shortest_rejection", "dpo", "merge")
 
@@ -120,7 +120,7 @@ ARMS = {
     "budget_stale": Arm("g_stale.gin", "budget, 4 updates per batch"),
     "budget_sync_every_4": Arm("g2_sync_every_4.gin", "budget, weights synced every 4 steps"),
     "long2short_rl": Arm("h_long2short.gin", "long2short RL", init_from="baseline"),
-    # Second and third designs (configs a2_*, c2_*, d2_*, e2_*, f2_*, f3_*, g2_*).
+    # Second and third designs (configs a2_*, b2_*, c2_*, d2_*, e2_*, f2_*, f3_*, g2_*).
     "baseline_3op": Arm("c2_baseline.gin", "k1.5, 3 operands", "warm_start_3op"),
     "rest_3op": Arm("c2_rest.gin", "ReST, 3 operands", "warm_start_3op"),
     "uniform_4digit": Arm("d2_uniform.gin", "uniform, 1-4 digits", "warm_start_4digit"),
@@ -137,6 +137,10 @@ ARMS = {
                               "warm_start_3op_short"),
     "baseline_shortcut": Arm("a2_baseline.gin", "k1.5, correctness only, with shortcut",
                              "warm_start_shortcut"),
+    "penalty_easy_shortcut": Arm("b2_easy.gin", "length penalty, easy prompts, with shortcut",
+                                 "warm_start_b2"),
+    "penalty_hard_shortcut": Arm("b2_hard.gin", "length penalty, hard prompts, with shortcut",
+                                 "warm_start_b2"),
     "budget_shortcut": Arm("a2_budget.gin", "budget 10, with shortcut", "warm_start_shortcut"),
     "budget_shortcut_mask_incorrect": Arm("f3_mask_incorrect.gin",
                                           "budget 10, -I, with shortcut", "warm_start_shortcut"),
@@ -828,6 +832,9 @@ class Finding:
 CLAIM_A = ("Under a length budget, training first shortens responses (length adaptation), "
            "then accuracy within the shorter budget recovers (reasoning refinement) "
            "[The Art of Efficient Reasoning, arXiv 2602.20945, sec. 3].")
+CLAIM_B = ("Training with a length penalty on hard prompts only collapses (length crashes, "
+           "entropy spikes, accuracy falls); on easy prompts it stays stable and generalises "
+           "[arXiv 2602.20945].")
 CLAIM_C = ("At equal samples the k1.5 objective, which also learns from failed samples, beats "
            "ReST (positive-only fine-tuning) [Kimi k1.5, arXiv 2501.12599, sec. 3.5].")
 CLAIM_D = ("Curriculum sampling (easy first) and prioritized sampling (p ~ 1 - success rate) "
@@ -849,13 +856,18 @@ FINDINGS = {f.key: f for f in [
             "answers, and there is no demonstrator mistake to unlearn.",
             ("budget_shortcut", "baseline_shortcut"), two_stages,
             roles={"budget": "budget_shortcut", "baseline": "baseline_shortcut"}),
-    Finding("b_easy_vs_hard", "b. Easy vs hard prompts under a length penalty",
-            "Training with a length penalty on hard prompts only collapses (length crashes, "
-            "entropy spikes, accuracy falls); on easy prompts it stays stable and generalises "
-            "[arXiv 2602.20945].", ("penalty_easy", "penalty_hard"), easy_vs_hard),
+    Finding("b_easy_vs_hard", "b. Easy vs hard prompts under a length penalty", CLAIM_B,
+            ("penalty_easy", "penalty_hard"), easy_vs_hard),
+    Finding("b2_easy_vs_hard_shortcut", "b2. Easy vs hard prompts under a length penalty, "
+            "second design: shortening costs accuracy", CLAIM_B + " Here the demonstrations "
+            "answer directly (bare, less accurate) 30% of the time and there is no filler, so "
+            "the penalty can only shorten by giving up the column steps.",
+            ("penalty_easy_shortcut", "penalty_hard_shortcut"), easy_vs_hard,
+            roles={"penalty_easy": "penalty_easy_shortcut",
+                   "penalty_hard": "penalty_hard_shortcut"}),
     Finding("c_negative_gradients", "c. Negative gradients: k1.5 vs ReST",
             CLAIM_C, ("baseline", "rest"), negative_gradients),
-    # a2, c2, d2, e2, f2, f3, g2: later designs, kept beside the first, giving the claim a
+    # a2, b2, c2, d2, e2, f2, f3, g2: later designs, kept beside the first, giving the claim a
     # fair chance.
     Finding("c2_negative_gradients_harder", "c2. Negative gradients, second design: a harder "
             "task", CLAIM_C + " Here on sums of three numbers (more failed samples).",
@@ -991,7 +1003,7 @@ def _minutes(value) -> str:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("keys", nargs="*",
-                      help="findings by letter (a..h, a2, c2, d2, e2, f2, f3, g2) or name")
+                      help="findings by letter (a..h, a2, b2, c2, d2, e2, f2, f3, g2) or name")
   parser.add_argument("--all", action="store_true", help="every finding")
   parser.add_argument("--seeds", type=int, default=SEEDS,
                       help=f"seeds 0..SEEDS-1 per arm (default {SEEDS})")
@@ -1010,7 +1022,7 @@ def main(argv=None):
   if not keys or unknown:
     parser.error(f"unknown finding(s) {unknown}; valid: {', '.join(FINDINGS)} (or their "
                  "letters: a..h, a2, c2, ...), or --all" if unknown else "name findings (a..h, "
-                 "a2, c2, d2, e2, f2, f3, g2) or give --all")
+                 "a2, b2, c2, d2, e2, f2, f3, g2) or give --all")
   if args.seeds < 1:
     parser.error(f"--seeds must be at least 1, got {args.seeds}")
   os.environ["LONGRL_FINDINGS_DIR"] = os.path.abspath(args.report_dir or report_dir())
