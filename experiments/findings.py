@@ -969,12 +969,23 @@ def execute_notebooks(keys, out_dir: str, *, timeout: int = 3600) -> None:
 
 def write_report(keys, out_dir: str) -> str:
   results = [json.load(open(os.path.join(out_dir, key, "results.json"))) for key in keys]
-  seed_list = sorted({s for r in results for s in r["seeds"]})
+  by_count = {}  # seed count -> the findings' letters, in report order
+  for r in results:
+    by_count.setdefault(len(r["seeds"]), []).append(r["key"].split("_")[0])
+  counts = sorted(by_count)
+  if len(counts) == 1:
+    command = f"`python experiments/findings.py --all --seeds {counts[0]}`"
+    ran = f"Every arm ran on {_seed_list(results[0]['seeds'])}"
+  else:  # more seeds where the interval was too wide: each group by its own command
+    command = " then ".join(f"`python experiments/findings.py {' '.join(by_count[n])} "
+                            f"--seeds {n}`" for n in counts)
+    ran = "Every arm ran on " + "; ".join(
+        f"{_seed_list(list(range(n)))} in {', '.join(by_count[n])}" for n in counts)
   ci = {"t": "t", "bootstrap": "percentile-bootstrap"}[results[0]["ci"]]
   lines = ["# Findings reproduced in small", "",
-           f"Reproduce with `python experiments/findings.py --all --seeds {len(seed_list)}`"
+           f"Reproduce with {command}"
            + (" (this report: --tiny, a smoke test; its numbers mean nothing)" if tiny()
-              else "") + f". Every arm ran on {_seed_list(seed_list)}, each seed from "
+              else "") + f". {ran}, each seed from "
            "its own SFT warm start (`train.seed = k`). Each number is the mean over seeds "
            f"with its 95% {ci} interval [low, high]; a check is a predicted difference "
            "(between arms on the same seeds, or within one arm): reproduced when its "

@@ -316,6 +316,14 @@ def test_results_and_report_show_the_intervals(tmp_path, monkeypatch):
   report = open(findings.write_report([finding.key], str(tmp_path))).read()
   assert f"| {finding.title} | reproduced | 5 | 12.5 |" in report
   assert check["interval"] in report and "on seeds 0..4" in report
+  # Findings on more seeds (where the interval was too wide): each group by its command.
+  os.makedirs(tmp_path / "a_two_stages")
+  json.dump({**saved, "key": "a_two_stages", "seeds": list(range(10))},
+            open(tmp_path / "a_two_stages" / "results.json", "w"))
+  report = open(findings.write_report(["a_two_stages", finding.key], str(tmp_path))).read()
+  assert ("`python experiments/findings.py c --seeds 5` then `python experiments/findings.py a "
+          "--seeds 10`") in report
+  assert "seeds 0..4 in c; seeds 0..9 in a" in report
   assert "| k1.5 | 0.7 [0.7, 0.7] | 0.85 [" in report
   shown = result._repr_markdown_()  # what the notebook displays
   assert f"**{finding.title}: reproduced**" in shown and check["interval"] in shown
