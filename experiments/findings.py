@@ -885,7 +885,7 @@ FINDINGS = {f.key: f for f in [
             ("baseline",), coverage, before_rl=("baseline",)),
     Finding("e2_coverage_harder", "e2. Coverage vs sharpening, second design: a harder task",
             CLAIM_E + " Here from a weak warm start on sums of three numbers (pass@16 about "
-            "0.6 before RL), read at the largest k (16).",
+            "0.7 before RL), read at the largest k (16).",
             ("baseline_3op_short",), functools.partial(coverage, k=None),
             before_rl=("baseline_3op_short",), roles={"baseline": "baseline_3op_short"}),
     Finding("f_masking", "f. Masking incorrect vs long-correct completions",
