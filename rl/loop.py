@@ -52,7 +52,6 @@ from rl.types import Rollouts
 from rollouts import partial
 from rollouts.engine import RolloutEngine, SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.sglang import SGLangEngine
 
 
 @flax.struct.dataclass
@@ -384,7 +383,7 @@ def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
     whole = distributed.local_copy(params)
     # Servers get a file; an embedded engine that keeps weights past the next step, a copy.
     if ((config.max_staleness or config.weight_sync_every > 1)
-        and isinstance(engine, JaxEngine)):
+        and engine is not None and engine.capabilities.keeps_weight_arrays):
       whole = jax.tree.map(jnp.copy, whole)
     distributed.checked(lambda: engine and engine.update_weights(
         whole, version=version, while_generating=bool(config.max_staleness)))
@@ -504,7 +503,7 @@ def _generation_share(engine: Optional[RolloutEngine], source, indices) -> list[
   """The records of `indices` this process generates for: with an embedded engine on every
   process its grain share (rl.tasks.process_share); with servers, which process 0 alone
   drives (the others have no engine), all of them on process 0 and none elsewhere."""
-  if isinstance(engine, JaxEngine):
+  if engine is not None and not engine.capabilities.serves_all_processes:
     return tasks_lib.process_share(source, indices)
   return [source[int(i)] for i in indices] if distributed.is_primary() else []
 
@@ -960,15 +959,17 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
   else:  # servers: process 0 alone talks to them (rl_steps)
     engine = distributed.checked(lambda: rollout_engine(cfg, whole, int(state.step))
                                  if primary else None)
-    if rl.partial_rollouts and not agentic and not isinstance(engine, SGLangEngine):
-      raise ConfigError(f"RLConfig.partial_rollouts needs an SGLangEngine, got "
-                        f"{type(engine).__name__}")
+    if rl.partial_rollouts and not agentic and engine is not None and (
+        not engine.capabilities.abort):
+      raise ConfigError(f"RLConfig.partial_rollouts needs an engine that can abort requests, "
+                        f"got {type(engine).__name__}")
   trainer_logprobs = None
   if rl.offpolicy_tokens in ("tis", "trust_region"):
     policy_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
     trainer_logprobs = lambda params, batch: distributed.host_copy(
         policy_fn(params, cfg, place_rows(batch))[0])
-  evaluation_engine = (engine if isinstance(engine, JaxEngine) and rl.weight_sync_every == 1
+  in_process = engine is not None and not engine.capabilities.serves_all_processes
+  evaluation_engine = (engine if in_process and rl.weight_sync_every == 1
                        else JaxEngine(cfg, whole, version=int(state.step)))
   del whole
   # The rollout engine already has each step's weights (several processes: a whole copy on

@@ -1,8 +1,10 @@
-"""The RolloutEngine protocol: what every generator of completions promises the trainer, and
-the Scorer protocol of engines that score given tokens (teachers).
+"""The RolloutEngine protocol: what every generator of completions promises the trainer, the
+Capabilities an engine declares beyond it, and the Scorer protocol of engines that score
+given tokens (teachers).
 
 Owns the request and result types. It does not own sampling (each engine does) or
-anything about training.
+anything about training. Code above rollouts/ reads an engine's `capabilities`, never its
+class.
 """
 
 import dataclasses
@@ -51,23 +53,56 @@ class Completion:
   policy_mask: np.ndarray | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+  """What an engine can do beyond generating and taking weights.
+
+  abort: generate honours `stop_when`: once it says stop, the requests still running come
+    back cut short (finish_reason "abort") with the tokens they have, and those not yet
+    started come back empty (partial rollouts pause this way).
+  pause: update_weights(while_generating=True) is safe while a generate runs on another
+    thread; its requests finish on the weights they started with (rollouts ahead of the
+    trainer).
+  serves_all_processes: one engine, made on JAX process 0, generates for every process (a
+    fleet of servers); without it each process has an engine of its own (in memory) and
+    generates its share.
+  keeps_weight_arrays: the engine holds the very arrays update_weights is given (in
+    memory), so a caller that updates them in place afterwards (a donating train step)
+    must hand it a copy; servers export the weights and keep nothing.
+  """
+  abort: bool = False
+  pause: bool = False
+  serves_all_processes: bool = False
+  keeps_weight_arrays: bool = False
+
+
 class RolloutEngine(Protocol):
   """Generates completions for token prompts and takes new weights with a version number."""
 
   @property
   def version(self) -> int: ...
 
+  @property
+  def capabilities(self) -> Capabilities: ...
+
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int, affinity: Sequence[int] | None = None,
-               on_ready: Callable[[dict[int, Completion]], None] | None = None
+               max_new_tokens: Sequence[int] | None = None,
+               on_ready: Callable[[dict[int, Completion]], None] | None = None,
+               stop_when: Callable[[int, Completion], bool] | None = None
                ) -> list[Completion]:
     """One completion per prompt. `affinity` (one key per prompt) picks the server where an
     engine has several: the same key, the same server, so that the continuations of one
     multi-turn episode find their prefix in its cache. Engines with one model ignore it.
+    `max_new_tokens` (one per prompt, each at most sampling.max_new_tokens) replaces
+    sampling.max_new_tokens prompt by prompt (a resumed trajectory has fewer left).
     `on_ready({prompt index: completion})` is called, before generate returns, with each
     completion once as soon as it is done (so that it can be verified while the rest are
     generated): one by one on servers, all in one call by an engine that makes them together.
-    It may run on another thread and must return quickly."""
+    It may run on another thread and must return quickly.
+    `stop_when(index, completion)`, for engines with Capabilities.abort only, is asked as
+    each completion arrives (on the engine's thread, quickly); once it says True the
+    requests still running are aborted and come back cut short ("abort")."""
     ...
 
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 from models import logprobs as logprobs_lib
 from models import transformer
 from models.config import ModelConfig
-from rollouts.engine import Completion, SamplingParams
+from rollouts.engine import Capabilities, Completion, SamplingParams
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -213,6 +213,11 @@ class JaxEngine:
   def params(self):
     return self._weights[0]
 
+  @property
+  def capabilities(self) -> Capabilities:
+    # It keeps the arrays it is given, and a generate reads its weights once per call.
+    return Capabilities(pause=True, keeps_weight_arrays=True)
+
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
     """A generate running meanwhile finishes on the weights it started with."""
     self._weights = (params, version)
@@ -239,15 +244,49 @@ class JaxEngine:
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int, affinity: Sequence[int] | None = None,
-               on_ready: Callable[[dict[int, Completion]], None] | None = None
+               max_new_tokens: Sequence[int] | None = None,
+               on_ready: Callable[[dict[int, Completion]], None] | None = None,
+               stop_when: Callable[[int, Completion], bool] | None = None
                ) -> list[Completion]:
+    """Prompts with different `max_new_tokens` are decoded in groups of one power-of-two
+    bucket each (so that a run compiles a few shapes), each cut to its own limit."""
     del affinity  # one model in this process: nothing to route
+    if stop_when is not None:
+      raise ValueError("JaxEngine cannot abort requests (Capabilities.abort is False): it "
+                       "decodes a batch to its end; stop_when needs servers")
     if not prompts:
       return []
     if any(len(p) == 0 for p in prompts):
       raise ValueError("JaxEngine.generate: every prompt needs at least one token")
+    limits = ([sampling.max_new_tokens] * len(prompts) if max_new_tokens is None
+              else [int(n) for n in max_new_tokens])
+    if len(limits) != len(prompts) or min(limits) < 1 or max(limits) > sampling.max_new_tokens:
+      raise ValueError(f"JaxEngine.generate: max_new_tokens must give each of the "
+                       f"{len(prompts)} prompts a limit in [1, {sampling.max_new_tokens}], got "
+                       f"{limits}")
     # One read of both: update_weights from another thread takes effect at the next call.
     params, version = self._weights
+    if len(set(limits)) == 1:  # one batch, decoded to exactly that limit
+      groups = {limits[0]: list(range(len(prompts)))}
+    else:
+      groups = {}
+      for row, limit in enumerate(limits):
+        groups.setdefault(min(bucket(limit, 1), sampling.max_new_tokens), []).append(row)
+    completions: list[Completion | None] = [None] * len(prompts)
+    for max_new, rows in groups.items():
+      key = jax.random.PRNGKey(seed)
+      if len(groups) > 1:  # each group draws a stream of its own
+        key = jax.random.fold_in(key, max_new)
+      made = self._sample(params, version, [prompts[r] for r in rows], sampling, max_new, key)
+      for row, completion in zip(rows, made):
+        completions[row] = _cut(completion, limits[row])
+    if on_ready is not None:  # one batch: all are done together
+      on_ready(dict(enumerate(completions)))
+    return completions
+
+  def _sample(self, params, version: int, prompts: Sequence[Sequence[int]],
+              sampling: SamplingParams, max_new: int, key) -> list[Completion]:
+    """`prompts` decoded together in one bucketed batch of up to `max_new` tokens each."""
     n = len(prompts)
     batch = bucket(n, self._min_batch)
     plen = bucket(max(len(p) for p in prompts), self._min_prompt_len)
@@ -256,9 +295,9 @@ class JaxEngine:
     for row, p in enumerate(prompts):
       tokens[row, plen - len(p):] = p
       lens[row] = len(p)
-    out = sample(params, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed),
+    out = sample(params, jnp.asarray(tokens), jnp.asarray(lens), key,
                  jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), cfg=self._cfg,
-                 max_new=sampling.max_new_tokens, stop_ids=tuple(sampling.stop_token_ids))
+                 max_new=max_new, stop_ids=tuple(sampling.stop_token_ids))
     out_tokens, out_logp, lengths, stopped = jax.device_get(out)
     completions = []
     for row in range(n):
@@ -267,6 +306,12 @@ class JaxEngine:
           token_ids=out_tokens[row, :k].copy(), logprobs=out_logp[row, :k].copy(),
           finish_reason="stop" if stopped[row] else "length",
           versions=np.full((k,), version, np.int32)))
-    if on_ready is not None:  # one batch: all are done together
-      on_ready(dict(enumerate(completions)))
     return completions
+
+
+def _cut(completion: Completion, limit: int) -> Completion:
+  """`completion` with at most `limit` tokens (a longer one ends "length" there)."""
+  if len(completion.token_ids) <= limit:
+    return completion
+  return Completion(completion.token_ids[:limit], completion.logprobs[:limit], "length",
+                    completion.versions[:limit])

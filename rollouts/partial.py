@@ -12,7 +12,8 @@ generated so far (a request that finishes before its abort lands counts as finis
 iteration can end with a few more than the count). Every token keeps the weight version that
 produced it, so the loss can mask or re-weight tokens of older policies (RLConfig
 .offpolicy_tokens). The buffer is a pytree of fixed-size arrays saved with the loop state.
-It does not own the HTTP (rollouts/sglang.py) or what the trainer does with groups.
+It does not own the aborting (the engine's, through the RolloutEngine protocol) or what the
+trainer does with groups.
 """
 
 import dataclasses
@@ -23,8 +24,7 @@ import flax.struct
 import jax.numpy as jnp
 import numpy as np
 
-from rollouts.engine import Completion, SamplingParams
-from rollouts.sglang import Request, SGLangEngine
+from rollouts.engine import Completion, RolloutEngine, SamplingParams
 
 UNFINISHED, STOPPED, TRUNCATED = 0, 1, 2
 _FINISH = {"stop": STOPPED, "length": TRUNCATED}
@@ -64,26 +64,23 @@ def finish_target(num_trajectories: int, finish_fraction: float) -> int:
   return max(1, math.ceil(round(finish_fraction * num_trajectories, 9)))
 
 
-def run_iteration(engine: SGLangEngine, trajectories: Sequence[Trajectory],
+def run_iteration(engine: RolloutEngine, trajectories: Sequence[Trajectory],
                   sampling: SamplingParams, *, seed: int, token_budget: int = 0,
                   finish_fraction: float = 0.0) -> dict:
-  """Advance the unfinished `trajectories` (in place) by one iteration; returns
-  {"received_tokens", "finished", "aborted"}. It pauses once the completions received hold
-  `token_budget` tokens (k1.5), or once finish_target(n, `finish_fraction`) of its n
-  unfinished trajectories have finished (K3's lambda); give exactly one.
-  `sampling.max_new_tokens` is the whole trajectory's limit, not the iteration's."""
+  """Advance the unfinished `trajectories` (in place) by one iteration on an engine that can
+  abort (Capabilities.abort); returns {"received_tokens", "finished", "aborted"}. It pauses
+  once the completions received hold `token_budget` tokens (k1.5), or once
+  finish_target(n, `finish_fraction`) of its n unfinished trajectories have finished (K3's
+  lambda); give exactly one. `sampling.max_new_tokens` is the whole trajectory's limit, not
+  the iteration's."""
   if (token_budget > 0) == (finish_fraction > 0) or not finish_fraction <= 1.0:
     raise ValueError(f"run_iteration: give token_budget > 0 (k1.5) or finish_fraction in "
                      f"(0, 1] (K3's lambda), not both; got token_budget={token_budget}, "
                      f"finish_fraction={finish_fraction}")
+  if not engine.capabilities.abort:
+    raise ValueError(f"partial rollouts need an engine that can abort requests; "
+                     f"{type(engine).__name__} cannot (Capabilities.abort is False)")
   todo = [t for t in trajectories if not t.finished]
-  prefix = f"{engine.rid_prefix}-it{seed}-"
-  requests = [Request(rid=f"{prefix}{t.group}-{t.sample}",
-                      input_ids=t.prompt_ids + tuple(int(x) for x in t.token_ids),
-                      max_new_tokens=sampling.max_new_tokens - len(t.token_ids),
-                      affinity=hash(t.prompt_ids) & 0x7FFFFFFF,
-                      sampling_seed=(seed * 1_000_003 + t.group * 101 + t.sample) % 2**31)
-              for t in todo]
   received = finished = 0
   target = finish_target(len(todo), finish_fraction) if finish_fraction else 0
 
@@ -93,8 +90,11 @@ def run_iteration(engine: SGLangEngine, trajectories: Sequence[Trajectory],
     finished += completion.finish_reason != "abort"
     return finished >= target if finish_fraction else received >= token_budget
 
-  completions = engine.client.generate(requests, sampling, stop_when=pause,
-                                       abort_prefix=prefix)
+  completions = engine.generate(
+      [t.prompt_ids + tuple(int(x) for x in t.token_ids) for t in todo], sampling, seed=seed,
+      affinity=[hash(t.prompt_ids) & 0x7FFFFFFF for t in todo],
+      max_new_tokens=[sampling.max_new_tokens - len(t.token_ids) for t in todo],
+      stop_when=pause)
   aborted = 0
   for t, c in zip(todo, completions):
     t.token_ids = np.concatenate([t.token_ids, c.token_ids])

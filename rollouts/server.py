@@ -943,8 +943,8 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
       process.kill()
     raise
   engine = SGLangEngine(SGLangClient(urls, router=router_url, max_in_flight=max_in_flight),
-                        cfg, weights_dir=weights_dir, version=version)
-  engine.processes, engine.weights_path = processes, start
+                        cfg, weights_dir=weights_dir, version=version, weights_path=start,
+                        processes=processes)
   engine.client.check_health()
   return engine
 

@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 
 from rollouts import router as router_lib
-from rollouts.engine import Completion, SamplingParams
+from rollouts.engine import Capabilities, Completion, SamplingParams
 
 FINISH_TYPES = ("stop", "length", "abort")
 
@@ -448,40 +448,66 @@ class SGLangEngine:
 
   def __init__(self, client: SGLangClient, cfg, *, weights_dir: str,
                copy_from: str | None = None, version: int = 0, rid_prefix: str = "longrl",
-               keep_versions: int = 2):
+               keep_versions: int = 2, weights_path: str | None = None,
+               processes: Sequence[subprocess.Popen] = ()):
+    """`weights_path`: the checkpoint the servers already hold as `version` (None: none yet,
+    update_weights exports one); `processes`: servers this engine started, stopped by
+    close()."""
     self.client, self.cfg = client, cfg
     self.weights_dir, self.copy_from = weights_dir, copy_from
     self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
     self._version = version
-    self._scored = 0  # scoring calls so far (unique rids)
-    self.weights_path: str | None = None  # the checkpoint of the current version
+    self._calls = 0  # generate and scoring calls so far: each call's rids share a unique prefix
+    self.weights_path = weights_path  # the checkpoint of the current version
     self.sync_seconds: list[float] = []
-    self.processes: list[subprocess.Popen] = []  # servers this engine started (closed with it)
+    self.processes = list(processes)
 
   @property
   def version(self) -> int:
     return self._version
 
-  def requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
-               tag: str = "", affinity: Sequence[int] | None = None) -> list[Request]:
-    """Requests with unique rids; each goes to the server its affinity key picks (default:
-    its prompt's hash, so the samples of a group share a server and its prefix cache)."""
-    if affinity is not None and len(affinity) != len(prompts):
-      raise ValueError(f"SGLangEngine: {len(affinity)} affinity keys for {len(prompts)} prompts")
+  @property
+  def capabilities(self) -> Capabilities:
+    return Capabilities(abort=True, pause=True, serves_all_processes=True)
+
+  def _call_prefix(self, kind: str) -> str:
+    """The rid prefix of a new call's requests: no other call's rids start with it."""
+    self._calls += 1
+    return f"{self.rid_prefix}-{kind}{self._calls}-"
+
+  def requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+               seed: int, *, prefix: str | None = None,
+               affinity: Sequence[int] | None = None) -> list[Request]:
+    """Requests with rids `prefix` + index (default: a new call's prefix), `max_new_tokens`
+    each (or one per prompt); each goes to the server its affinity key picks (default: its
+    prompt's hash, so the samples of a group share a server and its prefix cache)."""
+    if isinstance(max_new_tokens, int):
+      max_new_tokens = [max_new_tokens] * len(prompts)
+    for name, values in (("affinity keys", affinity), ("max_new_tokens", max_new_tokens)):
+      if values is not None and len(values) != len(prompts):
+        raise ValueError(f"SGLangEngine: {len(values)} {name} for {len(prompts)} prompts")
+    prefix = self._call_prefix("g") if prefix is None else prefix
     keys = affinity if affinity is not None else [hash(tuple(p)) & 0x7FFFFFFF for p in prompts]
-    return [Request(rid=f"{self.rid_prefix}-{tag}s{seed}-{i}", input_ids=tuple(p),
-                    max_new_tokens=max_new_tokens, affinity=int(key),
-                    sampling_seed=(seed * 1_000_003 + i) % 2**31)
-            for i, (p, key) in enumerate(zip(prompts, keys))]
+    return [Request(rid=f"{prefix}{i}", input_ids=tuple(p), max_new_tokens=int(n),
+                    affinity=int(key), sampling_seed=(seed * 1_000_003 + i) % 2**31)
+            for i, (p, n, key) in enumerate(zip(prompts, max_new_tokens, keys))]
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int, affinity: Sequence[int] | None = None,
-               on_ready: Callable[[dict[int, Completion]], None] | None = None
+               max_new_tokens: Sequence[int] | None = None,
+               on_ready: Callable[[dict[int, Completion]], None] | None = None,
+               stop_when: Callable[[int, Completion], bool] | None = None
                ) -> list[Completion]:
+    """Once `stop_when` says stop, this call's requests still running are aborted on every
+    server (/abort_request by their rid prefix) and the ones not yet sent are not sent."""
     if not prompts:
       return []
-    return self.client.generate(self.requests(prompts, sampling.max_new_tokens, seed,
-                                              affinity=affinity), sampling, on_ready=on_ready)
+    prefix = self._call_prefix("g")
+    limits = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
+    return self.client.generate(
+        self.requests(prompts, limits, seed, prefix=prefix, affinity=affinity), sampling,
+        on_ready=on_ready, stop_when=stop_when,
+        abort_prefix=prefix if stop_when is not None else "")
 
   def score(self, prompts: Sequence[Sequence[int]],
             continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -500,9 +526,9 @@ class SGLangEngine:
             self._score(prompts, continuations, k)]
 
   def _score(self, prompts, continuations, top_k: int) -> list[tuple]:
-    self._scored += 1
+    prefix = self._call_prefix("score")
     # Each pair goes to its prompt's server (the one that generated it: its prefix cache).
-    requests = [Request(rid=f"{self.rid_prefix}-score{self._scored}-{i}",
+    requests = [Request(rid=f"{prefix}{i}",
                         input_ids=tuple(p) + tuple(c), max_new_tokens=0,
                         affinity=hash(tuple(p)) & 0x7FFFFFFF)
                 for i, (p, c) in enumerate(zip(prompts, continuations))]

@@ -23,7 +23,7 @@ from rl.tasks.agentic import ToolArithmetic
 from rl.tasks.arithmetic import Arithmetic
 from rl.train_step import make_train_step, policy_logprobs
 from rl.verifiers.code import Limits
-from rollouts.engine import Completion, SamplingParams
+from rollouts.engine import Capabilities, Completion, SamplingParams
 from rollouts.jax_engine import JaxEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +53,8 @@ class ScriptedEngine:
   rest of what it means to write in its current turn given the decoded context (prompt and
   episode so far). Emits those tokens up to max_new or the first stop token (included);
   log-prob of the i-th token of a call: -0.01 * (i + 1). Records every call."""
+
+  capabilities = Capabilities()
 
   def __init__(self, tokenizer, policy, version: int = 0):
     self.tokenizer, self.policy, self._version = tokenizer, policy, version

@@ -66,6 +66,27 @@ def test_sampling_respects_stop_tokens_and_versions(tiny_cfg, tiny_params):
       == [8, 8]
 
 
+def test_engine_limits_each_prompt_to_its_own_max_new_tokens(tiny_cfg, tiny_params):
+  """Per-prompt limits: greedy decoding gives each prompt the prefix of what it makes with the
+  largest limit, cut at its own ("length"); the embedded engine cannot abort."""
+  prompts = [[1, 5, 9, 12], [1, 7], [1, 20, 21], [1, 3, 3]]
+  engine = JaxEngine(tiny_cfg, tiny_params)
+  greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+  whole = engine.generate(prompts, greedy, seed=0)
+  limits = [12, 3, 5, 1]
+  ready = {}
+  cut = engine.generate(prompts, greedy, seed=0, max_new_tokens=limits, on_ready=ready.update)
+  assert sorted(ready) == [0, 1, 2, 3]
+  for full, part, limit in zip(whole, cut, limits):
+    assert part.token_ids.tolist() == full.token_ids[:limit].tolist()
+    assert part.finish_reason == "length" and len(part.versions) == limit
+  assert not engine.capabilities.abort and engine.capabilities.keeps_weight_arrays
+  with pytest.raises(ValueError, match="cannot abort"):
+    engine.generate(prompts, greedy, seed=0, stop_when=lambda i, c: True)
+  with pytest.raises(ValueError, match=r"a limit in \[1, 12\]"):
+    engine.generate(prompts, greedy, seed=0, max_new_tokens=[13, 1, 1, 1])
+
+
 def test_categorical_draws_each_token_with_its_probability():
   """Inverse transform sampling: frequencies over 200,000 draws within 4 standard errors of
   softmax(logits), tokens of logit -inf (a nucleus cut) never drawn, rows independent."""
