@@ -1,13 +1,16 @@
 """The pytrees that flow through an RL step, with the shape of every field.
 
 Owns `Rollouts` (one entry per completion, what reward transforms and advantages see) and
-`TrainBatch` (packed fixed-shape rows, what the train step and losses see).
+`TrainBatch` (packed fixed-shape rows, what the train step and losses see), whose optional
+fields are declared once, here, with who fills them.
 """
 
+import dataclasses
 from typing import Optional
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 
 @flax.struct.dataclass
@@ -36,6 +39,18 @@ class Rollouts:
   record_ids: Optional[jax.Array] = None
 
 
+def optional_field(source: str, *, dtype=jnp.float32, top_k: bool = False):
+  """A TrainBatch field that is None unless a piece of the step reads it (a loss or an
+  off-policy correction names it in its `reads`): per token [rows, seq], with a trailing
+  top-k axis when `top_k`. `source` says who fills it:
+    "trajectory": the rollout itself (rl.rollout.Trajectory.token_field),
+    "teacher":    the teachers' scoring of each trajectory (rl/distill.py),
+    "reference":  the train step, from the reference policy's params,
+    "train_step": the train step, from the current policy (with gradient)."""
+  return flax.struct.field(default=None, metadata={"source": source, "dtype": dtype,
+                                                    "top_k": top_k})
+
+
 @flax.struct.dataclass
 class TrainBatch:
   """Packed rows; a row holds several trajectories told apart by segment id.
@@ -46,17 +61,20 @@ class TrainBatch:
   loss_mask: f32[rows, seq] 1 on completion targets that carry gradient.
   old_logp: f32[rows, seq] behaviour-policy log-prob of each target (the engine's).
   advantages: f32[rows, seq] the trajectory's advantage on each of its tokens.
-  ref_logp: f32[rows, seq] reference-policy log-prob, filled by the train step when a loss
-    uses a KL to a reference; None otherwise.
+
+  The optional fields (`optional_field`: None unless read) are the one place a new
+  per-token quantity is declared:
+  ref_logp: f32[rows, seq] reference-policy log-prob (a loss with a KL to a reference).
   teacher_logp: f32[rows, seq] the teacher's log-prob of each completion target (on-policy
-    distillation: a teacher engine scores the student's trajectories); None otherwise.
+    distillation: a teacher engine scores the student's trajectories).
   teacher_topk_ids, teacher_topk_logp: i32 / f32[rows, seq, k] the teacher's k most likely
-    next tokens at each completion target and their log-probs (top-k distillation); None
-    otherwise. student_topk_logp: f32[rows, seq, k] the current policy's log-probs of those
-    tokens, filled by the train step (with gradient) when the teacher's are present.
+    next tokens at each completion target and their log-probs (top-k distillation).
+  student_topk_logp: f32[rows, seq, k] the current policy's log-probs of those tokens,
+    filled by the train step (with gradient) when the teacher's are present.
   turn_rewards: f32[rows, seq] a multi-turn episode's per-turn rewards, each on the target of
-    its turn's last policy token (0 elsewhere), for a loss that wants them; filled for
-    episodes (rl/envs), None for single-turn completions.
+    its turn's last policy token (0 elsewhere and for single-turn completions).
+  versions: i32[rows, seq] the weight version that generated each completion target (the
+    off-policy corrections of rl/corrections.py compare it with the step's).
   """
 
   tokens: jax.Array
@@ -66,9 +84,16 @@ class TrainBatch:
   loss_mask: jax.Array
   old_logp: jax.Array
   advantages: jax.Array
-  ref_logp: Optional[jax.Array] = None
-  teacher_logp: Optional[jax.Array] = None
-  teacher_topk_ids: Optional[jax.Array] = None
-  teacher_topk_logp: Optional[jax.Array] = None
-  student_topk_logp: Optional[jax.Array] = None
-  turn_rewards: Optional[jax.Array] = None
+  ref_logp: Optional[jax.Array] = optional_field("reference")
+  teacher_logp: Optional[jax.Array] = optional_field("teacher")
+  teacher_topk_ids: Optional[jax.Array] = optional_field("teacher", dtype=jnp.int32,
+                                                         top_k=True)
+  teacher_topk_logp: Optional[jax.Array] = optional_field("teacher", top_k=True)
+  student_topk_logp: Optional[jax.Array] = optional_field("train_step", top_k=True)
+  turn_rewards: Optional[jax.Array] = optional_field("trajectory")
+  versions: Optional[jax.Array] = optional_field("trajectory", dtype=jnp.int32)
+
+
+# name -> metadata (source, dtype, top_k) of every optional TrainBatch field.
+OPTIONAL_FIELDS = {f.name: f.metadata for f in dataclasses.fields(TrainBatch)
+                   if "source" in f.metadata}

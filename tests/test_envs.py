@@ -189,14 +189,12 @@ def test_scripted_round_trip_masks_exactly_the_policy_tokens(tokenizer):
   assert not older.any()
 
 
-def _turn_credit(logp, batch, *, norm_length=None):
+def _turn_credit(logp, batch):
   """A loss that wants the per-turn rewards: REINFORCE on each turn's reward, placed on its
   last policy token (a test of the plumbing, not a recipe)."""
-  del norm_length
   credit = batch.turn_rewards * batch.loss_mask
   rows = jnp.float32(batch.tokens.shape[0])
-  return (losses.Weighted(-(credit * logp).sum(), rows),
-          {"turn_reward": losses.Weighted(credit.sum(), rows)})
+  return -credit * logp, {"turn_reward": losses.Weighted(credit.sum(), rows)}
 
 
 def test_a_loss_reads_the_per_turn_rewards_in_the_train_step(tokenizer, tiny_cfg, tiny_params):
@@ -211,7 +209,8 @@ def test_a_loss_reads_the_per_turn_rewards_in_the_train_step(tokenizer, tiny_cfg
                               completion_fields={"turn_rewards": [episode.turn_reward_tokens()]})
   optimizer = loop.rl_optimizer(1e-2)
   # Registered for this test only: the tests over every registered loss run single-turn.
-  losses.register("turn_credit", advantage="group_normalized")(_turn_credit)
+  losses.register("turn_credit", advantage="group_normalized",
+                  reads=("turn_rewards",))(_turn_credit)
   try:
     step = make_train_step(tiny_cfg, optimizer, losses.bind("turn_credit"))
   finally:
