@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 from models import config, transformer  # noqa: E402
 from models.tokenizer import CharTokenizer  # noqa: E402
 from rl import envs, sft  # noqa: E402
-from rl.eval import prompt_ids  # noqa: E402
+from rl.rollout import prompt_ids  # noqa: E402
 from rl.tasks.agentic import ToolArithmetic  # noqa: E402
 from rl.tasks.arithmetic import Arithmetic  # noqa: E402
 from rollouts.engine import SamplingParams  # noqa: E402
@@ -84,15 +84,19 @@ class CountingEngine:
   def version(self) -> int:
     return self.engine.version
 
+  @property
+  def capabilities(self):
+    return self.engine.capabilities
+
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
     return self.engine.update_weights(params, version, while_generating=while_generating)
 
   def close(self) -> None:
     self.engine.close()
 
-  def generate(self, prompts, sampling, *, seed, affinity=None):
+  def generate(self, prompts, sampling, *, seed, **kwargs):
     started = time.perf_counter()
-    completions = self.engine.generate(prompts, sampling, seed=seed, affinity=affinity)
+    completions = self.engine.generate(prompts, sampling, seed=seed, **kwargs)
     lengths = [len(c.token_ids) for c in completions]
     self.calls.append({"rows": len(prompts), "steps": max(lengths, default=0),
                        "tokens": sum(lengths), "seconds": time.perf_counter() - started})

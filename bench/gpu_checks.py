@@ -252,12 +252,12 @@ def part_quickstart():
   run_dir = tempfile.mkdtemp(prefix="longrl-gpu-quickstart-")
   argv = [sys.executable, os.path.join(ROOT, "experiments/run.py"),
           "--gin", os.path.join(ROOT, "experiments/configs/quickstart.gin"),
-          "--gin_param", f"train.num_steps = {steps}", "--gin_param", "train.eval_every = 25",
-          "--gin_param", "train.checkpoint_every = 50", "--gin_param", "train.progress = False",
+          "--gin_param", f"RLConfig.num_steps = {steps}", "--gin_param", "Evaluation.every = 25",
+          "--gin_param", "Hooks.checkpoint_every = 50", "--gin_param", "Hooks.progress = False",
           "--run_dir", run_dir]
   if SMALL:
-    argv += ["--gin_param", "train.sft_steps = 20", "--gin_param", "train.eval_every = 2",
-             "--gin_param", "train.eval_records = 16"]
+    argv += ["--gin_param", "WarmStart.steps = 20", "--gin_param", "Evaluation.every = 2",
+             "--gin_param", "Evaluation.records = 16"]
   start = time.perf_counter()
   done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400)
   row = {"rl_steps": steps, "wall_seconds": time.perf_counter() - start,

@@ -5,7 +5,7 @@
 # step, weight sync through the disk) with the trainer (JAX) and an SGLang server sharing the
 # GPU: the server takes SERVER_MEM of it (--mem-fraction-static, --enable-memory-saver) and
 # JAX TRAINER_MEM (XLA_PYTHON_CLIENT_MEM_FRACTION). Parts ours_sglang (lockstep) and
-# ours_sglang_ahead (RLConfig.max_staleness = 1: the next step generates while one trains, a
+# ours_sglang_ahead (Ahead.max_staleness = 1: the next step generates while one trains, a
 # weight sync lets the requests in flight finish on the old weights). Prints the seconds per
 # iteration, its breakdown (generate, verify, score, pack, train, sync | idle of trainer and
 # engine) and every weight sync's seconds; bench/results/iteration.json keeps them all.

@@ -13,14 +13,14 @@ Parts, each served by its own process (bench/peers.py's Worker):
   ours_sync         rl.loop.rl_steps in lockstep on the embedded engine, both cores
   ours_sync_server  lockstep, the engine a server process (rollouts.server) pinned to core 1
                     and the trainer to core 0: what the pinning costs without overlap
-  ours_ahead        the same pinning with RLConfig.max_staleness = 1: step t + 1's rollouts
+  ours_ahead        the same pinning with Ahead(max_staleness=1): step t + 1's rollouts
                     are generated while step t trains (as on separate devices)
   trl               TRL's GRPOTrainer: one `training_step` with its own generation, both cores
   tunix             Tunix's GRPOLearner: one global step of `train` on an RLCluster with its
                     vanilla rollout (its Sampler) on the trainer's mesh, both cores
   ours_sglang       lockstep on a real SGLang server (bench/gpu_iteration.sh on a GPU, which
                     the trainer shares with the server), the weight sync through the disk
-  ours_sglang_ahead the same with RLConfig.max_staleness = 1
+  ours_sglang_ahead the same with Ahead(max_staleness=1)
                     (both read LONGRL_SGLANG_URL and LONGRL_SGLANG_WEIGHTS, a directory the
                     server reads too; not in the default --parts)
 
@@ -107,7 +107,8 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
   core 1 ("server") or on a running SGLang server ("sglang"); "iteration" runs `n` steps from
   a fresh generator (so ahead of the trainer the pipeline starts empty) and drains it before
   returning."""
-  from rl import loop, losses, rewards, sampling
+  from rl import loop, losses, rewards, sampling, sources
+  from rl.config import RLConfig
   from rl.train_step import make_train_step
   from rollouts.jax_engine import JaxEngine
   from rollouts.server import local_engine
@@ -117,10 +118,9 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
   cfg, params = start_model()
   optimizer = loop.rl_optimizer(p["learning_rate"])
   reward = rewards.named_chain({"correctness": rewards.correctness()})
-  sampler = sampling.uniform()
-  rl = loop.RLConfig(prompts_per_step=p["prompts"], samples_per_prompt=p["samples"],
-                     max_new_tokens=p["new_tokens"], seq_len=p["prompt_len"] + p["new_tokens"],
-                     max_staleness=max_staleness)
+  rl = RLConfig(prompts_per_step=p["prompts"], samples_per_prompt=p["samples"],
+                max_new_tokens=p["new_tokens"], seq_len=p["prompt_len"] + p["new_tokens"],
+                learning_rate=p["learning_rate"])
   task, tokenizer = RandomPrompts(), WordTokenizer()
   if engine == "embedded":
     rollouts = JaxEngine(cfg, params)
@@ -130,15 +130,16 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
     rollouts = remote_engine(cfg, params, 0, urls=[os.environ["LONGRL_SGLANG_URL"]],
                              weights_dir=os.environ["LONGRL_SGLANG_WEIGHTS"],
                              health_timeout=600)
-  train_step = make_train_step(cfg, optimizer, losses.bind(
-      "grpo", {"clip_eps": p["clip_eps"], "kl_coef": 0.0}), donate_state=True)
-  holder = {"state": loop.init_loop_state(params, optimizer, num_prompts=len(task.train),
-                                          sampler=sampler, reward=reward, seed=0, config=rl)}
+  loss = losses.bind("grpo", {"clip_eps": p["clip_eps"], "kl_coef": 0.0})
+  parts = loop.Parts(
+      sources.Context(rollouts, task, tokenizer, rl, sampling.uniform()),
+      sources.Ahead(max_staleness=max_staleness) if max_staleness else sources.Lockstep(), loss,
+      make_train_step(cfg, optimizer, loss, donate_state=True), reward,
+      losses.get("grpo").advantage)
+  holder = {"state": loop.init_state(params, optimizer, parts, 0)}
 
   def iterations(n: int) -> list[dict]:
-    steps = loop.rl_steps(holder["state"], engine=rollouts, task=task, tokenizer=tokenizer,
-                          train_step=train_step, advantage=losses.get("grpo").advantage,
-                          reward=reward, sampler=sampler, config=rl)
+    steps = loop.rl_steps(holder["state"], parts)
     out = []
     try:
       for _ in range(n):
@@ -147,8 +148,8 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
         seconds = time.perf_counter() - started
         holder["state"] = record.state
         out.append({"seconds": seconds,
-                    "completion_tokens": int(sum(len(c.token_ids)
-                                                 for c in record.scored.completions)),
+                    "completion_tokens": int(sum(len(t.token_ids)
+                                                 for t in record.trajectories)),
                     **{k: record.metrics[k] for k in BREAKDOWN}})
     finally:
       steps.close()

@@ -7,7 +7,7 @@ KV heads, intermediate 1408: the peer config of bench/peers.py with the characte
 vocabulary) on one-digit arithmetic: 4 prompts x 8 samples of up to 16 tokens, two
 minibatches per step, GRPO. Each kind of train step runs in its own process (peak RSS is per
 process and never goes down), which reports its peak RSS after every RL step.
-`rl.loop.train` uses the donating one.
+`rl.trainer.train` uses the donating one.
 """
 
 import argparse
@@ -28,7 +28,8 @@ def run(donate: bool, steps: int) -> list[float]:
   import jax
   from models import config, transformer
   from models.tokenizer import CharTokenizer
-  from rl import loop, losses, rewards, sampling
+  from rl import loop, losses, rewards, sampling, sources
+  from rl.config import RLConfig
   from rl.tasks.arithmetic import Arithmetic
   from rl.train_step import make_train_step
   from rollouts.jax_engine import JaxEngine
@@ -37,19 +38,17 @@ def run(donate: bool, steps: int) -> list[float]:
   cfg = config.tiny(tokenizer.vocab_size, hidden_size=512, num_layers=8, num_heads=8,
                     num_kv_heads=2, intermediate_size=1408)
   optimizer = loop.rl_optimizer(1e-4)
-  reward = rewards.named_chain({"correctness": rewards.correctness()})
-  sampler = sampling.uniform()
-  rl = loop.RLConfig(prompts_per_step=4, samples_per_prompt=8, max_new_tokens=16, seq_len=32,
-                     minibatches=2)
-  state = loop.init_loop_state(transformer.init_params(cfg, jax.random.PRNGKey(0)), optimizer,
-                               num_prompts=64, sampler=sampler, reward=reward, seed=0, config=rl)
+  rl = RLConfig(prompts_per_step=4, samples_per_prompt=8, max_new_tokens=16, seq_len=32,
+                minibatches=2)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   loss = losses.bind("grpo", {"kl_coef": 0.0})
-  rl_steps = loop.rl_steps(
-      state, engine=JaxEngine(cfg, state.train.params),
-      task=Arithmetic(digits=1, num_train=64, num_test=8), tokenizer=tokenizer,
-      train_step=make_train_step(cfg, optimizer, loss, donate_state=donate),
-      advantage=losses.get("grpo").advantage, reward=reward, sampler=sampler, config=rl)
-  del state  # the generator holds the state; a name here would keep the first one alive
+  parts = loop.Parts(
+      sources.Context(JaxEngine(cfg, params), Arithmetic(digits=1, num_train=64, num_test=8),
+                      tokenizer, rl, sampling.uniform()),
+      sources.Lockstep(), loss, make_train_step(cfg, optimizer, loss, donate_state=donate),
+      rewards.named_chain({"correctness": rewards.correctness()}), losses.get("grpo").advantage)
+  rl_steps = loop.rl_steps(loop.init_state(params, optimizer, parts, 0), parts)
+  del params  # the generator holds the state; a name here would keep the first one alive
   peaks = []
   for _ in range(steps):
     next(rl_steps)

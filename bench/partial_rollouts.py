@@ -6,7 +6,8 @@ second of RL iterations on a skewed length distribution, measured in the same ru
 A tiny model is fine-tuned to answer with a short completion (12 tokens) 85% of the time and
 an 8x longer one (96 tokens) otherwise, then served by a `rollouts.server` process (the embedded
 engine behind SGLang's protocol, as in CI). Each RL iteration asks for 4 groups x 8 samples.
-"wait" generates every trajectory to the end; "partial" (rollouts/partial.py) ends the
+"wait" generates every trajectory to the end; "partial" (rl.envs.driver with a Pause, as
+rl.sources.Partial runs it) ends the
 iteration once the completions received hold 80% of the short answers' expected tokens, aborts
 the rest and resumes them in later iterations. Both run the same number of iterations after
 WARMUP iterations (which fill partial's pipeline of resumed trajectories); completed tokens are
@@ -31,8 +32,8 @@ import jax  # noqa: E402
 
 from models import config, hf, transformer  # noqa: E402
 from models.tokenizer import CharTokenizer  # noqa: E402
-from rl import sft  # noqa: E402
-from rollouts import partial  # noqa: E402
+from rl import envs, sft  # noqa: E402
+from rl.envs import driver  # noqa: E402
 from rollouts.engine import SamplingParams  # noqa: E402
 from rollouts.server import launch  # noqa: E402
 from rollouts.sglang import Request, SGLangClient, SGLangEngine  # noqa: E402
@@ -66,13 +67,14 @@ def trained_model(tokenizer):
   return cfg, params
 
 
-def run(engine, prompt, sampling, mode, budget):
+def run(engine, tokenizer, prompt, sampling, mode, budget):
   """(completed tokens, generated tokens, seconds, lengths of finished) over ITERATIONS."""
   pending, completed, generated, finished_lengths = [], 0, 0, []
   seconds = 0.0
   for it in range(WARMUP + ITERATIONS):
-    fresh = [t for g in range(GROUPS) for t in partial.new_group(it * GROUPS + g, 0, prompt,
-                                                                 SAMPLES)]
+    fresh = driver.start(envs.ONE_TURN, [{}] * (GROUPS * SAMPLES),
+                         [prompt] * (GROUPS * SAMPLES),
+                         group=[it * GROUPS + i // SAMPLES for i in range(GROUPS * SAMPLES)])
     started = time.perf_counter()
     if mode == "wait":
       completions = engine.client.generate(
@@ -83,10 +85,11 @@ def run(engine, prompt, sampling, mode, budget):
     else:
       before = sum(len(t.token_ids) for t in pending)
       pending += fresh
-      partial.run_iteration(engine, pending, sampling, token_budget=budget, seed=it)
+      driver.advance(engine, envs.ONE_TURN, tokenizer, pending, sampling, seed=it,
+                     pause=driver.Pause(token_budget=budget))
       made = sum(len(t.token_ids) for t in pending) - before
-      done = [len(t.token_ids) for t in pending if t.finished]
-      pending = [t for t in pending if not t.finished]
+      done = [len(t.token_ids) for t in pending if t.over]
+      pending = [t for t in pending if not t.over]
     elapsed = time.perf_counter() - started
     if it >= WARMUP:  # fills the pipeline of resumed trajectories (partial) first
       seconds += elapsed
@@ -124,12 +127,12 @@ def main():
     # the timed part (seconds on a CPU) would swamp the difference measured. One untimed run
     # of each mode warms the rest (connections, the client's first calls).
     for mode in ("wait", "partial"):
-      run(engine, prompt, sampling, mode, budget)
+      run(engine, tokenizer, prompt, sampling, mode, budget)
     results, rounds = {}, []
     for _ in range(ROUNDS):
       per_second = {}
       for mode in ("wait", "partial"):
-        completed, generated, seconds, lengths = run(engine, prompt, sampling, mode, budget)
+        completed, generated, seconds, lengths = run(engine, tokenizer, prompt, sampling, mode, budget)
         per_second[mode] = completed / seconds
         r = results.setdefault(mode, {"completed_tokens": 0, "generated_tokens": 0,
                                       "seconds": 0.0, "finished": 0, "long_finished": 0})

@@ -60,7 +60,7 @@ def quickstart_model(tokenizer):
 
 
 def fleet(counts) -> list[dict]:
-  from rl.eval import prompt_ids
+  from rl.rollout import prompt_ids
   from rl.tasks.arithmetic import Arithmetic
   from rollouts.engine import SamplingParams
   from rollouts.server import local_engine

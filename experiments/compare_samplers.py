@@ -17,10 +17,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLERS = {
-    "uniform": ["train.sampler = @sampling.uniform()"],
-    "prioritized (1 - s)": ["train.sampler = @sampling.prioritized()"],
+    "uniform": ["Objective.sampler = @sampling.uniform()"],
+    "prioritized (1 - s)": ["Objective.sampler = @sampling.prioritized()"],
     "curriculum (easy first)": [
-        "train.sampler = @sampling.curriculum()",
+        "Objective.sampler = @sampling.curriculum()",
         "sampling.curriculum.highest = @optax.linear_schedule()",
         "optax.linear_schedule.init_value = 0.5",
         "optax.linear_schedule.end_value = 1.0",
@@ -33,7 +33,7 @@ def run(gin_files, bindings, run_dir):
   args = [sys.executable, os.path.join(ROOT, "experiments/run.py"), "--run_dir", run_dir]
   for f in gin_files:
     args += ["--gin", f]
-  for b in ["train.progress = False", *bindings]:
+  for b in ["Hooks.progress = False", *bindings]:
     args += ["--gin_param", b]
   subprocess.run(args, check=True, cwd=ROOT)
   return json.load(open(os.path.join(run_dir, "summary.json")))
@@ -47,7 +47,7 @@ def main():
   args = parser.parse_args()
   base = os.path.join(args.run_dir, "sft")
   if not os.path.exists(os.path.join(base, "summary.json")):
-    run(args.gin, [*args.gin_param, "train.num_steps = 0"], base)
+    run(args.gin, [*args.gin_param, "RLConfig.num_steps = 0"], base)
   rows = []
   for name, bindings in SAMPLERS.items():
     run_dir = os.path.join(args.run_dir, name.split()[0])

@@ -16,6 +16,7 @@ stage is read back from OUT_DIR, the student's curve from OUT_DIR/student/curve.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,8 +34,9 @@ import numpy as np  # noqa: E402
 
 from models import config, transformer  # noqa: E402
 from models.tokenizer import CharTokenizer  # noqa: E402
-from rl import checkpoint, distill, loop, sft  # noqa: E402
+from rl import checkpoint, distill, rollout, sft, trainer  # noqa: E402
 from rl import eval as eval_lib  # noqa: E402
+from rl.config import RLConfig  # noqa: E402
 from rl.tasks.arithmetic import Arithmetic  # noqa: E402
 from rl.tasks.mixture import Mixture  # noqa: E402
 from rollouts.engine import SamplingParams  # noqa: E402
@@ -42,7 +44,7 @@ from rollouts.jax_engine import JaxEngine  # noqa: E402
 
 DOMAINS = {"add2": Arithmetic(digits=2, operands=2, sloppy=0.6),
            "add3": Arithmetic(digits=2, operands=3, sloppy=0.6)}
-RL = loop.RLConfig(prompts_per_step=32, samples_per_prompt=8, max_new_tokens=40, seq_len=128)
+RL = RLConfig(prompts_per_step=32, samples_per_prompt=8, max_new_tokens=40, seq_len=128)
 EVAL_RECORDS = 256
 
 
@@ -51,13 +53,18 @@ def model(vocab: int):
                      intermediate_size=384)
 
 
-def run(run_dir: str, **kwargs) -> dict:
+def run(run_dir: str, *, task, num_steps: int, init_from: str | None = None,
+        loss: str = "k1.5", teachers=None) -> dict:
   summary = os.path.join(run_dir, "summary.json")
-  if os.path.exists(summary) and json.load(open(summary)).get("steps", -1) >= kwargs["num_steps"]:
+  if os.path.exists(summary) and json.load(open(summary)).get("steps", -1) >= num_steps:
     return json.load(open(summary))
-  return loop.train(run_dir, model=model, rl=RL, eval_records=EVAL_RECORDS, eval_every=0,
-                    checkpoint_every=10, sft_steps=600, sft_batch_size=64, progress=False,
-                    **kwargs)
+  return trainer.train(
+      run_dir, task=task, model=model, rl=dataclasses.replace(RL, num_steps=num_steps),
+      objective=trainer.Objective(loss=loss, teachers=teachers),
+      start=trainer.FromRun(init_from) if init_from else trainer.WarmStart(steps=600,
+                                                                          batch_size=64),
+      hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=EVAL_RECORDS),
+                          checkpoint_every=10, progress=False))
 
 
 def per_domain(params, cfg, tokenizer, task: Mixture) -> dict[str, float]:
@@ -78,11 +85,10 @@ def expert_samples(experts: dict[str, JaxEngine], task: Mixture, tokenizer, toke
     for name, engine in experts.items():
       domain = task.only(name)
       records = [domain.train[i] for i in range(start, start + 64)]
-      scored = eval_lib.generate_and_verify(engine, domain, tokenizer, records, sampling,
-                                            seed=seed + start)
-      for prompt, completion in zip(scored.prompt_ids, scored.completions):
-        examples.append((prompt, list(completion.token_ids)))
-        total += len(completion.token_ids)
+      for t in rollout.generate(engine, domain, tokenizer, records, sampling,
+                                seed=seed + start):
+        examples.append((list(t.prompt_ids), list(t.token_ids)))
+        total += len(t.token_ids)
     start += 64
   return examples
 

@@ -53,7 +53,9 @@ import numpy as np  # noqa: E402
 from experiments import stats  # noqa: E402
 from models import config, host_allocator, transformer  # noqa: E402
 from models.tokenizer import CharTokenizer  # noqa: E402
-from rl import ConfigError, checkpoint, effort, loop, rewards  # noqa: E402
+from experiments import evaluation  # noqa: E402
+from rl import ConfigError, checkpoint, effort, rewards, trainer  # noqa: E402
+from rl.config import RLConfig  # noqa: E402
 from rl import eval as eval_lib  # noqa: E402
 from rl.tasks.arithmetic import Arithmetic  # noqa: E402
 from rollouts.jax_engine import JaxEngine  # noqa: E402
@@ -63,7 +65,7 @@ ESTIMATE_SAMPLES = 4
 POOL = 256                       # RL problems (x 3 levels = 768 records, each budgeted once)
 LOOSE, HOLD, TIGHTEN = 1.5, 30, 60
 RL_STEPS = 150
-RL = loop.RLConfig(prompts_per_step=32, samples_per_prompt=8, max_new_tokens=72, seq_len=160)
+RL = RLConfig(prompts_per_step=32, samples_per_prompt=8, max_new_tokens=72, seq_len=160)
 SPEC = eval_lib.SampledEval(samples=8, ks=(1, 2, 4, 8), budgets=(16, 24, 32, 48, 72))
 EVAL_PROBLEMS = 64
 
@@ -129,14 +131,18 @@ def model(vocab: int):
                      intermediate_size=384)
 
 
-def run(run_dir: str, **kwargs) -> dict:
+def run(run_dir: str, *, task, num_steps: int, seed: int, init_from: str | None = None,
+        reward=None) -> dict:
   summary = os.path.join(run_dir, "summary.json")
-  if os.path.exists(summary) and json.load(open(summary)).get("steps") == kwargs["num_steps"]:
+  if os.path.exists(summary) and json.load(open(summary)).get("steps") == num_steps:
     return json.load(open(summary))
-  return loop.train(run_dir, model=model, rl=RL, eval_records=256, eval_every=0,
-                    checkpoint_every=25, sft_steps=600, sft_batch_size=64,
-                    sft_learning_rate=3e-3, learning_rate=1e-4, loss="k1.5",
-                    progress=False, **kwargs)
+  return trainer.train(
+      run_dir, task=task, model=model, rl=dataclasses.replace(RL, num_steps=num_steps),
+      objective=trainer.Objective(loss="k1.5", reward=reward),
+      start=trainer.FromRun(init_from) if init_from else trainer.WarmStart(
+          steps=600, batch_size=64, learning_rate=3e-3),
+      hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=256), checkpoint_every=25,
+                          progress=False), seed=seed)
 
 
 def by_level(params, cfg, tokenizer, task) -> dict:
@@ -238,7 +244,7 @@ def main(argv=None):
             f"mean_length={brief(r)['mean_length']:.1f}")
   os.makedirs(args.docs, exist_ok=True)
   for name, stage in (("rl", "after RL"), ("sft", "the SFT warm start")):
-    plot = effort.write_level_plot(reports[name], out(f"{name}_eval"),
+    plot = evaluation.write_level_plot(reports[name], out(f"{name}_eval"),
                                    title=f"{args.variant}: {stage}")
     suffix = "" if name == "rl" else "_sft"
     shutil.copy(plot, os.path.join(args.docs, f"second_try_{args.variant}{suffix}.png"))

@@ -58,14 +58,14 @@ CONFIGS = os.path.join(ROOT, "experiments/configs/findings")
 NOTEBOOKS = os.path.join(ROOT, "experiments/notebooks/findings")
 TINY = ["experiments/configs/tiny.gin"]
 # The long model of finding h must solve some prompts even in the smoke test: more SFT.
-TINY_BINDINGS = ["Arithmetic.filler = 1", "BUDGET = 10", "train.eval_every = 1",
-                 "train.sft_steps = 300", "train.checkpoint_every = 100",
+TINY_BINDINGS = ["Arithmetic.filler = 1", "BUDGET = 10", "Evaluation.every = 1",
+                 "WarmStart.steps = 300", "Hooks.checkpoint_every = 100",
                  "Arithmetic.num_train = 2000",
-                 "train.num_steps = 2", "SampledEval.samples = 4", "SampledEval.ks = (1, 4)",
-                 "SampledEval.budgets = (16,)", "long2short.num_prompts = 8",
-                 "long2short.steps = 3", "long2short.batch_size = 8",
-                 "long2short.eval_records = 8", "long2short.max_new_tokens = 16",
-                 "long2short.seq_len = 32", "long2short.samples = 4"]
+                 "RLConfig.num_steps = 2", "SampledEval.samples = 4", "SampledEval.ks = (1, 4)",
+                 "SampledEval.budgets = (16,)", "Long2ShortConfig.num_prompts = 8",
+                 "Long2ShortConfig.steps = 3", "Long2ShortConfig.batch_size = 8",
+                 "Long2ShortConfig.eval_records = 8", "Long2ShortConfig.max_new_tokens = 16",
+                 "Long2ShortConfig.seq_len = 32", "Long2ShortConfig.samples = 4"]
 WARM_START = "warm_start"
 # Every SFT warm start, by name: its config (run with num_steps 0). The later designs of a, b,
 # c, d, e and f change the task, so they start from warm starts of their own.
@@ -189,13 +189,14 @@ def _name(out_dir: str) -> str:
 def _arm_job(name: str, seed: int) -> seeds_lib.Job:
   """Arm `name` (or the warm start) on `seed`: run.py in runs/<name>/seed<seed>."""
   out = _arm_dir(name, seed)
-  bindings, after = [f"train.seed = {seed}", "train.progress = False"], ()
+  bindings, after = [f"train.seed = {seed}", "Hooks.progress = False"], ()
   if name in WARM_STARTS:
-    config, bindings = WARM_STARTS[name], [*bindings, "train.num_steps = 0"]
+    config, bindings = WARM_STARTS[name], [*bindings, "RLConfig.num_steps = 0"]
   else:
     spec = ARMS[name]
     config, start = spec.config, _arm_dir(spec.init_from, seed)
-    bindings, after = [*bindings, f"train.init_from = {start!r}"], (_name(start),)
+    bindings, after = [*bindings, "train.start = @FromRun()", f"FromRun.path = {start!r}"], (
+        _name(start),)
   argv = _command("run.py", config, bindings) + ["--run_dir", out]
   return seeds_lib.Job(_name(out), tuple(argv), out, after)
 
@@ -209,7 +210,7 @@ def _before_rl_job(name: str, seed: int) -> seeds_lib.Job:
   starts from, before any RL: what the loop measures at its evaluations, at step 0."""
   spec, out = ARMS[name], _before_rl_dir(name, seed)
   with _configured(spec.config):
-    records = gin.query_parameter("train.eval_records")
+    records = gin.query_parameter("Evaluation.records")
   start = _arm_dir(spec.init_from, seed)
   bindings = [f"evaluate.run_dir = {start!r}", "evaluate.task = @Arithmetic()",
               "evaluate.model = @tiny", "evaluate.spec = @SampledEval()",
@@ -749,8 +750,8 @@ def _evaluate_policy(run_dir: str, seed: int) -> dict:
           tokenizer.vocab_size)
       result = long2short_lib.evaluate(
           long2short_lib.load(run_dir, cfg), cfg, task, tokenizer,
-          num_records=gin.query_parameter("long2short.eval_records"),
-          max_new_tokens=gin.query_parameter("long2short.max_new_tokens"), seed=seed)
+          num_records=gin.query_parameter("Long2ShortConfig.eval_records"),
+          max_new_tokens=gin.query_parameter("Long2ShortConfig.max_new_tokens"), seed=seed)
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
   return json.load(open(path))

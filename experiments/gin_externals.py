@@ -1,10 +1,16 @@
 """Registers the library's configurable pieces with gin. Importing this module is what makes
-names such as `train`, `Arithmetic`, `tiny`, `make_mesh`, `RLConfig`,
-`rewards.k15_length_penalty`, `sampling.prioritized` or `monitors.entropy_collapse` usable in
-.gin files; models/ and rl/ never import gin themselves. Where two pieces share a name
-(`named_chain`), qualify it: `rewards.named_chain`. Monitors go in as a dict, stops by name:
-`train.monitors = {'entropy_collapse': @entropy_collapse()}`,
-`train.stop_on = ['entropy_collapse']`."""
+names such as `train`, `Arithmetic`, `tiny`, `make_mesh`, `RLConfig`, `Objective`, `Hooks`,
+`Lockstep`, `Ahead`, `tis`, `rewards.k15_length_penalty`, `sampling.prioritized` or
+`monitors.entropy_collapse` usable in .gin files; models/ and rl/ never import gin themselves.
+Where two pieces share a name (`named_chain`), qualify it: `rewards.named_chain`. Monitors go
+in as a dict, stops by name: `Hooks.monitors = {'entropy_collapse': @entropy_collapse()}`,
+`Hooks.stop_on = ['entropy_collapse']`.
+
+A value that is itself configured takes a reference in its parent binding: the run's pieces
+are `train.objective = @Objective()`, `train.start = @WarmStart()`, `train.hooks = @Hooks()`,
+`Hooks.evaluation = @Evaluation()`, `train.rollouts = @Ahead()` (a binding of `Objective.loss`
+configures the Objective that `train.objective` references; without that reference `train`
+uses the defaults)."""
 
 import gin
 import optax
@@ -13,15 +19,19 @@ from models import config
 from models import distributed
 from models import sharding
 from models import tokenizer
+from experiments import evaluation
+from rl import config as rl_config
+from rl import corrections
 from rl import distill
 from rl import effort
 from rl import envs
 from rl import eval as eval_lib
 from rl import long2short as long2short_lib
-from rl import loop
 from rl import monitors
 from rl import rewards
 from rl import sampling
+from rl import sources
+from rl import trainer
 from rl.tasks import agentic
 from rl.tasks import arithmetic
 from rl.tasks import code as code_task
@@ -30,8 +40,8 @@ from rl.tasks import mixture
 from rollouts import server
 from rollouts import sglang
 
-train = gin.external_configurable(loop.train, module="rl")
-evaluate = gin.external_configurable(eval_lib.evaluate_checkpoint, "evaluate", module="rl")
+train = gin.external_configurable(trainer.train, module="rl")
+evaluate = gin.external_configurable(evaluation.evaluate_checkpoint, "evaluate", module="rl")
 long2short = gin.external_configurable(long2short_lib.run, "long2short", module="rl")
 load_model = gin.external_configurable(server.load_model, module="rollouts")
 local_engine = gin.external_configurable(server.local_engine, module="rollouts")
@@ -42,7 +52,12 @@ remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts
 initialize = gin.external_configurable(distributed.initialize, module="models")
 
 _REGISTERED = {
-    "rl": [loop.RLConfig, eval_lib.SampledEval, distill.from_checkpoints],
+    "rl": [rl_config.RLConfig, rl_config.KLReward, trainer.Objective, trainer.WarmStart,
+           trainer.FromRun, trainer.Hooks, trainer.Evaluation, eval_lib.SampledEval,
+           distill.from_checkpoints, long2short_lib.Long2ShortConfig],
+    "sources": [sources.Lockstep, sources.DynamicSampling, sources.Partial, sources.Ahead],
+    "corrections": [corrections.keep, corrections.mask_stale, corrections.tis,
+                    corrections.trust_region],
     "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer, sharding.make_mesh],
     "tasks": [arithmetic.Arithmetic, mixture.Mixture, math_task.MathTask, code_task.CodeTask,
               effort.EffortTask, agentic.ToolArithmetic],

@@ -4,7 +4,7 @@
 
 The gin files bind `long2short.*` (rl.long2short.run: the long run, the model config factory,
 the task, sampling and training sizes; see experiments/configs/findings/h_long2short.gin).
-DIR receives the new model (usable as train.init_from or by experiments/eval.py) and
+DIR receives the new model (usable as a FromRun start or by experiments/eval.py) and
 summary.json with the held-out accuracy and mean length before and after.
 """
 

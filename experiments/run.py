@@ -28,7 +28,7 @@ from models.attention.dispatch import KernelUnavailable  # noqa: E402
 from models.distributed import CoordinatorUnreachable, ProcessFailed, is_primary  # noqa: E402
 from models.sharding import MeshUnavailable  # noqa: E402
 from rl import ConfigError  # noqa: E402
-from rl.loop import RolloutsFailed  # noqa: E402
+from rl.sources import RolloutsFailed  # noqa: E402
 from rollouts.sglang import ServerError  # noqa: E402
 
 

@@ -5,7 +5,8 @@ starts the runs as parallel subprocesses.
         --run_dir DIR [--seeds 5] [--jobs N] [--threads T]
 
 runs experiments/run.py once per seed k in DIR/seed<k> with `train.seed = k` (a literal
-"{seed}" in a binding becomes k, e.g. "train.init_from = 'runs/warm/seed{seed}'").
+"{seed}" in a binding becomes k, e.g. "FromRun.path = 'runs/warm/seed{seed}'" with
+"train.start = @FromRun()").
 experiments/compare.py reads such directories back; experiments/findings.py builds its arms
 over seeds with the same runner.
 
@@ -218,7 +219,7 @@ def config_jobs(files, bindings, run_dir: str, seeds) -> list[Job]:
   jobs = []
   for k in seeds:
     argv = [sys.executable, run_py, *[a for f in files for a in ("--gin", f)]]
-    for binding in [*bindings, f"train.seed = {k}", "train.progress = False"]:
+    for binding in [*bindings, f"train.seed = {k}", "Hooks.progress = False"]:
       argv += ["--gin_param", binding.replace("{seed}", str(k))]
     out = seed_dir(run_dir, k)
     jobs.append(Job(out, (*argv, "--run_dir", out), out))

@@ -11,6 +11,7 @@ into one student this way.
 
 import dataclasses
 import os
+import time
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 from models import hf, transformer
 from models.config import ModelConfig
 from rl import ConfigError, checkpoint
+from rl.trajectory import Trajectory
 from rollouts.engine import Scorer
 from rollouts.jax_engine import JaxEngine
 
@@ -84,22 +86,22 @@ def load_teacher(path: str, cfg: ModelConfig, *, version: int = 0) -> JaxEngine:
                     "Hugging Face directory (no config.json)")
 
 
-def teacher_logprobs(teachers: Teachers, records: Sequence[Mapping[str, Any]],
-                     prompts: Sequence[Sequence[int]], completions: Sequence[Any]):
-  """Each completion's tokens scored by its record's teacher: (f32[n] per completion, with
-  Teachers.top_k the (i32[n, k], f32[n, k]) top-k per completion else None, metrics). One
-  `score` call per teacher over all of its completions. Metrics: each
-  teacher's weight version and share of the completions, and the student-teacher gap over
-  all completion tokens, mean(old_logp - teacher_logp) (the k1 estimate of KL(student ||
-  teacher) on the student's samples)."""
-  names = [teachers.route(r) for r in records]
-  scores: list[np.ndarray | None] = [None] * len(records)
-  tops: list[Any] = [None] * len(records)
+def teacher_logprobs(teachers: Teachers, trajectories: Sequence[Trajectory]):
+  """Each trajectory's continuation scored by its record's teacher: (f32[n] per trajectory,
+  with Teachers.top_k the (i32[n, k], f32[n, k]) top-k per trajectory else None, metrics).
+  One `score` call per teacher over all of its trajectories. Metrics: each teacher's weight
+  version and share of the trajectories, and the student-teacher gap over all continuation
+  tokens, mean(old_logp - teacher_logp) (the k1 estimate of KL(student || teacher) on the
+  student's samples)."""
+  names = [teachers.route(t.record) for t in trajectories]
+  scores: list[np.ndarray | None] = [None] * len(trajectories)
+  tops: list[Any] = [None] * len(trajectories)
   metrics: dict[str, float] = {}
   for name in sorted(set(names)):
     index = [i for i, n in enumerate(names) if n == name]
     engine = teachers.engines[name]
-    asked = ([prompts[i] for i in index], [completions[i].token_ids for i in index])
+    asked = ([trajectories[i].prompt_ids for i in index],
+             [trajectories[i].token_ids for i in index])
     if teachers.top_k:  # one prefill for both
       for i, (s, ids, top_logp) in zip(index, engine.score_top_k(*asked, teachers.top_k)):
         scores[i], tops[i] = np.asarray(s, np.float32), (ids, top_logp)
@@ -107,10 +109,23 @@ def teacher_logprobs(teachers: Teachers, records: Sequence[Mapping[str, Any]],
       for i, s in zip(index, engine.score(*asked)):
         scores[i] = np.asarray(s, np.float32)
     metrics[f"teacher_version/{name}"] = float(engine.version)
-    metrics[f"teacher_share/{name}"] = len(index) / len(records)
-  gaps = [c.logprobs - s for c, s in zip(completions, scores) if len(s)]
+    metrics[f"teacher_share/{name}"] = len(index) / len(trajectories)
+  gaps = [np.asarray(t.logprobs, np.float32) - s for t, s in zip(trajectories, scores) if len(s)]
   metrics["student_teacher_kl"] = float(np.concatenate(gaps).mean()) if gaps else 0.0
   return scores, (tops if teachers.top_k else None), metrics
+
+
+def teacher_fields(teachers: Teachers, trajectories: Sequence[Trajectory], reads
+                   ) -> tuple[dict[str, list], dict[str, float]]:
+  """The "teacher" TrainBatch fields among `reads` (rl.types.optional_field), per trajectory,
+  and the scoring's metrics (teacher_logprobs's, and teacher_s: its seconds)."""
+  started = time.perf_counter()
+  scores, tops, metrics = teacher_logprobs(teachers, trajectories)
+  fields = {"teacher_logp": scores,
+            "teacher_topk_ids": None if tops is None else [ids for ids, _ in tops],
+            "teacher_topk_logp": None if tops is None else [logp for _, logp in tops]}
+  metrics["teacher_s"] = time.perf_counter() - started
+  return {name: values for name, values in fields.items() if name in reads}, metrics
 
 
 def from_checkpoints(cfg: ModelConfig, *, paths: Mapping[str, str],

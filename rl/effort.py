@@ -3,8 +3,8 @@
 Owns the effort field of prompts (`EffortTask`, a wrapper around any Task), the per-record
 level ids the budget transform reads (`level_ids`), budgets estimated from the model's own
 lengths at the start of training (`estimate_budgets`, Kimi K3's recipe) and the sampled
-evaluation's budget sweep run once per level (`sampled_eval_by_level`, with one curve per
-level in `write_level_plot`). The reward rule itself, over budget -> a fixed reward, and its
+evaluation's budget sweep run once per level (`sampled_eval_by_level`; its plot, one curve
+per level, is experiments/evaluation.py's). The reward rule itself, over budget -> a fixed reward, and its
 tightening schedule are rl.rewards.effort_budget and rl.rewards.tightening.
 
 Record layout: `EffortTask(inner).train[i]` is problem `i // L` of `inner.train` at level
@@ -16,7 +16,6 @@ is rewarded, not what is correct. Multi-turn (agentic) tasks are not wrapped yet
 """
 
 import dataclasses
-import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,6 +23,8 @@ import numpy as np
 from rl import ConfigError
 from rl import eval as eval_lib
 from rl import rewards
+from rl import rollout
+from rl.trajectory import column
 from rollouts.engine import RolloutEngine, SamplingParams
 
 
@@ -116,12 +117,12 @@ def estimate_budgets(engine: RolloutEngine, task: EffortTask, tokenizer, *, samp
   records = [int(i) for i in records]
   for start in range(0, len(records), batch_size):
     chunk = records[start:start + batch_size]
-    scored = eval_lib.generate_and_verify(engine, task, tokenizer,
-                                          [task.train[i] for i in chunk], sampling,
-                                          samples=samples, seed=seed + start)
+    trajectories = rollout.generate(engine, task, tokenizer, [task.train[i] for i in chunk],
+                                    sampling, samples=samples, seed=seed + start)
+    lengths = column(trajectories, "policy_count", np.int32)
     multiplier = np.asarray(multipliers, np.float32)[levels[chunk]]
     budgets[chunk] = np.asarray(rewards.budget_from_lengths(
-        scored.lengths.reshape(len(chunk), samples), multiplier, quantile=quantile))
+        lengths.reshape(len(chunk), samples), multiplier, quantile=quantile))
   return budgets
 
 
@@ -145,24 +146,3 @@ def mean_length(report: dict) -> float:
   """Mean completion length of a sampled_eval report (at its largest budget)."""
   lengths = report["lengths"]["correct"] + report["lengths"]["incorrect"]
   return float(np.mean(lengths)) if lengths else 0.0
-
-
-def write_level_plot(by_level: dict[str, dict], out_dir: str, *, title: str = "") -> str:
-  """accuracy_vs_budget_by_effort.png in `out_dir`: accuracy (mean correctness within the
-  budget) vs token budget, one curve per effort level, each labelled with its mean length."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, "accuracy_vs_budget_by_effort.png")
-  fig, ax = plt.subplots(figsize=(6, 4))
-  budgets = []
-  for level, report in by_level.items():
-    keys = sorted(report["budgets"], key=int)  # ints in memory, strings from report.json
-    budgets = [int(b) for b in keys]
-    ax.plot(budgets, [report["budgets"][b]["accuracy"] for b in keys], marker="o",
-            label=f"{level} (mean {mean_length(report):.1f} tokens)")
-  eval_lib.save_budget_plot(fig, ax, budgets, title or "accuracy vs budget per effort level",
-                            path)
-  return path

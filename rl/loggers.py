@@ -1,6 +1,6 @@
 """Experiment loggers beside metrics.jsonl: TensorBoard event files and Weights & Biases.
 
-Owns the writers. `rl.loop.train` decides what goes in: every numeric field of each
+Owns the writers. `rl.trainer.train` decides what goes in: every numeric field of each
 metrics.jsonl record as a scalar at its step (same names), and histograms of per-completion
 arrays the step has at hand (under `distribution/`). metrics.jsonl stays the record a
 resumed run and the analyses read; these are for watching runs and comparing them.

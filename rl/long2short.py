@@ -7,9 +7,11 @@ long model with a length penalty and a lower max_new_tokens (`train(init_from=..
 experiments/configs/long2short_rl.gin).
 
 Every method starts from the same samples: n completions per training prompt from the long
-model (`sample`), kept as an rl.eval.Scored, prompt-major, n per prompt.
+model (`sample`), verified trajectories (rl.trajectory.Trajectory), prompt-major, n per
+prompt.
 """
 
+import dataclasses
 import json
 import os
 from typing import Callable, Sequence
@@ -23,9 +25,10 @@ from tqdm.auto import tqdm
 from models import transformer
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
-from rl import checkpoint, eval as eval_lib, losses, sft
+from rl import checkpoint, eval as eval_lib, losses, rollout, sft
 from rl.packing import pair_batch
 from rl.train_step import init_train_state, make_train_step
+from rl.trajectory import Trajectory, column
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
 
@@ -64,41 +67,44 @@ def dpo_pairs(lengths: Sequence[int], correct: Sequence[bool], *, ratio: float =
 
 def sample(engine, task, tokenizer, records: Sequence[dict], *, samples: int = 8,
            max_new_tokens: int, temperature: float = 1.0, seed: int = 0
-           ) -> eval_lib.Scored:
+           ) -> list[Trajectory]:
   """`samples` verified completions per record from `engine` (the long model)."""
   sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                             stop_token_ids=(tokenizer.eos_id,))
-  return eval_lib.generate_and_verify(engine, task, tokenizer, records, sampling,
-                                      samples=samples, seed=seed)
+  return rollout.generate(engine, task, tokenizer, records, sampling, samples=samples,
+                          seed=seed)
 
 
-def _groups(scored: eval_lib.Scored, samples: int):
-  if len(scored.texts) % samples:
-    raise ValueError(f"{len(scored.texts)} completions do not form groups of {samples}")
-  for start in range(0, len(scored.texts), samples):
-    yield start, scored.lengths[start:start + samples], scored.correct[start:start + samples]
+def _groups(trajectories: Sequence[Trajectory], samples: int):
+  if len(trajectories) % samples:
+    raise ValueError(f"{len(trajectories)} completions do not form groups of {samples}")
+  lengths = column(trajectories, "policy_count", np.int32)
+  correct = column(trajectories, "correct", bool)
+  for start in range(0, len(trajectories), samples):
+    yield start, lengths[start:start + samples], correct[start:start + samples]
 
 
-def shortest_rejection_examples(scored: eval_lib.Scored, samples: int) -> list[sft.Example]:
+def shortest_rejection_examples(trajectories: Sequence[Trajectory], samples: int
+                                ) -> list[sft.Example]:
   """Shortest rejection sampling: per prompt, (prompt ids, its shortest correct completion's
   ids, <eos> included); prompts with no correct completion give nothing."""
   examples = []
-  for start, lengths, correct in _groups(scored, samples):
+  for start, lengths, correct in _groups(trajectories, samples):
     best = shortest_correct(lengths, correct)
     if best is not None:
-      examples.append((scored.prompt_ids[start + best],
-                       scored.completions[start + best].token_ids))
+      t = trajectories[start + best]
+      examples.append((list(t.prompt_ids), np.array(t.token_ids, np.int32)))
   return examples
 
 
-def preference_pairs(scored: eval_lib.Scored, samples: int, *, ratio: float = 1.5):
+def preference_pairs(trajectories: Sequence[Trajectory], samples: int, *, ratio: float = 1.5):
   """Every k1.5 pair of every group: (prompts, chosen, rejected) lists of token ids."""
   prompts, chosen, rejected = [], [], []
-  for start, lengths, correct in _groups(scored, samples):
+  for start, lengths, correct in _groups(trajectories, samples):
     for good, bad in dpo_pairs(lengths, correct, ratio=ratio):
-      prompts.append(scored.prompt_ids[start])
-      chosen.append(scored.completions[start + good].token_ids)
-      rejected.append(scored.completions[start + bad].token_ids)
+      prompts.append(list(trajectories[start].prompt_ids))
+      chosen.append(np.array(trajectories[start + good].token_ids, np.int32))
+      rejected.append(np.array(trajectories[start + bad].token_ids, np.int32))
   return prompts, chosen, rejected
 
 
@@ -179,21 +185,39 @@ def evaluate(params, cfg: ModelConfig, task, tokenizer, *, num_records: int,
   engine = JaxEngine(cfg, params)
   greedy = eval_lib.greedy_eval(engine, task, tokenizer, num_records=num_records,
                                 max_new_tokens=max_new_tokens)
-  scored = sample(engine, task, tokenizer, [task.test[i] for i in range(num_records)],
-                  samples=samples, max_new_tokens=max_new_tokens, seed=seed)
+  sampled = sample(engine, task, tokenizer, [task.test[i] for i in range(num_records)],
+                   samples=samples, max_new_tokens=max_new_tokens, seed=seed)
   return {"accuracy": greedy["accuracy"], "length": greedy["length"],
-          "sampled_accuracy": float(scored.correct.mean()),
-          "sampled_length": float(scored.lengths.mean())}
+          "sampled_accuracy": float(column(sampled, "correct", bool).mean()),
+          "sampled_length": float(column(sampled, "policy_count", np.int32).mean())}
+
+
+@dataclasses.dataclass(frozen=True)
+class Long2ShortConfig:
+  """The sizes of a long2short `run`: `samples` completions (at most max_new_tokens, at
+  `temperature`) for each of the first `num_prompts` training prompts; `steps` updates of
+  `batch_size` (SFT or DPO; learning_rate None: the method's own) on rows of seq_len; DPO's
+  `beta` and k1.5's `pair_ratio`; merging's `merge_ratio`; `eval_records` held-out records
+  for the evaluation before and after."""
+  num_prompts: int = 512
+  samples: int = 8
+  max_new_tokens: int = 72
+  temperature: float = 1.0
+  steps: int = 100
+  batch_size: int = 32
+  learning_rate: float | None = None
+  beta: float = 0.1
+  pair_ratio: float = 1.5
+  merge_ratio: float = 0.5
+  eval_records: int = 256
+  seq_len: int = 128
 
 
 def run(out_dir: str, *, long_run: str, model: Callable[[int], ModelConfig], task,
-        method: str, num_prompts: int = 512, samples: int = 8, max_new_tokens: int = 72,
-        temperature: float = 1.0, steps: int = 100, batch_size: int = 32,
-        learning_rate: float | None = None, beta: float = 0.1, pair_ratio: float = 1.5,
-        merge_with: str | None = None, merge_ratio: float = 0.5, eval_records: int = 256,
-        seq_len: int = 128, seed: int = 0, progress: bool = True) -> dict:
+        method: str, sizes: Long2ShortConfig = Long2ShortConfig(),
+        merge_with: str | None = None, seed: int = 0, progress: bool = True) -> dict:
   """Apply `method` to the latest params of `long_run` and save the result in `out_dir` (an
-  rl.checkpoint.save_policy directory, usable as train.init_from or by evaluate), with
+  rl.checkpoint.save_policy directory, usable as a FromRun start or by evaluate), with
   summary.json: `evaluate` of the long model (long_*) and of the new one.
 
   shortest_rejection: `samples` completions for each of the first `num_prompts` training
@@ -214,34 +238,13 @@ def run(out_dir: str, *, long_run: str, model: Callable[[int], ModelConfig], tas
   long_params = load(long_run, cfg)
   summary = {"method": method, "long_run": long_run}
   if method == "merge":
-    params = merge(long_params, load(merge_with, cfg), merge_ratio)
-    summary.update(merge_with=merge_with, merge_ratio=merge_ratio)
+    params = merge(long_params, load(merge_with, cfg), sizes.merge_ratio)
+    summary.update(merge_with=merge_with, merge_ratio=sizes.merge_ratio)
   else:
-    records = [task.train[i] for i in range(num_prompts)]
-    scored = sample(JaxEngine(cfg, long_params), task, tokenizer, records, samples=samples,
-                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    summary.update(sample_accuracy=float(scored.correct.mean()),
-                   sample_length=float(scored.lengths.mean()),
-                   sample_correct_length=float(scored.lengths[scored.correct].mean())
-                   if scored.correct.any() else float("nan"))
-    rate = {"learning_rate": learning_rate} if learning_rate else {}  # else the method's own
-    if method == "shortest_rejection":
-      examples = shortest_rejection_examples(scored, samples)
-      summary["examples"] = len(examples)
-      summary["example_length"] = float(np.mean([len(t) for _, t in examples]))
-      params = shortest_rejection_sft(long_params, cfg, examples, steps=steps,
-                                      batch_size=batch_size, seq_len=seq_len, seed=seed,
-                                      progress=progress, **rate)
-    else:
-      pairs = preference_pairs(scored, samples, ratio=pair_ratio)
-      summary["pairs"] = len(pairs[0])
-      params, last = dpo(long_params, cfg, pairs, steps=steps, beta=beta,
-                         batch_size=batch_size, seq_len=seq_len, seed=seed,
-                         progress=progress, **rate)
-      summary.update({f"dpo_{k}": v for k, v in last.items()})
+    params = _trained(method, long_params, cfg, task, tokenizer, sizes, seed, progress, summary)
   checkpoint.save_policy(out_dir, params)
-  measure = lambda p: evaluate(p, cfg, task, tokenizer, num_records=eval_records,
-                               max_new_tokens=max_new_tokens, seed=seed)
+  measure = lambda p: evaluate(p, cfg, task, tokenizer, num_records=sizes.eval_records,
+                               max_new_tokens=sizes.max_new_tokens, seed=seed)
   summary.update({f"long_{k}": v for k, v in measure(long_params).items()})
   summary.update(measure(params))
   with open(os.path.join(out_dir, "summary.json"), "w") as f:
@@ -251,3 +254,31 @@ def run(out_dir: str, *, long_run: str, model: Callable[[int], ModelConfig], tas
         f"-> {summary['sampled_length']:.1f} (greedy: {summary['long_accuracy']:.3f} -> "
         f"{summary['accuracy']:.3f}, {summary['long_length']:.1f} -> {summary['length']:.1f})")
   return summary
+
+
+def _trained(method: str, long_params, cfg: ModelConfig, task, tokenizer,
+             sizes: Long2ShortConfig, seed: int, progress: bool, summary: dict):
+  """shortest_rejection or dpo on the long model's samples; the samples' statistics and the
+  method's go into `summary`. Returns the new params."""
+  records = [task.train[i] for i in range(sizes.num_prompts)]
+  sampled = sample(JaxEngine(cfg, long_params), task, tokenizer, records, samples=sizes.samples,
+                   max_new_tokens=sizes.max_new_tokens, temperature=sizes.temperature,
+                   seed=seed)
+  correct = column(sampled, "correct", bool)
+  lengths = column(sampled, "policy_count", np.int32)
+  summary.update(sample_accuracy=float(correct.mean()), sample_length=float(lengths.mean()),
+                 sample_correct_length=float(lengths[correct].mean())
+                 if correct.any() else float("nan"))
+  rate = {"learning_rate": sizes.learning_rate} if sizes.learning_rate else {}
+  common = dict(steps=sizes.steps, batch_size=sizes.batch_size, seq_len=sizes.seq_len,
+                seed=seed, progress=progress, **rate)
+  if method == "shortest_rejection":
+    examples = shortest_rejection_examples(sampled, sizes.samples)
+    summary["examples"] = len(examples)
+    summary["example_length"] = float(np.mean([len(t) for _, t in examples]))
+    return shortest_rejection_sft(long_params, cfg, examples, **common)
+  pairs = preference_pairs(sampled, sizes.samples, ratio=sizes.pair_ratio)
+  summary["pairs"] = len(pairs[0])
+  params, last = dpo(long_params, cfg, pairs, beta=sizes.beta, **common)
+  summary.update({f"dpo_{k}": v for k, v in last.items()})
+  return params

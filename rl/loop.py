@@ -1,57 +1,41 @@
-"""The RL loop: a Python generator of steps, and `train`, the run around it.
+"""The RL loop: a Python generator of steps over explicit state.
 
-Owns the order of one RL step (draw prompts -> generate -> verify -> reward transforms ->
-advantages -> pack -> train step -> weight sync -> prompt statistics), rollouts made ahead
-of the trainer within a bound on their staleness (RLConfig.max_staleness), and, in `train`,
-a run directory: SFT warm start, held-out evaluation, orbax checkpoints, metrics.jsonl, the plot,
-TensorBoard / W&B logging (rl/loggers.py), the collapse monitors' warnings and stops
-(rl/monitors.py), and resuming from the last checkpoint. The generator does no I/O, so a
-notebook can drive it a few steps at a time; `train` adds the I/O.
+Owns the order of one RL step and the state it threads:
+
+    rollouts from the source (rl/sources.py: whole groups, verified)
+      -> reward transforms and the KL in the reward, once, on exactly the trained groups
+      -> advantages -> minibatches of packed rows (rl/batch.py, the optional fields read)
+      -> the off-policy correction of each minibatch (rl/corrections.py)
+      -> one train step per minibatch -> the engine's weights (every weight_sync_every steps)
+
+`LoopState` is everything a resumed run needs (saved whole by rl/checkpoint.py), `Parts` what
+the generator runs with, `StepRecord` what it yields. The generator does no I/O, so a notebook
+drives it a few steps at a time; rl/trainer.py builds a run's parts and drives the same
+generator with hooks (evaluation, checkpoints, monitors, logs).
 """
 
 import dataclasses
-import importlib.util
-import json
-import os
-import queue
-import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
-from tqdm.auto import tqdm
 
-from models import distributed, sharding, transformer
-from models.attention import dispatch
-from models.config import ModelConfig
-from models.tokenizer import CharTokenizer
-from rl import ConfigError
+from models import distributed
 from rl import advantages as advantages_lib
+from rl import batch as batch_lib
+from rl import corrections as corrections_lib
 from rl import distill
-from rl import envs
-from rl import eval as eval_lib
-from rl import loggers as loggers_lib
-from rl import losses
-from rl import metrics as metrics_lib
-from rl import monitors as monitors_lib
 from rl import rewards as rewards_lib
-from rl import sampling as sampling_lib
-from rl import sft
-from rl import tasks as tasks_lib
-from rl import checkpoint
-from rl.checkpoint import Checkpointer
-from rl import kl as kl_lib
-from rl.packing import trajectory_batch, unpack
-from rl.train_step import TrainState, init_train_state, make_train_step, policy_logprobs
-from rl.types import Rollouts
-from rollouts import partial
-from rollouts.engine import RolloutEngine, SamplingParams
-from rollouts.jax_engine import JaxEngine
+from rl import sources
+from rl.config import KLReward
+from rl.envs.base import environment_of, episode_metrics, multi_turn
+from rl.losses import BoundLoss
+from rl.train_step import TrainState, init_train_state
+from rl.trajectory import column, rollouts_view
 
 
 @flax.struct.dataclass
@@ -59,668 +43,73 @@ class LoopState:
   """Everything a resumed run needs; saved whole by rl/checkpoint.py."""
   step: jax.Array  # i32[] RL steps (rollout batches) done; the engine's weight version
   train: TrainState  # train.step counts optimizer updates (minibatches per RL step)
-  rng: jax.Array  # u32[2]
-  prompt_stats: sampling_lib.PromptStats
-  sampler_state: Any
   reward_state: Any
-  # Partial rollouts' unfinished groups (empty when off); an agentic task's are episodes.
-  replay: partial.ReplayBuffer | envs.EpisodeBuffer
-  next_group: jax.Array  # i32[] ids for new groups of partial rollouts
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-  """Sizes of one RL step."""
-  prompts_per_step: int = 32
-  samples_per_prompt: int = 8
-  max_new_tokens: int = 48
-  temperature: float = 1.0
-  top_p: float = 1.0
-  minibatches: int = 1  # optimizer updates per RL step, each on a disjoint share of groups
-  # DAPO dynamic sampling (arXiv 2503.14476): drop groups whose rewards are all equal and
-  # generate more prompts until the step has prompts_per_step groups, at most
-  # max_generation_rounds generations (then an error, as in verl's recipe).
-  drop_uniform_groups: bool = False
-  max_generation_rounds: int = 8
-  # KL to the reference in the reward (PPO/InstructGPT style; verl use_kl_in_reward):
-  # r_i -= kl_reward_coef * sum_t kl(engine_logp_t, ref_logp_t), kl one of rl.kl.ESTIMATORS.
-  kl_reward_coef: float = 0.0
-  kl_reward_estimator: str = "k1"
-  seq_len: int = 128  # packed row length; must hold prompt + completion
-  row_multiple: int = 8  # rows are padded to a multiple of this (fewer recompiles)
-  micro_batches: int = 1
-  # Partial rollouts (rollouts/partial.py; needs an engine that can abort, i.e. SGLang servers,
-  # except for an agentic task's episodes, which pause between the driver's waves on any engine
-  # and wait in rl.envs.EpisodeBuffer): with partial_mode "tokens" (Kimi k1.5) an iteration
-  # ends once the completions received hold rollout_token_budget tokens; with "lambda" (Kimi
-  # K3) once ceil(partial_lambda * n) of its n trajectories have finished. The unfinished wait
-  # in a replay buffer of replay_capacity trajectories (0: 4 steps' worth) and resume later.
-  partial_rollouts: bool = False
-  partial_mode: str = "tokens"
-  rollout_token_budget: int = 0
-  partial_lambda: float = 0.0
-  replay_capacity: int = 0
-  # Tokens generated by an older policy than the one being trained (partial rollouts):
-  # "keep" them (the ratio uses the engine's log-probs), "mask" them out of the loss, or
-  # "tis": recompute old log-probs with the trainer and weight every token's advantage by
-  # min(pi_trainer / pi_engine, tis_cap) (truncated importance sampling, Yao et al. 2025), or
-  # "trust_region" (K3's local neighbourhood): as "keep", but the tokens whose log-ratio
-  # trainer - engine lies outside trust_region = (low, high) leave the loss.
-  offpolicy_tokens: str = "keep"
-  tis_cap: float = 2.0
-  trust_region: tuple[float, float] = (-1.0, 1.0)
-  # Rollouts ahead of the trainer (AReaL, slime, verl's one-step-off): step t + 1's (up to
-  # t + max_staleness's) generation and verification run on a thread while step t trains,
-  # on the engine's own copy of the weights; no token trained at step t is older than
-  # version t - max_staleness (metrics: staleness_max). 0: lockstep, each step's rollouts
-  # from the weights it trains. offpolicy_tokens applies to the stale tokens as to partial
-  # rollouts' ("tis" reweights them). On servers a weight sync lets the requests in flight
-  # finish on the old weights (tagged so) and holds new ones until it is done.
-  max_staleness: int = 0
-  # The engine gets the trainer's weights after every weight_sync_every-th step only (slime's
-  # --update-weights-interval): in between it keeps generating on the weights it has, so step
-  # t's rollouts are t mod weight_sync_every versions old, a staleness fixed by the schedule
-  # and not by timing (what max_staleness gives). Lockstep only; the held-out evaluations run
-  # on an engine of their own with the current weights. A resumed run restarts the cycle at
-  # its checkpoint's step.
-  weight_sync_every: int = 1
+  rollout: sources.RolloutState  # advanced by the rollout source (ahead: on its thread)
 
 
 @dataclasses.dataclass
 class StepRecord:
-  """What one RL step yields: the new state, scalar metrics, and the step's completions."""
+  """What one RL step yields: the new state, scalar metrics, the trajectories trained on, and
+  their rewards and advantages (before the per-token broadcast), f32[N] each."""
   step: int
   state: LoopState
   metrics: dict[str, float]
-  scored: eval_lib.Scored
-  rewards: np.ndarray  # f32[completions]
-  advantages: np.ndarray  # f32[completions], before the per-token broadcast
+  trajectories: list
+  rewards: np.ndarray
+  advantages: np.ndarray
 
 
-@dataclasses.dataclass
-class _StepRollouts:
-  """One step's rollouts, made before its update (in lockstep, or ahead of it): the scored
-  completions, their rewards, and the loop state with its rollout side (rng, prompt
-  statistics, sampler, reward and replay state) advanced past them."""
-  scored: eval_lib.Scored
-  rollouts: Rollouts
-  num_groups: int
-  state: LoopState
-  # generate_s, verify_s, verify_busy_s, score_s, generation_rounds, partial_*
-  metrics: dict[str, float]
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """What `rl_steps` runs with (rl.trainer.build makes them from a run's configuration).
 
-
-class RolloutsFailed(RuntimeError):
-  """Making rollouts ahead of the trainer failed (the engine crashed): says at which step."""
-
-
-class _Stopped(Exception):
-  """The loop closed while rollouts were made ahead of it."""
-
-
-class _RolloutsAhead:
-  """Makes each step's rollouts on a thread of its own while earlier steps train: step p's
-  start once the engine holds weights of version >= p - max_staleness, so no token trained
-  at step p is older than that (the engine's generate reads its weights once per call).
-  With several JAX processes the collectives of step p's rollouts (gathering the
-  completions, the reference's log-probs) wait until the trainer waits for them in next():
-  the two threads never issue collectives at once, so every process issues them in the same
-  order. Each step's generation still runs while the step before it trains."""
-
-  def __init__(self, roll_out: Callable, state: LoopState, max_staleness: int):
-    self._roll_out, self._max_staleness = roll_out, max_staleness
-    self._made: queue.Queue = queue.Queue()
-    self._version = int(state.step)  # the engine's weights
-    self._awaited = None  # the step whose rollouts the trainer waits for in next()
-    self._next_step = int(state.step)
-    self._changed = threading.Condition()
-    self._stopped = False
-    threading.Thread(target=self._run, args=(state,), daemon=True,
-                     name="rollouts-ahead").start()
-
-  def _run(self, state: LoopState) -> None:
-    step = int(state.step)
-    try:
-      while True:
-        waiting = time.perf_counter()
-        with self._changed:
-          self._changed.wait_for(
-              lambda: self._stopped or self._version >= step - self._max_staleness)
-          if self._stopped:
-            return
-        waited = time.perf_counter() - waiting
-        made = self._roll_out(state, step, gate=lambda step=step: self._collectives(step))
-        made.metrics["engine_idle_s"] = waited
-        self._made.put(made)
-        state, step = made.state, step + 1
-    except _Stopped:
-      return
-    except Exception as e:  # noqa: BLE001 - raised on the trainer's thread by next()
-      failed = RolloutsFailed(f"rollouts for RL step {step + 1}, made ahead of the trainer, "
-                              f"failed: {type(e).__name__}: {e}")
-      failed.__cause__ = e
-      self._made.put(failed)
-
-  def _collectives(self, step: int) -> None:
-    """Returns once the trainer waits for `step`'s rollouts (its thread then issues no
-    collectives); _Stopped if the loop closes first."""
-    with self._changed:
-      self._changed.wait_for(lambda: self._stopped or self._awaited == step)
-      if self._stopped:
-        raise _Stopped
-
-  def next(self) -> _StepRollouts:
-    """The next step's rollouts, once made; RolloutsFailed if making them failed."""
-    with self._changed:
-      self._awaited = self._next_step
-      self._changed.notify_all()
-    made = self._made.get()
-    self._next_step += 1
-    if isinstance(made, RolloutsFailed):
-      raise made
-    return made
-
-  def synced(self, version: int) -> None:
-    """The engine now holds weights of `version`."""
-    with self._changed:
-      self._version = version
-      self._changed.notify_all()
-
-  def stop(self) -> None:
-    """No more steps are started (one being made finishes and is dropped)."""
-    with self._changed:
-      self._stopped = True
-      self._changed.notify_all()
-
-
-def init_loop_state(params, optimizer, *, num_prompts: int, sampler, reward, seed: int,
-                    config: Optional["RLConfig"] = None, episodes: bool = False) -> LoopState:
-  """The state before the first RL step. `episodes`: the task is agentic, so partial
-  rollouts buffer multi-turn episodes (rl.envs.EpisodeBuffer: a packed row's worth each)."""
-  config = config or RLConfig()
-  replay = partial.ReplayBuffer.empty(1, 1, 1)  # orbax cannot save zero-size arrays
-  if config.partial_rollouts:
-    capacity = config.replay_capacity or 4 * config.prompts_per_step * config.samples_per_prompt
-    replay = (envs.EpisodeBuffer.empty(capacity, config.seq_len, config.seq_len) if episodes
-              else partial.ReplayBuffer.empty(capacity, config.seq_len, config.max_new_tokens))
-  return LoopState(jnp.zeros((), jnp.int32), init_train_state(params, optimizer),
-                   jax.random.PRNGKey(seed),
-                   sampling_lib.PromptStats.create(num_prompts), sampler.init(num_prompts),
-                   reward.init(), replay, jnp.zeros((), jnp.int32))
-
-
-def rl_steps(state: LoopState, *, engine: RolloutEngine, task, tokenizer,
-             train_step: Callable, advantage: str, reward: rewards_lib.RewardTransform,
-             sampler: sampling_lib.SamplingTransform, config: RLConfig,
-             ref_params=None, reference_logprobs: Optional[Callable] = None,
-             trainer_logprobs: Optional[Callable] = None,
-             teachers: Optional[distill.Teachers] = None) -> Iterator[StepRecord]:
-  """Run RL steps forever from `state`, yielding a StepRecord after each.
-
-  `ref_params` go to the train step (KL in the loss); `reference_logprobs` (a TrainBatch ->
-  log-probs function under the reference) serves `config.kl_reward_coef` (KL in the reward);
-  `trainer_logprobs` ((params, TrainBatch) -> log-probs) serves offpolicy_tokens="tis" and
-  "trust_region".
-  `teachers` (rl.distill.Teachers) score every trajectory for on-policy distillation
-  (batch.teacher_logp, read by the loss `opd`).
-  For an agentic task (one with an `environment`) every rollout is a multi-turn episode
-  (rl/envs) that fits a packed row: its observation tokens are out of the loss, its per-turn
-  rewards go to batch.turn_rewards, and each step logs the episode_* metrics.
-  With several JAX processes (models/distributed.py) every process runs this generator: with
-  an embedded JaxEngine on each, each generates for its share of the step's groups (its
-  engine then gets a whole copy of the params after each step); with servers, process 0's
-  `engine` generates for all of them and syncs the servers' weights, the others passing
-  None. The completions are gathered on every process, and the rest of the step is the same
-  computation everywhere, the train step on the global mesh. An error in process 0's calls
-  to the servers is raised on every process (models.distributed.checked).
-  `train_step` comes from rl.train_step.make_train_step; `advantage` names an estimator in
-  rl.advantages. Each step makes `config.minibatches` optimizer updates, each on a share of
-  whole groups; after the step the engine gets the new weights (version = RL step), or after
-  every config.weight_sync_every-th step only.
-  With config.max_staleness > 0 the rollouts of the next steps (up to max_staleness
-  ahead) are made on a thread while a step trains; the engine gets its own copy of each
-  step's weights, and a failure there raises RolloutsFailed here. Close the generator
-  (`.close()`) to stop that thread. Each StepRecord's metrics break the step's time down:
-  generate_s, verify_s (the wait for verification once generation ended; verify_busy_s is
-  the verifier's whole time, most of it concurrent with generation on servers), score_s
-  (drawing prompts, reward transforms, statistics), pack_s,
-  train_s, weight_sync_s, and trainer_idle_s / engine_idle_s, how long each waited.
-  A `train_step` made with donate_state=True (as `train` makes it) updates the state in
-  place: the state of an earlier StepRecord, and the engine's weights until the step's
-  update_weights, are then deleted arrays. Keep copies (jax.tree.map(jnp.copy, ...)) of the
-  states a notebook wants to look at later, or use a copying train step.
+  context: the engine, task, tokenizer, sizes and prompt sampler the rollout source uses.
+  rollouts: the rollout source. loss: the bound loss the train step optimizes (its `reads`
+  say which optional batch fields to fill). train_step: `(TrainState, TrainBatch,
+  ref_params) -> (TrainState, metrics)` (rl.train_step.make_train_step, with the same loss).
+  reward: the reward transform; advantage: a key of rl.advantages.ESTIMATORS.
+  correction: the off-policy correction of each minibatch; trainer_logprobs: `(params,
+  TrainBatch) -> f32[rows, seq]` for one that needs the trainer's log-probs.
+  kl_reward: KL to the reference in the reward, with reference_logprobs: `TrainBatch ->
+  f32[rows, seq]` under the reference. ref_params: to the train step (a loss reading
+  ref_logp). teachers: score every trajectory (a loss reading teacher_logp).
   """
-  groups, group_size = config.prompts_per_step, config.samples_per_prompt
-  sampling = SamplingParams(max_new_tokens=config.max_new_tokens,
-                            temperature=config.temperature, top_p=config.top_p,
-                            stop_token_ids=(tokenizer.eos_id,))
-  advantage_fn = advantages_lib.ESTIMATORS[advantage]
-  if config.kl_reward_coef and reference_logprobs is None:
-    raise ValueError("RLConfig.kl_reward_coef > 0 needs reference_logprobs (TrainBatch -> "
-                     "f32[rows, seq] log-probs under the reference policy)")
-  if config.offpolicy_tokens in ("tis", "trust_region") and trainer_logprobs is None:
-    raise ValueError(f"RLConfig.offpolicy_tokens={config.offpolicy_tokens!r} needs "
-                     "trainer_logprobs")
-  def roll_out(state: LoopState, step: int, gate: Callable[[], None] = lambda: None
-               ) -> _StepRollouts:
-    """Step `step`'s rollouts from the rollout side of `state` (rng, prompt statistics,
-    sampler, reward and replay state): generation, verification, reward transforms. Returns
-    them with that side of the state advanced past them. `gate()` is called before the
-    first collective (made ahead: the turn of this thread, _RolloutsAhead)."""
-    rng, stats = state.rng, state.prompt_stats
-    sampler_state, reward_state = state.sampler_state, state.reward_state
-    replay, next_group = state.replay, state.next_group
-    kept: list[tuple[eval_lib.Scored, Rollouts]] = []  # one entry per generation round
-    metrics = {"generate_s": 0.0, "verify_s": 0.0, "verify_busy_s": 0.0}
-    started = time.perf_counter()
-    if config.partial_rollouts:
-      rng, draw_key = jax.random.split(rng)
-      weights, sampler_state = sampler.update(stats, sampler_state, step=step)
-      indices = np.asarray(sampling_lib.draw(draw_key, weights, groups))
-      trained, replay, next_group, partial_metrics = _partial_rollouts(
-          engine, task, tokenizer, sampling, config, replay, int(next_group), indices, step)
-      metrics.update(partial_metrics, generate_s=time.perf_counter() - started)
-      records = [task.train[t.record] for g in trained for t in g]
-      verifying = time.perf_counter()
-      scored = eval_lib.score(task, tokenizer, records, [t.prompt_ids for g in trained for t in g],
-                              [t.completion() for g in trained for t in g])
-      metrics["verify_s"] = metrics["verify_busy_s"] = time.perf_counter() - verifying
-      rollouts, reward_state = reward.update(_rollouts(scored, len(trained), [
-          t.record for g in trained for t in g]), reward_state,
-                                             step=step)
-      successes = scored.correct.reshape(len(trained), group_size).sum(axis=1)
-      stats = stats.record(jnp.asarray([g[0].record for g in trained]), group_size,
-                           jnp.asarray(successes), step=step)
-      kept.append((scored, rollouts))
-    for _ in range(0 if config.partial_rollouts else
-                   config.max_generation_rounds if config.drop_uniform_groups else 1):
-      rng, draw_key, gen_key = jax.random.split(rng, 3)
-      weights, sampler_state = sampler.update(stats, sampler_state, step=step)
-      indices = np.asarray(sampling_lib.draw(draw_key, weights, groups))
-      # Each process generates for its share of the groups (_generation_share); the
-      # completions reach every process through JAX's collectives, in group order.
-      seed = int(jax.random.randint(gen_key, (), 0, 2**31 - 1)) + jax.process_index()
-      records = _generation_share(engine, task.train, indices)
-      part = distributed.checked(lambda: eval_lib.generate_and_verify(
-          engine, task, tokenizer, records, sampling, samples=group_size, seed=seed,
-          max_sequence_tokens=config.seq_len + 1,  # an episode fits its packed row
-          timings=metrics) if records else None, before_exchange=gate)
-      scored = eval_lib.concat([p for p in distributed.gather(part) if p is not None])
-      rollouts, reward_state = reward.update(
-          _rollouts(scored, groups, np.repeat(indices, group_size)), reward_state, step=step)
-      if config.kl_reward_coef:
-        rollouts = rollouts.replace(reward=rollouts.reward - config.kl_reward_coef * _sequence_kl(
-            scored, reference_logprobs, config))
-      successes = scored.correct.reshape(groups, group_size).sum(axis=1)
-      stats = stats.record(jnp.asarray(indices), group_size, jnp.asarray(successes), step=step)
-      keep = np.ones(groups, bool)
-      if config.drop_uniform_groups:
-        keep = np.asarray(rollouts.reward).reshape(groups, group_size).std(axis=1) > 0
-      kept.append(_select_groups(scored, rollouts, np.flatnonzero(keep), group_size))
-      if sum(r.num_groups for _, r in kept) >= groups:
-        break
-    else:  # only dynamic sampling can come short
-      if not config.partial_rollouts:
-        raise RuntimeError(
-            f"dynamic sampling: fewer than {groups} groups with unequal rewards after "
-            f"{config.max_generation_rounds} generation rounds at step {step}; raise "
-            "RLConfig.max_generation_rounds or make the prompts less uniform")
-    num_groups = min(groups, sum(r.num_groups for _, r in kept))
-    scored, rollouts = _concat_groups(kept, num_groups, group_size)
-    # The rest of the rollouts' time: drawing prompts, reward transforms, KL, statistics.
-    metrics["score_s"] = (time.perf_counter() - started - metrics["generate_s"]
-                          - metrics["verify_s"])
-    metrics["generation_rounds"] = len(kept)
-    state = state.replace(rng=rng, prompt_stats=stats, sampler_state=sampler_state,
-                          reward_state=reward_state, replay=replay,
-                          next_group=jnp.int32(next_group))
-    return _StepRollouts(scored, rollouts, num_groups, state, metrics)
+  context: sources.Context
+  rollouts: Any
+  loss: BoundLoss
+  train_step: Callable
+  reward: rewards_lib.RewardTransform
+  advantage: str
+  correction: corrections_lib.Correction = dataclasses.field(
+      default_factory=corrections_lib.keep)
+  trainer_logprobs: Optional[Callable] = None
+  kl_reward: Optional[KLReward] = None
+  reference_logprobs: Optional[Callable] = None
+  ref_params: Any = None
+  teachers: Optional[distill.Teachers] = None
 
-  def sync(params, version: int) -> None:
-    """The engine gets `params` as `version`. With several processes it generates alone, on
-    a whole copy of them; ahead of the trainer, on a copy of its own, since the next train
-    step takes (donates) these buffers while the engine may still read them."""
-    whole = distributed.local_copy(params)
-    # Servers get a file; an embedded engine that keeps weights past the next step, a copy.
-    if ((config.max_staleness or config.weight_sync_every > 1)
-        and engine is not None and engine.capabilities.keeps_weight_arrays):
-      whole = jax.tree.map(jnp.copy, whole)
-    distributed.checked(lambda: engine and engine.update_weights(
-        whole, version=version, while_generating=bool(config.max_staleness)))
+  @property
+  def reads(self) -> frozenset[str]:
+    """The optional TrainBatch fields the step fills: those its loss and correction read."""
+    return self.loss.reads | self.correction.reads
 
-  def train_on(state: LoopState, made: _StepRollouts, step: int, waited_s: float
-               ) -> StepRecord:
-    """Step `step`'s update on the rollouts `made`: advantages, packing, train step, sync.
-    `waited_s`: how long the trainer waited for them."""
-    scored, rollouts, num_groups = made.scored, made.rollouts, made.num_groups
-    group_ids = np.asarray(rollouts.group_ids)
-    adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, num_groups))
-    loss_mask = np.asarray(rollouts.loss_mask)
-    token_mask = offpolicy_mask(loss_mask, scored.completions, step, config.offpolicy_tokens)
-    teacher_logp, teacher_topk, teacher_metrics = None, None, {}
-    if teachers is not None:
-      started = time.perf_counter()
-      teacher_logp, teacher_topk, teacher_metrics = distill.teacher_logprobs(
-          teachers, scored.records, scored.prompt_ids, scored.completions)
-      teacher_metrics["teacher_s"] = time.perf_counter() - started
-
-    started = time.perf_counter()
-    batches, mismatch = [], []
-    for share_groups in np.array_split(np.arange(num_groups), min(config.minibatches,
-                                                                  num_groups)):
-      share = np.flatnonzero(np.isin(group_ids, share_groups))
-      batch, _ = trajectory_batch(
-          [scored.prompt_ids[i] for i in share],
-          [scored.completions[i].token_ids for i in share],
-          [scored.completions[i].logprobs for i in share], adv[share],
-          [token_mask[i] for i in share], config.seq_len,
-          row_multiple=config.row_multiple * config.micro_batches,
-          completion_fields=_completion_fields(share, teacher_logp, teacher_topk,
-                                               [scored.completions[i] for i in share]))
-      if config.offpolicy_tokens == "tis":
-        # The step's starting parameters for every minibatch: the PPO ratio of a later
-        # minibatch then sees the updates before it, and the engine mismatch is the engine's.
-        # All before the first update, which may take (donate) those parameters' buffers.
-        batch, share_mismatch = truncated_importance(
-            batch, trainer_logprobs(state.train.params, batch), config.tis_cap)
-        mismatch.append(share_mismatch)
-      elif config.offpolicy_tokens == "trust_region":  # the same parameters, for the same reason
-        batch, share_mismatch = trust_region(
-            batch, trainer_logprobs(state.train.params, batch), config.trust_region)
-        mismatch.append(share_mismatch)
-      batches.append(batch)
-    pack_s = time.perf_counter() - started
-    started = time.perf_counter()
-    train, per_update = state.train, []
-    for batch in batches:
-      train, update_metrics = train_step(train, batch, ref_params)
-      per_update.append(update_metrics)
-    rows = sum(batch.tokens.shape[0] for batch in batches)
-    per_update = jax.device_get(per_update)
-    train_metrics = {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
-    train_metrics["logp_diff_max"] = float(max(m["logp_diff_max"] for m in per_update))
-    # Trainer vs engine log-probs on the same tokens, before this step's first update.
-    if mismatch:
-      train_metrics["engine_logp_diff_mean"] = float(np.mean([m[0] for m in mismatch]))
-      train_metrics["engine_logp_diff_max"] = float(max(m[1] for m in mismatch))
-      if config.offpolicy_tokens == "trust_region":
-        train_metrics["trust_region_masked"] = float(np.mean([m[2] for m in mismatch]))
-    else:
-      train_metrics["engine_logp_diff_mean"] = float(per_update[0]["logp_diff_mean"])
-      train_metrics["engine_logp_diff_max"] = float(per_update[0]["logp_diff_max"])
-    train_s = time.perf_counter() - started
-    started = time.perf_counter()
-    if (step + 1) % config.weight_sync_every == 0:
-      sync(train.params, step + 1)
-    sync_s = time.perf_counter() - started
-
-    state = made.state.replace(step=jnp.int32(step + 1), train=train)
-    rewards = np.asarray(rollouts.reward)
-    versions = np.concatenate([c.versions for c in scored.completions])
-    metrics = {"step": step + 1, "reward": float(rewards.mean()),
-               "accuracy": float(scored.correct.mean()),
-               "completion_length": float(scored.lengths.mean()),
-               "truncated": float(scored.truncated.mean()),
-               "well_formed": float(scored.well_formed.mean()), "rows": rows,
-               "groups_trained": num_groups, **made.metrics, "pack_s": pack_s,
-               "train_s": train_s, "weight_sync_s": sync_s, "trainer_idle_s": waited_s,
-               # Versions behind the policy being trained: at most max_staleness (ahead),
-               # 0 in lockstep, more only for partial rollouts' resumed trajectories.
-               "staleness_max": int(step - versions.min()) if versions.size else 0,
-               **teacher_metrics, **envs.episode_metrics(scored.completions),
-               **train_metrics}
-    return StepRecord(step + 1, state, metrics, scored, rewards, adv)
-
-  if not config.max_staleness:  # lockstep: the engine waits while the step trains and syncs
-    if config.weight_sync_every > 1:  # the engine's own copy: it outlives the next update
-      sync(state.train.params, int(state.step))
-    while True:
-      step = int(state.step)
-      started = time.perf_counter()
-      made = roll_out(state, step)
-      record = train_on(state, made, step, waited_s=time.perf_counter() - started)
-      m = record.metrics
-      m["engine_idle_s"] = m["pack_s"] + m["train_s"] + m["weight_sync_s"] + m.get(
-          "teacher_s", 0.0)
-      state = record.state
-      yield record
-  sync(state.train.params, int(state.step))  # the engine's own copy of the starting weights
-  ahead = _RolloutsAhead(roll_out, state, config.max_staleness)
-  try:
-    while True:
-      step = int(state.step)
-      started = time.perf_counter()
-      made = ahead.next()
-      record = train_on(state, made, step, waited_s=time.perf_counter() - started)
-      ahead.synced(step + 1)
-      state = record.state
-      yield record
-  finally:
-    ahead.stop()
+  def check(self) -> None:
+    """ValueError for parts that cannot run together."""
+    if self.kl_reward is not None and self.kl_reward.coef and self.reference_logprobs is None:
+      raise ValueError("a KLReward needs reference_logprobs (TrainBatch -> f32[rows, seq] "
+                       "log-probs under the reference policy)")
+    if self.correction.trainer_logp and self.trainer_logprobs is None:
+      raise ValueError(f"the correction {self.correction.name!r} needs trainer_logprobs")
+    if "teacher_logp" in self.reads and self.teachers is None:
+      raise ValueError(f"loss {self.loss.name!r} reads teacher log-probs: give Parts.teachers")
 
 
-def _generation_share(engine: Optional[RolloutEngine], source, indices) -> list[dict]:
-  """The records of `indices` this process generates for: with an embedded engine on every
-  process its grain share (rl.tasks.process_share); with servers, which process 0 alone
-  drives (the others have no engine), all of them on process 0 and none elsewhere."""
-  if engine is not None and not engine.capabilities.serves_all_processes:
-    return tasks_lib.process_share(source, indices)
-  return [source[int(i)] for i in indices] if distributed.is_primary() else []
-
-
-def _partial_rollouts(engine, task, tokenizer, sampling, config: RLConfig,
-                      replay: partial.ReplayBuffer | envs.EpisodeBuffer, next_group: int,
-                      indices, step: int):
-  """One step's partial rollouts: new groups for `indices` join the buffered ones; iterations
-  run (at most max_generation_rounds) until a group is complete. An agentic task's episodes
-  pause at a wave boundary of the driver (rl.envs.advance), on any engine; single-turn
-  trajectories are aborted on the servers (rollouts.partial.run_iteration). Returns (up to
-  prompts_per_step complete groups, oldest first; the new buffer; the next group id;
-  metrics)."""
-  environment = getattr(task, "environment", None)
-  n = config.samples_per_prompt
-  pending = replay.trajectories() if environment is None else replay.trajectories(task.train)
-  for k, index in enumerate(indices):
-    record = task.train[int(index)]
-    prompt = eval_lib.prompt_ids(task, tokenizer, record)
-    if environment is None:
-      pending += partial.new_group(next_group + k, int(index), prompt, n)
-    else:
-      pending += [envs.PausedEpisode(next_group + k, int(index), sample, episode)
-                  for sample, episode in enumerate(envs.start(environment, [record] * n,
-                                                              [prompt] * n))]
-  received = aborted = 0
-  pause = ({"finish_fraction": config.partial_lambda} if config.partial_mode == "lambda"
-           else {"token_budget": config.rollout_token_budget})
-  for round_ in range(config.max_generation_rounds):
-    seed = step * config.max_generation_rounds + round_
-    if environment is None:
-      result = partial.run_iteration(engine, pending, sampling, **pause, seed=seed)
-      received += result["received_tokens"]
-      aborted += result["aborted"]
-    else:
-      result = envs.advance(engine, environment, tokenizer, [t.state for t in pending],
-                            sampling, seed=seed, max_sequence_tokens=config.seq_len + 1,
-                            **pause)
-      received += result["generated_tokens"]
-      aborted += sum(not t.finished for t in pending)
-    done, rest = partial.complete_groups(pending)
-    if done:
-      break
-  else:
-    raise RuntimeError(f"partial rollouts: no group finished after "
-                       f"{config.max_generation_rounds} iterations at step {step}; raise "
-                       "RLConfig.rollout_token_budget (partial_lambda) or "
-                       "max_generation_rounds")
-  trained, extra = done[:config.prompts_per_step], done[config.prompts_per_step:]
-  replay = replay.store(rest + [t for g in extra for t in g])
-  stale = np.concatenate([t.versions for g in trained for t in g]) < step
-  return trained, replay, next_group + len(indices), {
-      "partial_received_tokens": received, "partial_aborted": aborted,
-      "partial_iterations": round_ + 1,
-      "replay_size": len(rest) + sum(len(g) for g in extra),
-      "stale_token_fraction": float(stale.mean()) if stale.size else 0.0}
-
-
-def check_offpolicy_and_partial(config: RLConfig, *, has_abort_engine: bool,
-                                episodes: bool = False) -> None:
-  """ConfigError for partial-rollout and off-policy bindings that cannot run. `episodes`:
-  the task is agentic, whose episodes pause between the driver's waves on any engine."""
-  if config.offpolicy_tokens not in ("keep", "mask", "tis", "trust_region"):
-    raise ConfigError(f"RLConfig.offpolicy_tokens={config.offpolicy_tokens!r}; valid: 'keep', "
-                      "'mask', 'tis', 'trust_region'")
-  if config.offpolicy_tokens == "trust_region":
-    low, high = config.trust_region
-    if not low < 0 < high:
-      raise ConfigError(f"RLConfig.trust_region={config.trust_region} must be a (low, high) "
-                        "window of log-ratios around the current policy, low < 0 < high, "
-                        "e.g. (-1.0, 1.0)")
-  if not config.partial_rollouts:
-    return
-  if config.partial_mode not in ("tokens", "lambda"):
-    raise ConfigError(f"RLConfig.partial_mode={config.partial_mode!r}; valid: 'tokens' (k1.5, "
-                      "rollout_token_budget) or 'lambda' (K3, partial_lambda)")
-  if config.partial_mode == "tokens" and config.rollout_token_budget < 1:
-    raise ConfigError(f"RLConfig.partial_mode='tokens' needs rollout_token_budget > 0, got "
-                      f"{config.rollout_token_budget}")
-  if config.partial_mode == "lambda" and not 0 < config.partial_lambda <= 1:
-    raise ConfigError(f"RLConfig.partial_mode='lambda' needs partial_lambda in (0, 1] (the "
-                      f"fraction of an iteration's trajectories that finish before it pauses), "
-                      f"got {config.partial_lambda}")
-  if not has_abort_engine and not episodes:
-    raise ConfigError("RLConfig.partial_rollouts needs an engine that can abort requests "
-                      "(train.rollout_engine = @local_engine or @remote_engine)")
-
-
-def check_multiprocess(mesh: Optional[Mesh], config: RLConfig, *, init_from: Optional[str],
-                       teachers) -> None:
-  """ConfigError for what a run on several JAX processes cannot do (yet): the mesh must span
-  every process's devices, and rollouts are whole steps, from a fresh start."""
-  count = jax.process_count()
-  if mesh is None or mesh.devices.size != jax.device_count():
-    raise ConfigError(f"{count} JAX processes with {jax.device_count()} devices in all: "
-                      "train.mesh must span them all (e.g. make_mesh.fsdp = "
-                      f"{jax.device_count()}), got {None if mesh is None else dict(mesh.shape)}")
-  unsupported = {"RLConfig.partial_rollouts": config.partial_rollouts,
-                 "train.init_from": init_from is not None, "train.teachers": teachers is not None}
-  named = [name for name, on in unsupported.items() if on]
-  if named:
-    raise ConfigError(f"{', '.join(named)}: not supported with {count} JAX processes yet "
-                      "(several processes generate whole steps)")
-
-
-def offpolicy_mask(loss_mask, completions, step: int, mode: str) -> list:
-  """Per completion: its loss mask, or with mode "mask" a bool[n] that also drops the tokens
-  an older policy than version `step` generated; an episode's observation tokens (not its
-  policy_mask) are always dropped."""
-  masks = []
-  for keep, c in zip(loss_mask, completions):
-    mask = bool(keep)
-    if mode == "mask":
-      mask = mask & (c.versions >= step)
-    if c.policy_mask is not None:
-      mask = mask & c.policy_mask
-    masks.append(mask)
-  return masks
-
-
-def _turn_rewards(completions) -> list | None:
-  """Each episode's per-turn rewards on its tokens (batch.turn_rewards); None unless every
-  completion is an episode."""
-  if not completions or not all(isinstance(c, envs.Episode) for c in completions):
-    return None
-  return [c.turn_reward_tokens() for c in completions]
-
-
-def _completion_fields(share, teacher_logp, teacher_topk, completions) -> dict:
-  """The per-token TrainBatch fields of the completions `share` (trajectory_batch)."""
-  pick = lambda values: None if values is None else [values[i] for i in share]
-  topk = pick(teacher_topk)
-  return {"teacher_logp": pick(teacher_logp),
-          "teacher_topk_ids": None if topk is None else [ids for ids, _ in topk],
-          "teacher_topk_logp": None if topk is None else [logp for _, logp in topk],
-          "turn_rewards": _turn_rewards(completions)}
-
-
-def truncated_importance(batch, trainer_logp, cap: float):
-  """old_logp := the trainer's log-probs; each token's advantage times
-  min(exp(trainer - engine), cap). Returns (batch, (mean, max |trainer - engine|))."""
-  trainer_logp = np.asarray(trainer_logp)
-  mask = np.asarray(batch.loss_mask) > 0
-  diff = (trainer_logp - np.asarray(batch.old_logp)) * mask
-  weight = np.where(mask, np.minimum(np.exp(np.clip(diff, -20.0, 20.0)), cap), 1.0)
-  mismatch = (float(np.abs(diff).sum() / max(mask.sum(), 1)), float(np.abs(diff).max()))
-  return batch.replace(old_logp=trainer_logp.astype(np.float32),
-                       advantages=(np.asarray(batch.advantages) * weight).astype(np.float32)
-                       ), mismatch
-
-
-def trust_region(batch, trainer_logp, window: tuple[float, float]):
-  """K3's local neighbourhood of the current policy: the tokens whose log-ratio
-  d = trainer - engine (old) log-prob lies outside [low, high] leave the loss (loss_mask 0);
-  the others keep the engine's old_logp, as "keep". Returns (batch, (mean, max |d|, fraction
-  of the loss tokens masked))."""
-  low, high = window
-  trainer_logp = np.asarray(trainer_logp)
-  mask = np.asarray(batch.loss_mask) > 0
-  diff = (trainer_logp - np.asarray(batch.old_logp)) * mask
-  outside = mask & ((diff < low) | (diff > high))
-  mismatch = (float(np.abs(diff).sum() / max(mask.sum(), 1)), float(np.abs(diff).max()),
-              float(outside.sum() / max(mask.sum(), 1)))
-  return batch.replace(loss_mask=np.where(outside, 0.0, batch.loss_mask).astype(np.float32)
-                       ), mismatch
-
-
-def _sequence_kl(scored: eval_lib.Scored, reference_logprobs: Callable, config: RLConfig):
-  """sum_t kl(engine_logp_t, ref_logp_t) over each completion's tokens: f32[N]. The engine's
-  log-probs stand for the behaviour policy (they equal the trainer's, see logp_diff_*)."""
-  lengths = [len(p) + len(c.token_ids) - 1 for p, c in zip(scored.prompt_ids,
-                                                           scored.completions)]
-  batch, placements = trajectory_batch(
-      scored.prompt_ids, [c.token_ids for c in scored.completions],
-      [c.logprobs for c in scored.completions], [0.0] * len(lengths),
-      [True if c.policy_mask is None else c.policy_mask for c in scored.completions],
-      config.seq_len, row_multiple=config.row_multiple)
-  ref_logp = np.asarray(reference_logprobs(jax.tree.map(jnp.asarray, batch)))
-  kl = np.asarray(kl_lib.ESTIMATORS[config.kl_reward_estimator](
-      jnp.asarray(batch.old_logp), jnp.asarray(ref_logp))) * batch.loss_mask
-  return jnp.asarray([x.sum() for x in unpack(kl, placements, lengths)], jnp.float32)
-
-
-def _rollouts(scored: eval_lib.Scored, groups: int, record_ids=None) -> Rollouts:
-  n = len(scored.texts)
-  record_ids = None if record_ids is None else jnp.asarray(np.asarray(record_ids, np.int32))
-  return Rollouts(group_ids=jnp.asarray(np.repeat(np.arange(groups), n // groups)),
-                  correct=jnp.asarray(scored.correct), lengths=jnp.asarray(scored.lengths),
-                  truncated=jnp.asarray(scored.truncated),
-                  well_formed=jnp.asarray(scored.well_formed),
-                  reward=jnp.zeros(n, jnp.float32), loss_mask=jnp.ones(n, bool),
-                  num_groups=groups, record_ids=record_ids)
-
-
-def _select_groups(scored: eval_lib.Scored, rollouts: Rollouts, keep, group_size: int):
-  """The completions of groups `keep` (indices, in order), renumbered 0..len(keep)-1."""
-  rows = (keep[:, None] * group_size + np.arange(group_size)).reshape(-1)
-  pick = lambda xs: [xs[i] for i in rows]
-  part = eval_lib.Scored(pick(scored.prompt_ids), pick(scored.completions), pick(scored.texts),
-                         scored.correct[rows], scored.lengths[rows], scored.truncated[rows],
-                         scored.well_formed[rows], pick(scored.records))
-  arrays = jax.tree.map(lambda x: np.asarray(x)[rows], rollouts)
-  return part, arrays.replace(group_ids=np.repeat(np.arange(len(keep)), group_size),
-                              num_groups=len(keep))
-
-
-def _concat_groups(parts, groups: int, group_size: int):
-  """The first `groups` groups of the rounds' kept groups, as one Scored and one Rollouts."""
-  n = groups * group_size
-  cat_array = lambda xs: np.concatenate(xs)[:n]
-  scored = eval_lib.concat([s for s, _ in parts], limit=n)
-  # num_groups is static pytree metadata: make it equal before mapping over the parts.
-  rollouts = jax.tree.map(lambda *xs: jnp.asarray(cat_array(xs)),
-                          *[r.replace(num_groups=groups) for _, r in parts])
-  return scored, rollouts.replace(group_ids=jnp.asarray(np.repeat(np.arange(groups),
-                                                                   group_size)),
-                                  num_groups=groups)
+def init_state(params, optimizer: optax.GradientTransformation, parts: Parts,
+               seed: int) -> LoopState:
+  """The state before the first RL step."""
+  return LoopState(jnp.zeros((), jnp.int32), init_train_state(params, optimizer),
+                   parts.reward.init(),
+                   sources.init_state(parts.context, parts.rollouts, seed))
 
 
 def rl_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0,
@@ -729,349 +118,145 @@ def rl_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0,
                      optax.adamw(learning_rate, weight_decay=weight_decay))
 
 
-def train(run_dir: str, *, task, model: Callable[[int], ModelConfig],
-          tokenizer: Optional[CharTokenizer] = None, loss: str = "k1.5",
-          loss_hparams: Optional[dict[str, Any]] = None, advantage: Optional[str] = None,
-          reward: Optional[rewards_lib.RewardTransform] = None,
-          sampler: Optional[sampling_lib.SamplingTransform] = None,
-          rl: RLConfig = RLConfig(), num_steps: int = 100, learning_rate: float = 1e-4,
-          sft_steps: int = 200, sft_batch_size: int = 64,
-          sft_learning_rate: float = 3e-3, eval_records: int = 256, eval_every: int = 0,
-          checkpoint_every: int = 20, seed: int = 0, progress: bool = True,
-          mesh: Optional[Mesh] = None,
-          sampled_eval: Optional[eval_lib.SampledEval] = None,
-          rollout_engine: Optional[Callable[..., RolloutEngine]] = None,
-          init_from: Optional[str] = None,
-          monitors: Optional[Mapping[str, monitors_lib.Monitor]] = None,
-          stop_on: Sequence[str] = (), tensorboard: bool = True,
-          wandb_project: Optional[str] = None,
-          teachers: Optional[Callable[[ModelConfig], distill.Teachers]] = None
-          ) -> dict[str, Any]:
-  """A whole run in `run_dir`: SFT warm start, held-out eval, `num_steps` RL steps, eval.
+def rl_steps(state: LoopState, parts: Parts) -> Iterator[StepRecord]:
+  """Run RL steps forever from `state`, yielding a StepRecord after each.
 
-  `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny).
-  `advantage` overrides the estimator the loss is registered with. If
-  `run_dir` holds a checkpoint the run resumes from it: no SFT again, the step count goes on,
-  metrics.jsonl is appended. The SFT params are saved in `run_dir/sft`; they are the
-  reference policy of losses with a KL term. Returns {"sft_accuracy", "rl_accuracy",
-  "steps", ...}: the held-out greedy evaluation (rl.eval.greedy_eval) after SFT and after
-  RL, for an agentic task with its episode metrics (sft_tool_calls_rate, rl_turns, ...).
-  `mesh` (models.sharding.make_mesh) is where the SFT and RL train steps and the reference
-  log-probs run; its `context` axis turns on ring attention. The embedded engine runs on one
-  device.
-  `sampled_eval` adds pass@k / maj@k / mean@k at its largest budget on the same
-  `eval_records` to every `eval_every` evaluation (logged as eval_pass@k, ...).
-  `rollout_engine(cfg, params, version)` makes the RL rollout engine (default: the embedded
-  JaxEngine); e.g. rollouts.server.local_engine serves the policy from a subprocess over
-  SGLang's protocol, rollouts.sglang.remote_engine uses SGLang servers. Evaluations stay
-  in-process.
-  `init_from` (a run directory: an RL run, or a model saved by rl.checkpoint.save_policy)
-  replaces the SFT warm start: RL starts from that run's latest params, which also become
-  this run's reference policy (long2short RL, or several runs from one warm start).
-  `teachers(cfg)` (e.g. rl.distill.from_checkpoints) gives the teachers that score every
-  trajectory for on-policy distillation; the loss `opd` needs them.
-  `monitors` (name -> rl.monitors.Monitor; None: rl.monitors.defaults(), {}: none) read each
-  step's metrics; an alert is printed above the progress bar and recorded in the step's
-  `warnings`. A monitor named in `stop_on` ends the run when it fires: the step's
-  checkpoint is saved, summary.json's "stopped" says which monitor saw what, and running
-  `train` again on `run_dir` resumes (the monitors' state is replayed from metrics.jsonl, so
-  the one that fired stays quiet until its rule clears).
-  `tensorboard` writes event files into `run_dir`; `wandb_project` also logs to W&B
-  (WANDB_MODE=offline: no network, files under run_dir/wandb). Both get metrics.jsonl's
-  numeric fields and histograms of the advantages and completion lengths.
-  Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set, or
-  models.distributed.initialize called first; every process runs `train` with the same
-  arguments): `mesh` spans all their devices, each process makes its own shards of the
-  params, optimizer state and batches and generates for its share of each step's prompts on
-  its own embedded engine (with `rollout_engine`, process 0 alone makes the engine and
-  drives the servers for all), process 0 alone writes metrics, summary, plots and logs, and
-  all take part in every checkpoint. A run resumes on another number of processes when its mesh fits
-  them (the state is resharded on restore).
+  Each step makes RLConfig.minibatches optimizer updates, each on a share of whole groups;
+  after the step the engine gets the new weights (version = RL step), or after every
+  weight_sync_every-th step only. With several JAX processes every process runs this
+  generator: the rollouts reach every process (rl.sources), and the rest of the step is the
+  same computation everywhere, the train step on the global mesh; an error in process 0's
+  calls to the servers is raised on every process (models.distributed.checked).
+  Each StepRecord's metrics break the step's time down: generate_s, verify_s (the wait for
+  verification once generation ended; verify_busy_s is the verifier's whole time), score_s
+  (drawing prompts, reward transforms, statistics), pack_s, train_s, weight_sync_s, and
+  trainer_idle_s / engine_idle_s, how long each waited for the other.
+  Close the generator (`.close()`) to stop a source that runs ahead. A `train_step` made
+  with donate_state=True (as rl.trainer makes it) updates the state in place: the state of
+  an earlier StepRecord, and the engine's weights until the step's update_weights, are then
+  deleted arrays. Keep copies (jax.tree.map(jnp.copy, ...)) of the states a notebook wants to
+  look at later, or use a copying train step.
   """
-  distributed.initialize()  # several processes when the environment says so (JAX_* variables)
-  multi, primary = jax.process_count() > 1, distributed.is_primary()
-  tokenizer = tokenizer or CharTokenizer()
-  reward = reward or rewards_lib.named_chain({"correctness": rewards_lib.correctness()})
-  sampler = sampler or sampling_lib.uniform()
-  monitors = monitors_lib.defaults() if monitors is None else dict(monitors)
-  # Everything that can be wrong with the configuration fails here, before any compile.
-  unknown = sorted(set(stop_on) - set(monitors))
-  if unknown:
-    raise ConfigError(f"train.stop_on names {unknown}, which are not among the run's monitors "
-                      f"{sorted(monitors)} (train.monitors)")
-  if wandb_project and importlib.util.find_spec("wandb") is None:
-    raise ConfigError("train.wandb_project needs the wandb package: pip install "
-                      "'longrl[wandb]'")
-  loss_fn = losses.bind(loss, loss_hparams)
-  if losses.get(loss).advantage is None:
-    raise ConfigError(f"loss {loss!r} does not train on rollouts (e.g. DPO trains on "
-                      f"preference pairs: rl.long2short.dpo); RL losses: "
-                      f"{', '.join(losses.rollout_losses())}")
-  if losses.get(loss).teacher != (teachers is not None):
-    raise ConfigError(f"loss {loss!r} reads teacher log-probs: set train.teachers (e.g. "
-                      "@from_checkpoints)" if teachers is None else
-                      f"train.teachers is set, but loss {loss!r} reads no teacher log-probs; "
-                      "use loss 'opd' or drop the teachers")
-  advantage = advantage or losses.get(loss).advantage
-  if advantage not in advantages_lib.ESTIMATORS:
-    raise ConfigError(f"unknown advantage estimator {advantage!r}; valid: "
-                      f"{', '.join(sorted(advantages_lib.ESTIMATORS))}")
-  cfg = model(tokenizer.vocab_size)
-  if cfg.vocab_size < tokenizer.vocab_size:
-    raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                     f"{tokenizer.vocab_size}")
-  context = 1 if mesh is None else mesh.shape["context"]
+  parts.check()
+  source, config = parts.rollouts, parts.context.config
+  if source.concurrent or config.weight_sync_every > 1:  # the engine's own copy
+    _sync(parts, state.train.params, int(state.step))
   try:
-    kernel = dispatch.plan(cfg.attention, context, cfg.compute_dtype)
-  except dispatch.KernelUnavailable as e:
-    raise ConfigError(str(e)) from None
-  if kernel == "ring":
-    kernel = f"ring over {context} sequence shards"
-  if rl.kl_reward_estimator not in kl_lib.ESTIMATORS:
-    raise ConfigError(f"unknown RLConfig.kl_reward_estimator {rl.kl_reward_estimator!r}; "
-                      f"valid: {sorted(kl_lib.ESTIMATORS)}")
-  if not 1 <= rl.minibatches <= rl.prompts_per_step:
-    raise ConfigError(f"RLConfig.minibatches={rl.minibatches} must be in [1, prompts_per_step="
-                      f"{rl.prompts_per_step}]")
-  if rl.prompts_per_step > len(task.train):
-    raise ConfigError(f"RLConfig.prompts_per_step={rl.prompts_per_step} exceeds the "
-                     f"{len(task.train)} training prompts")
-  if eval_records > len(task.test):
-    raise ConfigError(f"eval_records={eval_records} exceeds the {len(task.test)} test records")
-  agentic = getattr(task, "environment", None) is not None
-  check_offpolicy_and_partial(rl, has_abort_engine=rollout_engine is not None,
-                              episodes=agentic)
-  if init_from and not os.path.isdir(os.path.join(init_from, "checkpoints")):
-    raise ConfigError(f"train.init_from={init_from!r}: no checkpoints/ directory there")
-  if rl.max_staleness < 0:
-    raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} must be >= 0 (0: lockstep)")
-  if rl.weight_sync_every < 1:
-    raise ConfigError(f"RLConfig.weight_sync_every={rl.weight_sync_every} must be >= 1 (1: "
-                      "after every step)")
-  if rl.weight_sync_every > 1 and rl.max_staleness:
-    raise ConfigError(f"RLConfig.weight_sync_every={rl.weight_sync_every} runs in lockstep "
-                      f"only; RLConfig.max_staleness={rl.max_staleness} bounds the staleness by "
-                      "timing instead: choose one")
-  if rl.max_staleness:
-    if rl.partial_rollouts:
-      raise ConfigError(f"RLConfig.max_staleness={rl.max_staleness} (rollouts ahead of the "
-                        "trainer) does not run with RLConfig.partial_rollouts yet")
-  if multi:
-    check_multiprocess(mesh, rl, init_from=init_from, teachers=teachers)
-
-  # Teachers load before the warm start: a wrong path or shape fails before anything trains.
-  teacher_table = None if teachers is None else teachers(cfg)
-
-  mesh_shape = "one device" if mesh is None else dict(mesh.shape)
-  say = print if primary else lambda *args, **kwargs: None  # process 0 alone writes and talks
-  progress = progress and primary
-  say(f"train step: mesh {mesh_shape}, attention {kernel}"
-      + (f", {jax.process_count()} processes" if multi else ""))
-  os.makedirs(run_dir, exist_ok=True)
-  metrics_path = os.path.join(run_dir, "metrics.jsonl")
-  summary_path = os.path.join(run_dir, "summary.json")
-  checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
-  sft_checkpointer = Checkpointer(os.path.join(run_dir, "sft"), max_to_keep=1)
-  optimizer = rl_optimizer(learning_rate)
-  evaluate = lambda engine: eval_lib.greedy_eval(
-      engine, task, tokenizer, num_records=eval_records, max_new_tokens=rl.max_new_tokens)
-
-  key = jax.random.PRNGKey(seed)
-  if mesh is None:
-    params = transformer.init_params(cfg, key)
-  else:  # each process makes only its own shards
-    init = lambda k: transformer.init_params(cfg, k)
-    params = jax.jit(init, out_shardings=sharding.param_shardings(jax.eval_shape(init, key),
-                                                                  mesh))(np.asarray(key))
-  state = init_loop_state(params, optimizer, num_prompts=len(task.train), sampler=sampler,
-                          reward=reward, seed=seed + 1, config=rl, episodes=agentic)
-  state_shardings, place = None, lambda train: train
-  # Each process puts only its own rows of a batch on the mesh.
-  place_rows = (lambda batch: batch) if mesh is None else (
-      lambda batch: sharding.place_rows(batch, mesh))
-  if mesh is not None:  # params and optimizer moments split over fsdp and tensor
-    sharding.check_sharded(state.train.params, mesh)
-    state_shardings = sharding.state_shardings(state.train, optimizer, mesh)
-    place = lambda train: jax.device_put(distributed.replicated(train, mesh), state_shardings)
-    state = state.replace(train=place(state.train))
-  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
-  resuming = checkpointer.latest_step() is not None
-  if resuming:
-    state = checkpointer.restore(state)
-    say(f"resuming from {run_dir} at RL step {int(state.step)}")
-    moved = metrics_lib.truncate(metrics_path, int(state.step)) if primary else 0
-    if moved:
-      say(f"{moved} metrics records after the checkpoint moved to {metrics_path}.discarded")
-    summary.pop("stopped", None)
-  else:
-    started = time.perf_counter()
-    if init_from:
-      try:
-        params, sft_loss = checkpoint.load_policy(init_from, like=params), None
-      except ValueError as e:
-        raise ConfigError(f"train.init_from: {e}") from None
-      say(f"starting from the params of {init_from} (no SFT warm start)")
-    else:
-      params, sft_loss = sft.warm_start(params, cfg, task, tokenizer, steps=sft_steps,
-                                        batch_size=sft_batch_size,
-                                        learning_rate=sft_learning_rate, seq_len=rl.seq_len,
-                                        seed=seed, progress=progress, mesh=mesh)
-    state = state.replace(train=place(init_train_state(params, optimizer)))
-    sft_checkpointer.save(0, params)
-    held_out = evaluate(JaxEngine(cfg, distributed.local_copy(params)))
-    summary = {**_prefixed("sft", held_out), "sft_loss": sft_loss,
-               "sft_seconds": time.perf_counter() - started, "init_from": init_from}
-    if primary:
-      _write_json(summary_path, summary)
-      metrics_lib.append(metrics_path, {"step": 0, **_prefixed("eval", held_out)})
-    checkpointer.save(0, state)
-    say(f"{'at the start' if init_from else 'after SFT'}: held-out "
-        f"{_held_out_text(held_out)}")
-
-  ref_params = reference_logprobs = None
-  if losses.uses_reference(loss, loss_hparams) or rl.kl_reward_coef:
-    reference = sft_checkpointer.restore(state.train.params)
-    ref_params = reference if losses.uses_reference(loss, loss_hparams) else None
-    # Params go in as an argument: closing over them would bake them into the executable.
-    logprobs_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
-    reference_logprobs = lambda batch: distributed.host_copy(
-        logprobs_fn(reference, cfg, place_rows(batch))[0])
-  sft_checkpointer.close()
-  monitor = monitors_lib.named_chain(monitors)
-  monitor_state = monitor.init()
-  # Every process reads process 0's records: all replay the same monitor state.
-  history = distributed.gather(metrics_lib.read(metrics_path) if primary else None)[0]
-  for past in history:  # the monitors' state is a function of the records so far
-    _, monitor_state = monitor.update(past, monitor_state)
-  # Before the engine starts (a server process): a W&B run that cannot start leaks nothing.
-  loggers = loggers_lib.Loggers(
-      run_dir, tensorboard=tensorboard and primary, wandb_project=wandb_project if primary
-      else None,
-      resume_step=int(state.step) if resuming else None,
-      config={"loss": loss, "loss_hparams": loss_hparams, "advantage": advantage,
-              "rl": dataclasses.asdict(rl), "learning_rate": learning_rate, "seed": seed,
-              "init_from": init_from})
-  if not resuming:
-    loggers.log(history[-1])  # the held-out evaluation at step 0
-  whole = distributed.local_copy(state.train.params)
-  if rollout_engine is None:
-    engine = JaxEngine(cfg, whole, version=int(state.step))
-  else:  # servers: process 0 alone talks to them (rl_steps)
-    engine = distributed.checked(lambda: rollout_engine(cfg, whole, int(state.step))
-                                 if primary else None)
-    if rl.partial_rollouts and not agentic and engine is not None and (
-        not engine.capabilities.abort):
-      raise ConfigError(f"RLConfig.partial_rollouts needs an engine that can abort requests, "
-                        f"got {type(engine).__name__}")
-  trainer_logprobs = None
-  if rl.offpolicy_tokens in ("tis", "trust_region"):
-    policy_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
-    trainer_logprobs = lambda params, batch: distributed.host_copy(
-        policy_fn(params, cfg, place_rows(batch))[0])
-  in_process = engine is not None and not engine.capabilities.serves_all_processes
-  evaluation_engine = (engine if in_process and rl.weight_sync_every == 1
-                       else JaxEngine(cfg, whole, version=int(state.step)))
-  del whole
-  # The rollout engine already has each step's weights (several processes: a whole copy on
-  # each); a separate one gets them here.
-  update_evaluation = (lambda step: None) if evaluation_engine is engine else (
-      lambda step: evaluation_engine.update_weights(distributed.local_copy(state.train.params),
-                                                    step))
-  # Donated: one copy of the params and moments less at each update's peak. Nothing here
-  # reads a state after its update (an orbax save still reading one keeps it: JAX then
-  # copies instead of donating).
-  step_fn = sharding.on_mesh(
-      mesh, make_train_step(cfg, optimizer, loss_fn, micro_batches=rl.micro_batches,
-                            state_shardings=state_shardings, donate_state=True))
-  train_step = lambda train, batch, ref: step_fn(train, place_rows(batch), ref)
-  steps = rl_steps(state, engine=engine, task=task, tokenizer=tokenizer, train_step=train_step,
-                   advantage=advantage, reward=reward, sampler=sampler,
-                   config=rl, ref_params=ref_params, reference_logprobs=reference_logprobs,
-                   trainer_logprobs=trainer_logprobs, teachers=teacher_table)
-  start_step = int(state.step)
-  stopped = None
-  bar = tqdm(total=num_steps, initial=start_step, desc=f"RL ({loss})", disable=not progress,
-             dynamic_ncols=True)
-  try:
-    for _ in range(max(0, num_steps - start_step)):
-      record = next(steps)
-      state, m = record.state, record.metrics
-      if eval_every and record.step % eval_every == 0:
-        update_evaluation(record.step)
-        m.update(_prefixed("eval", evaluate(evaluation_engine)))
-        if sampled_eval is not None:
-          held_out = [task.test[i] for i in range(eval_records)]
-          report = eval_lib.sampled_eval(evaluation_engine, task, tokenizer, held_out,
-                                         sampled_eval,
-                                         seed=seed + record.step)
-          # Its sampled "accuracy" is mean@n: kept apart from the greedy eval_accuracy.
-          m.update({f"eval_{key}": value
-                    for key, value in report["budgets"][max(report["budgets"])].items()
-                    if key != "accuracy"})
-      alerts, monitor_state = monitor.update(m, monitor_state)
-      for alert in alerts:
-        if primary:
-          tqdm.write(f"warning [{alert.monitor}] at RL step {record.step}: {alert.message}")
-      if alerts:
-        m["warnings"] = [alert._asdict() for alert in alerts]
-      if primary:
-        metrics_lib.append(metrics_path, m)
-      loggers.log(m, {"distribution/advantages": record.advantages,
-                      "distribution/completion_length": record.scored.lengths})
-      bar.set_postfix(reward=f"{m['reward']:.2f}", acc=f"{m['accuracy']:.2f}",
-                      len=f"{m['completion_length']:.1f}", gen=f"{m['generate_s']:.1f}s",
-                      train=f"{m['train_s']:.1f}s", idle=f"{m['trainer_idle_s']:.1f}s")
-      bar.update(1)
-      stops = [alert for alert in alerts if alert.monitor in stop_on]
-      if stops or record.step % checkpoint_every == 0 or record.step == num_steps:
-        checkpointer.save(record.step, state)
-      if stops:
-        stopped = {"step": record.step, **stops[0]._asdict()}
-        break
-  finally:  # server processes end with the loop, and checkpoints are written, also on failure
-    steps.close()  # rollouts made ahead stop
-    checkpointer.close()
-    if engine is not None:
-      engine.close()
-    loggers.close()
-    if teacher_table is not None:
-      teacher_table.close()
-  bar.close()
-  if stopped:
-    say(f"stopped by monitor {stopped['monitor']} at RL step {stopped['step']}: "
-        f"{stopped['message']}. Its checkpoint is saved; running again on {run_dir} resumes "
-        "(the monitor stays quiet until its rule clears)")
-
-  update_evaluation(int(state.step))
-  held_out = evaluate(evaluation_engine)
-  summary.update(_prefixed("rl", held_out), steps=int(state.step))
-  if stopped:
-    summary["stopped"] = stopped
-  if primary:
-    _write_json(summary_path, summary)
-    metrics_lib.plot(metrics_lib.read(metrics_path), os.path.join(run_dir, "metrics.png"),
-                     title=f"{loss} on {type(task).__name__}")
-  say(f"after RL: held-out {_held_out_text(held_out)}")
-  # The last line: before and after RL, and for an agentic task how many episodes call a tool.
-  last = ["accuracy"] + (["tool_calls_rate"] if "rl_tool_calls_rate" in summary else [])
-  say(" ".join(f"{prefix}_{key}={summary.get(f'{prefix}_{key}', float('nan')):.2f}"
-                 for key in last for prefix in ("sft", "rl")))
-  return summary
+    while True:
+      step = int(state.step)
+      started = time.perf_counter()
+      made, rollout_state = source.next(parts.context, state.rollout, step)
+      waited = time.perf_counter() - started
+      record = _step(parts, state.replace(rollout=rollout_state), made, step, waited)
+      state = record.state
+      yield record
+  finally:
+    source.close()
 
 
-def _prefixed(prefix: str, held_out: dict) -> dict:
-  return {f"{prefix}_{key}": value for key, value in held_out.items()}
+def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
+          waited_s: float) -> StepRecord:
+  """Step `step`'s update on the rollouts `made`: rewards, advantages, batches, train step,
+  weight sync. `waited_s`: how long the trainer waited for the rollouts."""
+  started = time.perf_counter()
+  trajectories = made.trajectories
+  rollouts, reward_state = parts.reward.update(rollouts_view(trajectories), state.reward_state,
+                                               step=step)
+  if parts.kl_reward is not None and parts.kl_reward.coef:
+    rollouts = rollouts.replace(reward=rollouts.reward - parts.kl_reward.coef * (
+        batch_lib.sequence_kl(trajectories, parts.reference_logprobs, parts.kl_reward,
+                              parts.context.config)))
+  advantage_fn = advantages_lib.ESTIMATORS[parts.advantage]
+  adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, rollouts.num_groups))
+  metrics = dict(made.metrics)
+  metrics["score_s"] = time.perf_counter() - started + (
+      0.0 if parts.rollouts.concurrent else max(
+          0.0, waited_s - metrics["generate_s"] - metrics["verify_s"]))
+  fields = batch_lib.trajectory_fields(trajectories, parts.reads)
+  if parts.teachers is not None:
+    teacher, teacher_metrics = distill.teacher_fields(parts.teachers, trajectories, parts.reads)
+    fields.update(teacher)
+    metrics.update(teacher_metrics)
+  train, train_metrics = _update(parts, state, trajectories, adv, np.asarray(rollouts.loss_mask),
+                                 fields, step)
+  metrics.update(train_metrics)
+  started = time.perf_counter()
+  if (step + 1) % parts.context.config.weight_sync_every == 0:
+    _sync(parts, train.params, step + 1)
+    parts.rollouts.synced(step + 1)
+  metrics["weight_sync_s"] = time.perf_counter() - started
+  metrics["trainer_idle_s"] = waited_s
+  metrics.setdefault("engine_idle_s", metrics["pack_s"] + metrics["train_s"] + metrics[
+      "weight_sync_s"] + metrics.get("teacher_s", 0.0))
+  rewards = np.asarray(rollouts.reward)
+  metrics.update(_rollout_metrics(parts, trajectories, rewards, step))
+  state = state.replace(step=jnp.int32(step + 1), train=train, reward_state=reward_state)
+  return StepRecord(step + 1, state, metrics, trajectories, rewards, adv)
 
 
-def _held_out_text(held_out: dict) -> str:
-  """One greedy_eval result in words."""
-  text = f"accuracy {held_out['accuracy']:.3f}, mean length {held_out['length']:.1f}"
-  if "tool_calls_rate" in held_out:
-    text += (f", tool calls in {held_out['tool_calls_rate']:.2f} of the episodes, "
-             f"{held_out['turns']:.2f} turns each")
-  return text
+def _update(parts: Parts, state: LoopState, trajectories, adv, keep, fields, step: int):
+  """Pack the step's minibatches, correct them, and make one update on each. Returns the new
+  TrainState and the metrics: pack_s, train_s, rows, the train step's means over updates
+  (logp_diff_max: their max), and engine_logp_diff_mean / _max, |trainer - engine| before the
+  first update (the correction's, when it measured them)."""
+  started = time.perf_counter()
+  batches = batch_lib.minibatches(trajectories, adv, batch_lib.train_masks(trajectories, keep),
+                                  parts.context.config, fields)
+  corrected, measured = [], []
+  for batch in batches:
+    # The step's starting params for every minibatch: the PPO ratio of a later minibatch then
+    # sees the updates before it, and the engine mismatch is the engine's. All before the
+    # first update, which may take (donate) those params' buffers.
+    trainer_logp = (parts.trainer_logprobs(state.train.params, batch)
+                    if parts.correction.trainer_logp else None)
+    batch, correction_metrics = parts.correction.apply(batch, step=step,
+                                                       trainer_logp=trainer_logp)
+    corrected.append(batch)
+    measured.append(correction_metrics)
+  pack_s = time.perf_counter() - started
+  started = time.perf_counter()
+  train, per_update = state.train, []
+  for batch in corrected:
+    train, update_metrics = parts.train_step(train, batch, parts.ref_params)
+    per_update.append(update_metrics)
+  per_update = jax.device_get(per_update)
+  metrics = {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
+  metrics["logp_diff_max"] = float(max(m["logp_diff_max"] for m in per_update))
+  # Trainer vs engine log-probs on the same tokens, before this step's first update.
+  metrics["engine_logp_diff_mean"] = float(per_update[0]["logp_diff_mean"])
+  metrics["engine_logp_diff_max"] = float(per_update[0]["logp_diff_max"])
+  metrics.update(corrections_lib.combine(measured))
+  metrics.update(pack_s=pack_s, train_s=time.perf_counter() - started,
+                 rows=sum(batch.tokens.shape[0] for batch in corrected))
+  return train, metrics
 
 
-def _write_json(path: str, value: dict) -> None:
-  with open(path, "w") as f:
-    json.dump(value, f, indent=2)
+def _rollout_metrics(parts: Parts, trajectories, rewards: np.ndarray, step: int) -> dict:
+  """The step's rollouts in numbers: reward, accuracy, lengths, staleness (versions behind
+  the policy being trained: at most max_staleness ahead, 0 in lockstep, more only for
+  partial rollouts' resumed trajectories) and, for episodes, their turns and tool use."""
+  versions = np.concatenate([np.asarray(t.versions, np.int64) for t in trajectories])
+  metrics = {"step": step + 1, "reward": float(rewards.mean()),
+             "accuracy": float(column(trajectories, "correct", bool).mean()),
+             "completion_length": float(column(trajectories, "policy_count", np.int32).mean()),
+             "truncated": float(column(trajectories, "truncated", bool).mean()),
+             "well_formed": float(column(trajectories, "well_formed", bool).mean()),
+             "groups_trained": len({t.group for t in trajectories}),
+             "staleness_max": int(step - versions.min()) if versions.size else 0}
+  if multi_turn(environment_of(parts.context.task)):
+    metrics.update(episode_metrics([t.episode() for t in trajectories]))
+  return metrics
+
+
+def _sync(parts: Parts, params, version: int) -> None:
+  """The engine gets `params` as `version`. With several processes, an engine on each gets a
+  whole copy of them; one that keeps the arrays it is given gets a copy of its own when the
+  next train step would take (donate) these buffers while it still reads them (rollouts
+  ahead of the trainer, or weights kept for several steps)."""
+  engine, config = parts.context.engine, parts.context.config
+  whole = distributed.local_copy(params)
+  if ((parts.rollouts.concurrent or config.weight_sync_every > 1)
+      and engine is not None and engine.capabilities.keeps_weight_arrays):
+    whole = jax.tree.map(jnp.copy, whole)
+  distributed.checked(lambda: engine and engine.update_weights(
+      whole, version=version, while_generating=parts.rollouts.concurrent))

@@ -1,6 +1,6 @@
 """Reasoning-collapse monitors: `(init, update)` pairs over a run's per-step metrics.
 
-Owns the rules that read one RL step's metrics record (the dict `rl.loop.train` writes to
+Owns the rules that read one RL step's metrics record (the dict `rl.trainer.train` writes to
 metrics.jsonl) and say when the run shows a known way of failing. It does not own what
 happens then: `train` shows each alert above the progress bar, records it in that step's
 `warnings`, and stops the run (after a checkpoint) for the names in its `stop_on`.

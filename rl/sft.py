@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 from models import distributed, sharding
 from models.config import ModelConfig
 from rl import losses
-from rl.envs import encode_text
-from rl.eval import prompt_ids
+from rl.envs import encode_text, environment_of, multi_turn
+from rl.rollout import prompt_ids
 from rl.packing import trajectory_batch
 from rl.train_step import init_train_state, make_train_step
 
@@ -84,7 +84,7 @@ def solution_example(task, tokenizer, record) -> Example:
   episode's tokens are (no <bos>, no chat template); the observation spans are in the
   sequence and out of the loss (the example's mask)."""
   prompt = prompt_ids(task, tokenizer, record)
-  if getattr(task, "environment", None) is None:
+  if not multi_turn(environment_of(task)):
     return prompt, tokenizer.encode(task.solution(record), add_eos=True)
   targets, mask = [], []
   for text, policy in task.solution_segments(record):

@@ -37,6 +37,45 @@ def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: 
                                      batch.targets, chunk_size=chunk_size)
 
 
+def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn: Callable,
+               logprob_chunk: int):
+  """One micro-batch's gradient of the loss's total, its (total, count) sums (loss, entropy,
+  logp_diff_mean, ratio_mean, kl_to_old, kl_to_reference, the loss's own metrics,
+  clip_fraction) and max |logp - old_logp| over loss tokens. With `ref_params`, mb.ref_logp is
+  computed under them first."""
+  if ref_params is not None:
+    ref_logp, _ = policy_logprobs(ref_params, cfg, mb, chunk_size=logprob_chunk)
+    mb = mb.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
+
+  def objective(p):
+    hidden = transformer.forward(p, cfg, mb.tokens, mb.positions, mb.segment_ids)
+    unembed = transformer.output_projection(p, cfg)
+    logp, entropy = logprobs_lib.token_logprobs(hidden, unembed, mb.targets,
+                                                chunk_size=logprob_chunk)
+    batch = mb
+    if mb.teacher_topk_ids is not None:  # top-k distillation: the student on those tokens
+      batch = mb.replace(student_topk_logp=logprobs_lib.logprobs_of(
+          hidden, unembed, mb.teacher_topk_ids, chunk_size=logprob_chunk))
+    weighted, metrics = loss_fn(logp, batch)
+    return weighted.total, (weighted, metrics, logp, entropy)
+
+  grads, (weighted, metrics, logp, entropy) = jax.grad(objective, has_aux=True)(params)
+  mask = mb.loss_mask
+  diff = jnp.abs(logp - mb.old_logp) * mask
+  tokens = jnp.sum(mask)
+  masked_sum = lambda x: (jnp.sum(x * mask), tokens)
+  sums = {"loss": (weighted.total, weighted.count),
+          "entropy": masked_sum(entropy),
+          "logp_diff_mean": (jnp.sum(diff), tokens),
+          "ratio_mean": masked_sum(jnp.exp(jnp.clip(logp - mb.old_logp, -20.0, 20.0))),
+          "kl_to_old": masked_sum(kl_lib.k3(logp, mb.old_logp))}
+  if mb.ref_logp is not None:
+    sums["kl_to_reference"] = masked_sum(kl_lib.k3(logp, mb.ref_logp))
+  sums.update({k: (w.total, w.count) for k, w in metrics.items()})
+  sums.setdefault("clip_fraction", (jnp.zeros(()), tokens))  # losses that never clip
+  return grads, sums, jnp.max(diff)
+
+
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
                     loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048,
                     state_shardings=None, donate_state: bool = False):
@@ -61,39 +100,6 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   as JAX then copies instead of donating.
   """
 
-  def micro_step(params, ref_params, mb: TrainBatch):
-    if ref_params is not None:
-      ref_logp, _ = policy_logprobs(ref_params, cfg, mb, chunk_size=logprob_chunk)
-      mb = mb.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
-
-    def objective(p):
-      hidden = transformer.forward(p, cfg, mb.tokens, mb.positions, mb.segment_ids)
-      unembed = transformer.output_projection(p, cfg)
-      logp, entropy = logprobs_lib.token_logprobs(hidden, unembed, mb.targets,
-                                                  chunk_size=logprob_chunk)
-      batch = mb
-      if mb.teacher_topk_ids is not None:  # top-k distillation: the student on those tokens
-        batch = mb.replace(student_topk_logp=logprobs_lib.logprobs_of(
-            hidden, unembed, mb.teacher_topk_ids, chunk_size=logprob_chunk))
-      weighted, metrics = loss_fn(logp, batch)
-      return weighted.total, (weighted, metrics, logp, entropy)
-
-    grads, (weighted, metrics, logp, entropy) = jax.grad(objective, has_aux=True)(params)
-    mask = mb.loss_mask
-    diff = jnp.abs(logp - mb.old_logp) * mask
-    tokens = jnp.sum(mask)
-    masked_sum = lambda x: (jnp.sum(x * mask), tokens)
-    sums = {"loss": (weighted.total, weighted.count),
-            "entropy": masked_sum(entropy),
-            "logp_diff_mean": (jnp.sum(diff), tokens),
-            "ratio_mean": masked_sum(jnp.exp(jnp.clip(logp - mb.old_logp, -20.0, 20.0))),
-            "kl_to_old": masked_sum(kl_lib.k3(logp, mb.old_logp))}
-    if mb.ref_logp is not None:
-      sums["kl_to_reference"] = masked_sum(kl_lib.k3(logp, mb.ref_logp))
-    sums.update({k: (w.total, w.count) for k, w in metrics.items()})
-    sums.setdefault("clip_fraction", (jnp.zeros(()), tokens))  # losses that never clip
-    return grads, sums, jnp.max(diff)
-
   def step(state: TrainState, batch: TrainBatch, ref_params=None):
     rows = batch.tokens.shape[0]
     if rows % micro_batches:
@@ -102,7 +108,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
                          batch)
 
     def accumulate(carry, mb):
-      grads, sums, diff_max = micro_step(state.params, ref_params, mb)
+      grads, sums, diff_max = micro_step(state.params, ref_params, mb, cfg=cfg, loss_fn=loss_fn,
+                                         logprob_chunk=logprob_chunk)
       if carry is None:
         return grads, sums, diff_max
       add = lambda a, b: jax.tree.map(jnp.add, a, b)

@@ -1,3 +1,4 @@
-"""Generation behind one protocol (engine.py): the embedded JAX engine (jax_engine.py), SGLang
-servers over HTTP (sglang.py), the embedded engine served with SGLang's protocol (server.py),
-and partial rollouts (partial.py)."""
+"""Generation behind one protocol (engine.py: what an engine does, and the Capabilities it
+declares): the embedded JAX engine (jax_engine.py), SGLang servers over HTTP (sglang.py), the
+embedded engine served with SGLang's protocol (server.py), and the real sglang-router in front
+of several (router.py). When rollouts pause, resume or run ahead is rl/sources.py's."""

@@ -194,6 +194,10 @@ def score_continuations_top_k(params, cfg: ModelConfig, prompts: Sequence[Sequen
           for row, span in enumerate(spans)]
 
 
+# It keeps the arrays it is given, and a generate reads its weights once per call.
+CAPABILITIES = Capabilities(pause=True, keeps_weight_arrays=True)
+
+
 class JaxEngine:
   """RolloutEngine over `rollouts.jax_engine.sample`; weights are held in memory."""
 
@@ -215,8 +219,7 @@ class JaxEngine:
 
   @property
   def capabilities(self) -> Capabilities:
-    # It keeps the arrays it is given, and a generate reads its weights once per call.
-    return Capabilities(pause=True, keeps_weight_arrays=True)
+    return CAPABILITIES
 
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
     """A generate running meanwhile finishes on the weights it started with."""
@@ -315,3 +318,13 @@ def _cut(completion: Completion, limit: int) -> Completion:
     return completion
   return Completion(completion.token_ids[:limit], completion.logprobs[:limit], "length",
                     completion.versions[:limit])
+
+
+def embedded_engine(cfg: ModelConfig, params, version: int) -> JaxEngine:
+  """The engine factory of an in-process JaxEngine (a run's default): (cfg, params, version)
+  -> an engine holding `params` as `version`, as rollouts.server.local_engine and
+  rollouts.sglang.remote_engine are for servers."""
+  return JaxEngine(cfg, params, version=version)
+
+
+embedded_engine.capabilities = CAPABILITIES  # known before it makes one (rl.sources.check)

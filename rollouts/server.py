@@ -46,6 +46,8 @@ import numpy as np
 
 from models import hf, transformer
 from models.config import ModelConfig
+from rollouts import router as router_lib
+from rollouts import sglang
 from rollouts.jax_engine import (bucket, categorical, nucleus, score_continuations,
                                  score_continuations_top_k)
 
@@ -499,23 +501,28 @@ class Scheduler:
       token, logp, logits, cache, kv_valid = _step(
           params, logits, cache, kv_valid, keys, temperature, top_p, jnp.asarray(lens + i),
           plen + i, jnp.asarray(active), i, cfg=self.cfg)
-      token, logp = np.asarray(token), np.asarray(logp)
-      with self.lock:
-        for row, r in enumerate(batch):
-          if not active[row]:
-            continue
-          r.tokens.append(int(token[row]))
-          r.logprobs.append(float(logp[row]))
-          r.versions.append(version)
-          if token[row] in r.stop_token_ids:
-            active[row] = False
-            self._finish(r, {"type": "stop", "matched": int(token[row])})
-          elif len(r.tokens) >= r.max_new_tokens:
-            active[row] = False
-            self._finish(r, {"type": "length", "length": r.max_new_tokens})
-        self.lock.notify_all()
+      self._take(batch, active, np.asarray(token), np.asarray(logp), version)
     self._keep_prefixes(batch, stopped_at, cache, plen, lens, version)
     return max_new
+
+  def _take(self, batch: list[Request], active: np.ndarray, token: np.ndarray,
+            logp: np.ndarray, version: int) -> None:
+    """One decode step's tokens into the active requests (`active` updated in place); those
+    that stop or reach their length finish."""
+    with self.lock:
+      for row, r in enumerate(batch):
+        if not active[row]:
+          continue
+        r.tokens.append(int(token[row]))
+        r.logprobs.append(float(logp[row]))
+        r.versions.append(version)
+        if token[row] in r.stop_token_ids:
+          active[row] = False
+          self._finish(r, {"type": "stop", "matched": int(token[row])})
+        elif len(r.tokens) >= r.max_new_tokens:
+          active[row] = False
+          self._finish(r, {"type": "length", "length": r.max_new_tokens})
+      self.lock.notify_all()
 
   def _prefill_missing(self, params, prompts, positions, kv_valid, lens, cached, size):
     """(logits f32[rows, vocab], KVCache of `size` slots) for the batch: prefill for the rows
@@ -915,14 +922,12 @@ def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,
 def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: str = "",
                  max_in_flight: int = 64, max_batch: int = 64, router: bool = False,
                  cores: Sequence[int] = ()):
-  """train.rollout_engine that serves the policy from `servers` subprocesses of this module
+  """The engine factory (train.engine) that serves the policy from `servers` subprocesses of this module
   on 127.0.0.1 and talks to them with the SGLang client (rollouts/sglang.py): the production
   path, minus the GPUs. Weights travel through `weights_dir` (default: a temporary
   directory) as Hugging Face checkpoints. `router`: /generate goes through the real
   sglang-router in front of them (rollouts/router.py), started and stopped with the engine.
   `cores`: the CPU cores the servers run on (e.g. apart from the trainer's)."""
-  from rollouts import router as router_lib
-  from rollouts.sglang import SGLangClient, SGLangEngine
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
   os.makedirs(weights_dir, exist_ok=True)
   start = os.path.join(weights_dir, f"v{version:06d}")
@@ -942,11 +947,14 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
     for process in processes:
       process.kill()
     raise
-  engine = SGLangEngine(SGLangClient(urls, router=router_url, max_in_flight=max_in_flight),
-                        cfg, weights_dir=weights_dir, version=version, weights_path=start,
-                        processes=processes)
+  engine = sglang.SGLangEngine(
+      sglang.SGLangClient(urls, router=router_url, max_in_flight=max_in_flight), cfg,
+      weights_dir=weights_dir, version=version, weights_path=start, processes=processes)
   engine.client.check_health()
   return engine
+
+
+local_engine.capabilities = sglang.CAPABILITIES  # known before it makes one
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ fanned out here), tokens and log-probs from meta_info.output_token_logprobs, fin
 a bounded number of requests in flight per server, trajectory-to-server affinity (prefix-cache
 reuse) or one sglang-router URL, long read timeouts, bounded retries with the same rid, and
 weight sync from disk with the version checked through /model_info. `SGLangEngine` puts it
-behind the RolloutEngine protocol. It does not own partial-rollout policy
-(rollouts/partial.py) or the server (an SGLang deployment, or rollouts/server.py in tests).
+behind the RolloutEngine protocol, aborting a call's requests when its `stop_when` says so. It
+does not own when rollouts pause (rl/envs/driver.py, rl/sources.py) or the server (an SGLang
+deployment, or rollouts/server.py in tests).
 
 Log-probs are SGLang's: log_softmax(logits / temperature) over the whole vocabulary, before
 top-p; at temperature 1 that is what the trainer recomputes.
@@ -15,6 +16,7 @@ top-p; at temperature 1 that is what the trainer recomputes.
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -441,6 +443,11 @@ class SGLangClient:
       router_lib.add_worker(self.router, url)
 
 
+# Requests are aborted by rid, weight syncs can let requests in flight finish, process 0
+# drives the servers for every process, and the weights travel as files.
+CAPABILITIES = Capabilities(abort=True, pause=True, serves_all_processes=True)
+
+
 class SGLangEngine:
   """The RolloutEngine over SGLang servers. `update_weights` writes a Hugging Face
   checkpoint to `weights_dir/v<version>` (a directory the servers can read; config and,
@@ -457,7 +464,7 @@ class SGLangEngine:
     self.weights_dir, self.copy_from = weights_dir, copy_from
     self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
     self._version = version
-    self._calls = 0  # generate and scoring calls so far: each call's rids share a unique prefix
+    self._calls = itertools.count(1)  # numbers each call: its rids share a unique prefix
     self.weights_path = weights_path  # the checkpoint of the current version
     self.sync_seconds: list[float] = []
     self.processes = list(processes)
@@ -468,12 +475,11 @@ class SGLangEngine:
 
   @property
   def capabilities(self) -> Capabilities:
-    return Capabilities(abort=True, pause=True, serves_all_processes=True)
+    return CAPABILITIES
 
   def _call_prefix(self, kind: str) -> str:
     """The rid prefix of a new call's requests: no other call's rids start with it."""
-    self._calls += 1
-    return f"{self.rid_prefix}-{kind}{self._calls}-"
+    return f"{self.rid_prefix}-{kind}{next(self._calls)}-"
 
   def requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                seed: int, *, prefix: str | None = None,
@@ -605,3 +611,6 @@ def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
                         version=version)
   engine.update_weights(params, version)
   return engine
+
+
+remote_engine.capabilities = CAPABILITIES  # known before it makes one (rl.sources.check)

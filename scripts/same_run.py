@@ -3,7 +3,9 @@ field (wall-clock seconds aside) and every array of the last checkpoint bit for 
 
     .venv/bin/python scripts/same_run.py RUN_A RUN_B
 
-Prints what differs and exits 1, or prints "same run" and exits 0. For a change meant to keep
+Prints what differs and exits 1, or prints "same run" and exits 0. Arrays that only one
+checkpoint holds (the loop state's layout changed with the code) are listed, not counted as
+differences. For a change meant to keep
 behaviour (a refactor): run the quickstart before and after it into two directories and
 compare them here.
 """
@@ -53,9 +55,10 @@ def _checkpoint(run_dir: str):
   return step, {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
-def compare(run_a: str, run_b: str) -> list[str]:
-  """What differs between the two runs (empty: the same run)."""
-  out = []
+def compare(run_a: str, run_b: str) -> tuple[list[str], list[str]]:
+  """(what differs between the two runs, empty for the same run; the arrays only one
+  checkpoint holds)."""
+  out, notes = [], []
   records_a, records_b = _records(run_a), _records(run_b)
   if len(records_a) != len(records_b):
     out.append(f"metrics.jsonl: {len(records_a)} records != {len(records_b)}")
@@ -66,23 +69,38 @@ def compare(run_a: str, run_b: str) -> list[str]:
   (step_a, arrays_a), (step_b, arrays_b) = _checkpoint(run_a), _checkpoint(run_b)
   if step_a != step_b:
     out.append(f"last checkpoint: step {step_a} != {step_b}")
-  # The loop state's layout may change with the code: compare the arrays both have, by value
-  # and by path, and name the ones only one has.
-  for path in sorted(set(arrays_a) | set(arrays_b)):
-    if path not in arrays_a or path not in arrays_b:
-      out.append(f"checkpoint: {path} only in {'the second' if path in arrays_b else 'the first'}")
-    elif not np.array_equal(arrays_a[path], arrays_b[path]):
-      diff = np.abs(arrays_a[path].astype(np.float64) - arrays_b[path].astype(np.float64))
-      out.append(f"checkpoint: {path} differs (max |a - b| {diff.max():.3g})")
-  return out
+  for path_a, path_b in _pairs(arrays_a, arrays_b, notes):
+    a, b = arrays_a[path_a], arrays_b[path_b]
+    if a.shape != b.shape or not np.array_equal(a, b):
+      diff = "shapes differ" if a.shape != b.shape else (
+          f"max |a - b| {np.abs(a.astype(np.float64) - b.astype(np.float64)).max():.3g}")
+      out.append(f"checkpoint: {path_a} differs ({diff})")
+  return out, notes
+
+
+def _pairs(arrays_a: dict, arrays_b: dict, notes: list[str]) -> list[tuple[str, str]]:
+  """Paths of the same array in both checkpoints. The loop state's layout may change with
+  the code: a path only one has is matched to the one path of the other that ends with it
+  (['rng'] and ['rollout']['rng']); what stays unmatched is named in `notes`."""
+  pairs = [(p, p) for p in sorted(set(arrays_a) & set(arrays_b))]
+  only_a, only_b = sorted(set(arrays_a) - set(arrays_b)), sorted(set(arrays_b) - set(arrays_a))
+  for path in only_a:
+    matches = [q for q in only_b if q.endswith(path) or path.endswith(q)]
+    if len(matches) == 1:
+      pairs.append((path, matches[0]))
+      only_b.remove(matches[0])
+    else:
+      notes.append(f"checkpoint: {path} only in the first")
+  notes += [f"checkpoint: {path} only in the second" for path in only_b]
+  return pairs
 
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if len(argv) != 2:
     raise SystemExit(__doc__)
-  differences = compare(*argv)
-  for line in differences:
+  differences, notes = compare(*argv)
+  for line in notes + differences:
     print(line)
   if not differences:
     print("same run")

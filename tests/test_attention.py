@@ -160,7 +160,7 @@ def test_dispatch_rules_on_cpu():
   with pytest.raises(dispatch.KernelUnavailable, match="attention='cpu' takes float32"):
     dispatch.attention(*bf16, seg, kernel="cpu")
   with pytest.raises(dispatch.KernelUnavailable, match="computes in bfloat16"):
-    dispatch.plan("cpu", 1, jnp.bfloat16)  # what rl.loop.train checks before compiling
+    dispatch.plan("cpu", 1, jnp.bfloat16)  # what rl.trainer.train checks before compiling
   assert dispatch.plan("auto", 1, jnp.bfloat16) == "blockwise"
   # auto takes what the C++ kernel does not to blockwise (bf16 here).
   assert "longrl_flash" not in jax.jit(lambda *x: dispatch.attention(*x, seg)).lower(*bf16).as_text()

@@ -167,13 +167,13 @@ def test_runner_runs_jobs_at_once_each_on_its_own_cores(tmp_path):
 
 
 def test_config_jobs_give_each_seed_its_dir_and_train_seed(tmp_path):
-  jobs = seeds.config_jobs(["q.gin"], ["train.init_from = 'runs/warm/seed{seed}'"],
+  jobs = seeds.config_jobs(["q.gin"], ["FromRun.path = 'runs/warm/seed{seed}'"],
                            str(tmp_path / "runs"), range(2))
   assert [j.out_dir for j in jobs] == [str(tmp_path / "runs" / f"seed{k}") for k in (0, 1)]
   argv = list(jobs[1].argv)
   assert argv[argv.index("--gin") + 1] == "q.gin"
   bindings = [argv[i + 1] for i, a in enumerate(argv) if a == "--gin_param"]
-  assert "train.seed = 1" in bindings and "train.init_from = 'runs/warm/seed1'" in bindings
+  assert "train.seed = 1" in bindings and "FromRun.path = 'runs/warm/seed1'" in bindings
   assert argv[-2:] == ["--run_dir", jobs[1].out_dir]
 
 

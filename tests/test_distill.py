@@ -8,6 +8,7 @@ import pytest
 from rl import ConfigError, distill
 from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
+from rl.trajectory import Trajectory
 from rollouts.jax_engine import JaxEngine
 from rollouts.server import local_engine
 
@@ -94,12 +95,6 @@ class _Recorder:
     return [np.full(len(c), self.value, np.float32) for c in continuations]
 
 
-class _Completion:
-  def __init__(self, tokens):
-    self.token_ids = np.asarray(tokens, np.int32)
-    self.logprobs = np.full(len(tokens), -1.0, np.float32)
-
-
 def test_routing_sends_each_record_to_its_teacher_in_one_batch():
   add, sub, low = _Recorder(-0.1, 4), _Recorder(-0.2, 5), _Recorder(-0.3, 6)
   teachers = distill.Teachers({"add": add, "sub": sub, "low": low},
@@ -107,8 +102,9 @@ def test_routing_sends_each_record_to_its_teacher_in_one_batch():
   records = [{"domain": "add"}, {"domain": "sub", "effort": "high"},
              {"domain": "sub", "effort": "low"}, {"domain": "add", "effort": "low"}]
   prompts = [[1, 2], [3], [4, 5, 6], [7]]
-  completions = [_Completion([9] * n) for n in (2, 3, 1, 4)]
-  scores, top, metrics = distill.teacher_logprobs(teachers, records, prompts, completions)
+  trajectories = [Trajectory(record, tuple(prompt), token_ids=[9] * n, logprobs=[-1.0] * n)
+                  for record, prompt, n in zip(records, prompts, (2, 3, 1, 4))]
+  scores, top, metrics = distill.teacher_logprobs(teachers, trajectories)
   assert top is None
   assert add.calls == [[[1, 2], [7]]] and sub.calls == [[[3]]] and low.calls == [[[4, 5, 6]]]
   for got, want in zip(scores, [[-0.1] * 2, [-0.2] * 3, [-0.3], [-0.1] * 4]):
@@ -217,15 +213,16 @@ def test_a_wrong_teacher_stops_the_run_before_it_starts(tmp_path):
   import os
 
   from models import config
-  from rl import loop
+  from rl import trainer
   from rl.tasks.arithmetic import Arithmetic
   teachers = lambda cfg: distill.from_checkpoints(cfg, paths={"t": str(tmp_path / "nowhere")},
                                                   routes={"*": "t"})
+  hooks = trainer.Hooks(evaluation=trainer.Evaluation(records=4), progress=False)
   with pytest.raises(ConfigError, match="nowhere.*neither a longrl run"):
-    loop.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=64, num_test=4),
-               model=config.tiny, loss="opd", teachers=teachers, eval_records=4,
-               progress=False)
+    trainer.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=64, num_test=4),
+                  model=config.tiny, objective=trainer.Objective(loss="opd", teachers=teachers),
+                  hooks=hooks)
   with pytest.raises(ConfigError, match="loss 'opd' reads teacher log-probs"):
-    loop.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=64, num_test=4),
-               model=config.tiny, loss="opd", eval_records=4, progress=False)
+    trainer.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=64, num_test=4),
+                  model=config.tiny, objective=trainer.Objective(loss="opd"), hooks=hooks)
   assert not os.path.exists(tmp_path / "run")

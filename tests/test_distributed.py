@@ -24,8 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = [os.path.join(ROOT, "experiments/run.py"), "--gin", "experiments/configs/quickstart.gin",
        "--gin", "experiments/configs/tiny.gin", "--gin_param", "train.mesh = @make_mesh()",
        "--gin_param", "make_mesh.data = 2", "--gin_param", "make_mesh.fsdp = 2",
-       "--gin_param", "train.checkpoint_every = 1", "--gin_param", "train.eval_every = 0",
-       "--gin_param", "train.tensorboard = False"]
+       "--gin_param", "Hooks.checkpoint_every = 1", "--gin_param", "Evaluation.every = 0",
+       "--gin_param", "Hooks.tensorboard = False"]
 
 
 def free_port() -> int:
@@ -133,12 +133,13 @@ def test_train_step_on_two_processes_equals_one(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["embedded", "server"])
 def test_two_processes_make_rollouts_ahead_of_the_trainer(tmp_path, engine):
-  """RLConfig.max_staleness = 1 on 2 processes, with the held-out evaluation's and the
+  """Ahead.max_staleness = 1 on 2 processes, with the held-out evaluation's and the
   checkpoints' collectives between steps: every step trains all its groups, no token is
   older than the bound, and the rollouts really were made ahead (one version stale)."""
   run_dir = str(tmp_path / "run")
-  command = [*RUN, "--gin_param", "RLConfig.max_staleness = 1",
-             "--gin_param", "train.eval_every = 2", "--gin_param", "train.num_steps = 5",
+  command = [*RUN, "--gin_param", "train.rollouts = @Ahead()",
+             "--gin_param", "Ahead.max_staleness = 1",
+             "--gin_param", "Evaluation.every = 2", "--gin_param", "RLConfig.num_steps = 5",
              "--run_dir", run_dir]
   if engine == "server":
     command += ["--gin", "experiments/configs/quickstart_server.gin"]
@@ -185,7 +186,7 @@ def kill_one_when(processes, ready, what: str, delay: float = 0.0, poll: float =
 
 @pytest.mark.slow
 def test_two_processes_survive_kills_at_three_points_and_resume_on_another_count(tmp_path):
-  steps = ["--gin_param", "train.num_steps = 4"]
+  steps = ["--gin_param", "RLConfig.num_steps = 4"]
   whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
   log = finish(start([*RUN, *steps, "--run_dir", whole], 2, 2, tmp_path, "whole"), tmp_path,
                "whole")
@@ -224,7 +225,7 @@ def test_two_processes_survive_kills_at_three_points_and_resume_on_another_count
     np.testing.assert_array_equal(a, b)
 
   # One process with the same four devices picks up the two processes' checkpoint.
-  log = finish(start([*RUN, "--gin_param", "train.num_steps = 5", "--run_dir", cut], 1, 4,
+  log = finish(start([*RUN, "--gin_param", "RLConfig.num_steps = 5", "--run_dir", cut], 1, 4,
                      tmp_path, "one"), tmp_path, "one")
   assert f"resuming from {cut} at RL step 4" in log
   assert json.load(open(os.path.join(cut, "summary.json")))["steps"] == 5
@@ -287,7 +288,7 @@ def test_two_trainers_on_a_fleet_behind_the_router_survive_its_faults(tmp_path):
   run_dir = str(tmp_path / "run")
   command = [*RUN, "--gin", "experiments/configs/quickstart_server.gin",
              "--gin_param", "local_engine.servers = 2", "--gin_param", "local_engine.router = True",
-             "--gin_param", "train.num_steps = 4", "--run_dir", run_dir]
+             "--gin_param", "RLConfig.num_steps = 4", "--run_dir", run_dir]
   processes = start(command, 2, 2, tmp_path, "fleet")
   helpers = []
   try:

@@ -10,15 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import evaluation
 from models import config, transformer
-from rl import ConfigError, effort
+from rl import ConfigError, corrections, effort
 from rl import eval as eval_lib
-from rl import losses, loop, rewards, sampling, sft
+from rl import loop, rewards, sft, sources
 from rl.checkpoint import Checkpointer
+from rl.config import RLConfig
 from rl.tasks.arithmetic import Arithmetic
-from rl.train_step import make_train_step
 from rl.types import Rollouts
 from rollouts.jax_engine import JaxEngine
+from tests import helpers
 from tests.test_eval import HasOne
 
 
@@ -197,7 +199,7 @@ def test_the_budget_sweep_runs_once_per_effort_level(tokenizer, tmp_path):
     accuracy = [report["budgets"][b]["accuracy"] for b in (2, 4, 8)]
     assert accuracy == sorted(accuracy)
     assert len(report["lengths"]["correct"]) + len(report["lengths"]["incorrect"]) == 16
-  path = effort.write_level_plot(by_level, str(tmp_path / "plots"), title="tiny")
+  path = evaluation.write_level_plot(by_level, str(tmp_path / "plots"), title="tiny")
   assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   # K3's budgets from the model's own lengths: the records asked for, NaN elsewhere.
   budgets = effort.estimate_budgets(engine, task, tokenizer, samples=4, max_new_tokens=8,
@@ -208,15 +210,15 @@ def test_the_budget_sweep_runs_once_per_effort_level(tokenizer, tmp_path):
 
   # evaluate_checkpoint (experiments/eval.py) adds the per-level sweep and its plot.
   run_dir = tmp_path / "run"
-  state = loop.init_loop_state(params, loop.rl_optimizer(1e-4), num_prompts=len(task.train),
-                               sampler=sampling.uniform(), reward=rewards.correctness(), seed=0)
+  state = loop.init_state(params, loop.rl_optimizer(1e-4), helpers.parts(
+      cfg, engine=None, task=task, tokenizer=tokenizer, config=RLConfig()), 0)
   checkpointer = Checkpointer(str(run_dir / "checkpoints"))
   checkpointer.save(1, state)
   checkpointer.close()
   model = lambda vocab: config.tiny(vocab, hidden_size=32, num_layers=1, intermediate_size=64)
-  report, paths = eval_lib.evaluate_checkpoint(str(tmp_path / "eval"), task=task, spec=spec,
-                                               run_dir=str(run_dir), model=model,
-                                               num_records=3)
+  report, paths = evaluation.evaluate_checkpoint(str(tmp_path / "eval"), task=task, spec=spec,
+                                                 run_dir=str(run_dir), model=model,
+                                                 num_records=3)
   assert os.path.basename(paths[-1]) == "accuracy_vs_budget_by_effort.png"
   saved = json.load(open(tmp_path / "eval" / "report.json"))
   assert list(saved["effort"]) == ["low", "high", "max"]
@@ -227,26 +229,20 @@ def test_the_budget_sweep_runs_once_per_effort_level(tokenizer, tmp_path):
 def test_the_loop_gives_the_budget_transform_each_completions_record(tokenizer, tiny_cfg,
                                                                       tiny_params):
   task = effort.EffortTask(Arithmetic(num_train=6, num_test=10))
-  rl = loop.RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=8, seq_len=32)
+  rl = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=8, seq_len=32)
   reward = rewards.named_chain({
       "correctness": rewards.correctness(),
       "effort": rewards.effort_budget(levels=effort.level_ids(task), quantile=0.5)})
-  optimizer = loop.rl_optimizer(1e-4)
-  state = loop.init_loop_state(tiny_params, optimizer, num_prompts=len(task.train),
-                               sampler=sampling.uniform(), reward=reward, seed=0, config=rl)
-  steps = loop.rl_steps(state, engine=JaxEngine(tiny_cfg, tiny_params), task=task,
-                        tokenizer=tokenizer,
-                        train_step=make_train_step(tiny_cfg, optimizer,
-                                                   losses.bind("k1.5", None)),
-                        advantage="mean_baseline", reward=reward, sampler=sampling.uniform(),
-                        config=rl)
+  steps, _ = helpers.steps(tiny_params, tiny_cfg, engine=JaxEngine(tiny_cfg, tiny_params),
+                           task=task, tokenizer=tokenizer, config=rl, reward=reward)
   record = next(steps)
   budget = np.asarray(record.state.reward_state["effort"]["budget"])
-  drawn = sorted({r["problem"] * 3 + r["effort_level"] for r in record.scored.records})
+  records = [t.record for t in record.trajectories]
+  drawn = sorted({r["problem"] * 3 + r["effort_level"] for r in records})
   assert np.flatnonzero(np.isfinite(budget)).tolist() == drawn
-  lengths = record.scored.lengths.reshape(2, 4)
+  lengths = np.array([t.policy_count for t in record.trajectories]).reshape(2, 4)
   for g in range(2):  # each drawn record's budget is its group's median x its multiplier
-    r = record.scored.records[4 * g]
+    r = records[4 * g]
     expect = np.quantile(lengths[g], 0.5) * (0.5, 1.0, 2.0)[r["effort_level"]]
     np.testing.assert_allclose(budget[r["problem"] * 3 + r["effort_level"]], expect)
 
@@ -255,33 +251,27 @@ def test_the_k3_recipe_runs_through_a_server_process(tokenizer, tiny_cfg, tiny_p
                                                      tmp_path):
   """Effort prompts and budgets, lambda-partial rollouts and the trust region, together: the
   partial path gives the transform each trajectory's record too."""
-  from rl.train_step import policy_logprobs
   from rollouts.server import local_engine
 
   task = effort.EffortTask(Arithmetic(num_train=8, num_test=10))
-  rl = loop.RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=12, seq_len=40,
-                     partial_rollouts=True, partial_mode="lambda", partial_lambda=0.5,
-                     offpolicy_tokens="trust_region", trust_region=(-0.5, 0.5))
-  loop.check_offpolicy_and_partial(rl, has_abort_engine=True)
+  rl = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=12, seq_len=40,
+                learning_rate=1e-3)
   reward = rewards.named_chain({
       "correctness": rewards.correctness(),
       "effort": rewards.effort_budget(levels=effort.level_ids(task),
                                       schedule=rewards.tightening(steps=2))})
-  optimizer = loop.rl_optimizer(1e-3)
-  state = loop.init_loop_state(tiny_params, optimizer, num_prompts=len(task.train),
-                               sampler=sampling.uniform(), reward=reward, seed=0, config=rl)
   engine = local_engine(tiny_cfg, tiny_params, 0, weights_dir=str(tmp_path))
   try:
-    steps = loop.rl_steps(
-        state, engine=engine, task=task, tokenizer=tokenizer,
-        train_step=make_train_step(tiny_cfg, optimizer, losses.bind("k1.5")),
-        advantage="mean_baseline", reward=reward, sampler=sampling.uniform(), config=rl,
-        trainer_logprobs=jax.jit(lambda p, b: policy_logprobs(p, tiny_cfg, b)[0]))
+    partial = sources.Partial(finish_fraction=0.5)
+    sources.check(partial, sources.Context(engine, task, tokenizer, rl, None))
+    steps, _ = helpers.steps(tiny_params, tiny_cfg, engine=engine, task=task,
+                             tokenizer=tokenizer, config=rl, reward=reward, rollouts=partial,
+                             correction=corrections.trust_region(low=-0.5, high=0.5))
     records = [next(steps) for _ in range(3)]
   finally:
     engine.close()
-  trained = {r["problem"] * 3 + r["effort_level"] for step in records
-             for r in step.scored.records}
+  trained = {t.record["problem"] * 3 + t.record["effort_level"] for step in records
+             for t in step.trajectories}
   budget = np.asarray(records[-1].state.reward_state["effort"]["budget"])
   assert set(np.flatnonzero(np.isfinite(budget)).tolist()) == trained
   for step in records:

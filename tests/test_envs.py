@@ -1,7 +1,7 @@
 """Multi-turn episodes (rl/envs): the driver's round trip and budgets, tool-call formats, tools
 that fail, the sandboxed Python tool, training on episodes (masks, log-probs, metrics), the
 same episode on the embedded engine and on a server process, partial rollouts of episodes,
-the agentic recipe through rl.loop.train, and the Qwen format with a real BPE tokenizer."""
+the agentic recipe through rl.trainer.train, and the Qwen format with a real BPE tokenizer."""
 
 import dataclasses
 import json
@@ -17,14 +17,18 @@ import numpy as np
 import pytest
 
 from models import hf
-from rl import ConfigError, envs, eval as eval_lib, loop, losses, rewards, sampling, sft
+from rl import ConfigError, corrections, envs, eval as eval_lib, loop, losses, rewards, rollout
+from rl import batch as batch_lib
+from rl import sft, sources
+from rl.config import RLConfig
 from rl.packing import trajectory_batch
 from rl.tasks.agentic import ToolArithmetic
 from rl.tasks.arithmetic import Arithmetic
-from rl.train_step import make_train_step, policy_logprobs
+from rl.train_step import init_train_state, make_train_step, policy_logprobs
 from rl.verifiers.code import Limits
 from rollouts.engine import Capabilities, Completion, SamplingParams
 from rollouts.jax_engine import JaxEngine
+from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,23 +75,28 @@ class ScriptedEngine:
   def close(self):
     pass
 
-  def generate(self, prompts, sampling, *, seed, affinity=None):
-    self.calls.append({"prompts": [tuple(p) for p in prompts],
-                       "max_new": sampling.max_new_tokens, "affinity": affinity})
+  def generate(self, prompts, sampling, *, seed, affinity=None, max_new_tokens=None,
+               on_ready=None, stop_when=None):
+    del stop_when  # Capabilities.abort is False: never given
+    limits = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
+    self.calls.append({"prompts": [tuple(p) for p in prompts], "max_new": list(limits),
+                       "affinity": affinity})
     out = []
-    for prompt in prompts:
+    for prompt, limit in zip(prompts, limits):
       text, eos = self.policy(self.tokenizer.decode(prompt))
       ids = self.tokenizer.encode(text) + ([self.tokenizer.eos_id] if eos else [])
       stopped = False
-      for k, token in enumerate(ids[:sampling.max_new_tokens]):
+      for k, token in enumerate(ids[:limit]):
         if token in sampling.stop_token_ids:
           ids, stopped = ids[:k + 1], True
           break
-      ids = ids[:sampling.max_new_tokens]
+      ids = ids[:limit]
       out.append(Completion(np.array(ids, np.int32), -0.01 * np.arange(1, len(ids) + 1,
                                                                         dtype=np.float32),
                             "stop" if stopped else "length",
                             np.full(len(ids), self._version, np.int32)))
+    if on_ready is not None:
+      on_ready(dict(enumerate(out)))
     return out
 
 
@@ -116,6 +125,7 @@ class ScriptedEnvironment:
   def __init__(self, observations, rewards, stop_strings=(";",), max_turn_tokens=None):
     self.observations, self.rewards = observations, rewards
     self.stop_strings, self.max_turn_tokens = stop_strings, max_turn_tokens
+    self.max_turns = len(observations)
     self.turns = []
 
   def reset(self, record):
@@ -173,10 +183,11 @@ def test_scripted_round_trip_masks_exactly_the_policy_tokens(tokenizer):
   # Every continuation went to the same server (one affinity key per episode).
   assert {tuple(c["affinity"]) for c in engine.calls} == {(hash(tuple(prompt)) & 0x7FFFFFFF,)}
   # Training: the loss mask is the policy mask, shifted onto targets.
-  masks = loop.offpolicy_mask(np.array([True]), [episode], 3, "keep")
+  masks = batch_lib.train_masks([episode], np.array([True]))
   batch, _ = trajectory_batch([prompt], [episode.token_ids], [episode.logprobs], [1.0], masks,
                               32, completion_fields={
-                                  "turn_rewards": [episode.turn_reward_tokens()]})
+                                  "turn_rewards": [episode.turn_reward_tokens()],
+                                  "versions": [episode.versions]})
   p, n = len(prompt), len(transcript)
   assert batch.loss_mask[0, p - 1:p - 1 + n].tolist() == policy_mask
   assert batch.loss_mask[0].sum() == sum(policy_mask)
@@ -185,8 +196,10 @@ def test_scripted_round_trip_masks_exactly_the_policy_tokens(tokenizer):
                 np.flatnonzero(batch.turn_rewards[0])}
   assert rewards_at == {p - 1 + 2: 0.5, p - 1 + 11: 1.0}
   # "mask" mode drops older tokens and still never trains on observations.
-  older = loop.offpolicy_mask(np.array([True]), [episode], 4, "mask")[0]
-  assert not older.any()
+  older, _ = corrections.mask_stale().apply(batch, step=4, trainer_logp=None)
+  assert not older.loss_mask.any()
+  kept, _ = corrections.mask_stale().apply(batch, step=3, trainer_logp=None)
+  assert kept.loss_mask[0, p - 1:p - 1 + n].tolist() == policy_mask
 
 
 def _turn_credit(logp, batch):
@@ -205,7 +218,7 @@ def test_a_loss_reads_the_per_turn_rewards_in_the_train_step(tokenizer, tiny_cfg
   (episode,) = envs.run_episodes(engine, env, tokenizer, [{}], [prompt], greedy(8, tokenizer),
                                  seed=0)
   batch, _ = trajectory_batch([prompt], [episode.token_ids], [episode.logprobs], [1.0],
-                              loop.offpolicy_mask(np.array([True]), [episode], 0, "keep"), 16,
+                              batch_lib.train_masks([episode], np.array([True])), 16,
                               completion_fields={"turn_rewards": [episode.turn_reward_tokens()]})
   optimizer = loop.rl_optimizer(1e-2)
   # Registered for this test only: the tests over every registered loss run single-turn.
@@ -215,7 +228,7 @@ def test_a_loss_reads_the_per_turn_rewards_in_the_train_step(tokenizer, tiny_cfg
     step = make_train_step(tiny_cfg, optimizer, losses.bind("turn_credit"))
   finally:
     del losses.LOSSES["turn_credit"]
-  state, metrics = step(loop.init_train_state(tiny_params, optimizer), batch, None)
+  state, metrics = step(init_train_state(tiny_params, optimizer), batch, None)
   assert float(metrics["turn_reward"]) == pytest.approx(1.5)
   moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), state.params, tiny_params)
   assert max(jax.tree.leaves(moved)) > 0
@@ -227,7 +240,7 @@ def test_stop_strings_budgets_and_truncation(tokenizer):
   observation and truncates the episode."""
   task = ToolArithmetic(Arithmetic(digits=3, operands=2))
   records = [task.train[i] for i in range(3)]
-  prompts = [eval_lib.prompt_ids(task, tokenizer, r) for r in records]
+  prompts = [rollout.prompt_ids(task, tokenizer, r) for r in records]
   engine = ScriptedEngine(tokenizer, calculator_policy)
   episodes = envs.run_episodes(engine, task.environment, tokenizer, records, prompts,
                                greedy(64, tokenizer), seed=0)
@@ -287,13 +300,13 @@ def test_pause_at_an_iteration_boundary_and_resume(tokenizer):
   episodes finish as an uninterrupted run does, each token keeping its version."""
   task = ToolArithmetic(Arithmetic(digits=3, operands=2))
   records = [task.train[i] for i in range(4)]
-  prompts = [eval_lib.prompt_ids(task, tokenizer, r) for r in records]
+  prompts = [rollout.prompt_ids(task, tokenizer, r) for r in records]
   whole = envs.run_episodes(ScriptedEngine(tokenizer, calculator_policy), task.environment,
                             tokenizer, records, prompts, greedy(64, tokenizer), seed=0)
   engine = ScriptedEngine(tokenizer, calculator_policy)
   states = envs.start(task.environment, records, prompts)
   first = envs.advance(engine, task.environment, tokenizer, states, greedy(64, tokenizer),
-                       seed=0, token_budget=1)
+                       seed=0, pause=envs.Pause(token_budget=1))
   assert first["paused"] and first["waves"] == 1
   assert all(not s.over and s.episode().finish_reason == "abort" for s in states)
   engine.update_weights(None, 1)
@@ -313,7 +326,7 @@ def test_lambda_pause_waits_for_a_fraction_of_the_episodes(tokenizer):
   ceil(lambda * n) of its episodes are over, and the rest resume."""
   task = ToolArithmetic(Arithmetic(digits=3, operands=2))
   records = [task.train[i] for i in range(4)]
-  prompts = [eval_lib.prompt_ids(task, tokenizer, r) for r in records]
+  prompts = [rollout.prompt_ids(task, tokenizer, r) for r in records]
   # Episodes 0 and 1 answer at once; 2 and 3 call the calculator (more waves).
   direct = lambda context: (("#1", True) if context.startswith(records[0]["question"]) or
                             context.startswith(records[1]["question"])
@@ -321,70 +334,71 @@ def test_lambda_pause_waits_for_a_fraction_of_the_episodes(tokenizer):
   states = envs.start(task.environment, records, prompts)
   engine = ScriptedEngine(tokenizer, direct)
   first = envs.advance(engine, task.environment, tokenizer, states, greedy(64, tokenizer),
-                       seed=0, finish_fraction=0.5)
+                       seed=0, pause=envs.Pause(finish_fraction=0.5))
   assert first["paused"] and first["finished"] == 2 and first["waves"] == 1
   assert [s.over for s in states] == [True, True, False, False]
   rest = envs.advance(engine, task.environment, tokenizer, states, greedy(64, tokenizer),
-                      seed=1, finish_fraction=1.0)
+                      seed=1, pause=envs.Pause(finish_fraction=1.0))
   assert not rest["paused"] and all(s.over for s in states)
   assert [s.episode().turns for s in states] == [1, 1, 2, 2]
 
 
 def test_partial_rollouts_pause_episodes_in_the_replay_buffer_and_resume(
     tokenizer, tiny_cfg, tiny_params, tmp_path):
-  """RLConfig.partial_rollouts on an agentic task: episodes pause at the token budget, wait
-  in the loop state's EpisodeBuffer (saved and restored with the checkpoint), and finish at
-  later steps exactly as uninterrupted episodes, their tokens keeping each policy's version."""
+  """Partial rollouts on an agentic task: episodes pause at the token budget, wait in the
+  loop state's replay buffer (saved and restored with the checkpoint), and finish at later
+  steps exactly as uninterrupted episodes, their tokens keeping each policy's version."""
   from rl.checkpoint import Checkpointer
   task = ToolArithmetic(Arithmetic(digits=3, operands=2, num_train=64, num_test=16))
-  config = loop.RLConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=32,
-                         seq_len=64, partial_rollouts=True, rollout_token_budget=12,
-                         replay_capacity=16)
-  loop.check_offpolicy_and_partial(config, has_abort_engine=False, episodes=True)
-  with pytest.raises(ConfigError, match="abort"):  # single-turn trajectories still need one
-    loop.check_offpolicy_and_partial(config, has_abort_engine=False)
-  optimizer = loop.rl_optimizer(1e-4)
-  reward = rewards.named_chain({"correctness": rewards.correctness()})
-  make_state = lambda: loop.init_loop_state(tiny_params, optimizer, num_prompts=64,
-                                            sampler=sampling.uniform(), reward=reward, seed=0,
-                                            config=config, episodes=True)
+  config = RLConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=32, seq_len=64)
+  partial = sources.Partial(token_budget=12, replay_capacity=16)
   policy = mixed_policy
   engine = ScriptedEngine(tokenizer, policy)
-  steps = loop.rl_steps(make_state(), engine=engine, task=task, tokenizer=tokenizer,
-                        train_step=make_train_step(tiny_cfg, optimizer, losses.bind("grpo")),
-                        advantage="group_normalized", reward=reward, sampler=sampling.uniform(),
-                        ref_params=tiny_params, config=config)
+  context = lambda task: sources.Context(engine, task, tokenizer, config, None)
+  sources.check(partial, context(task))  # episodes pause between waves on any engine
+  with pytest.raises(ConfigError, match="abort"):  # single-turn trajectories still need one
+    sources.check(partial, context(Arithmetic()))
+  make = lambda: helpers.parts(tiny_cfg, engine=engine, task=task, tokenizer=tokenizer,
+                               loss="grpo", config=config, rollouts=partial,
+                               ref_params=tiny_params)
+  steps, parts = helpers.steps(tiny_params, tiny_cfg, engine=engine, task=task,
+                               tokenizer=tokenizer, loss="grpo", config=config,
+                               rollouts=partial, ref_params=tiny_params)
   records = [next(steps) for _ in range(3)]
   assert all(r.metrics["partial_aborted"] > 0 for r in records)  # the budget paused some
   assert records[0].metrics["replay_size"] > 0
-  resumed = [c for r in records[1:] for c in r.scored.completions if set(c.versions) != {
+  resumed = [t for r in records[1:] for t in r.trajectories if set(t.versions) != {
       r.step - 1}]
   assert resumed, "no episode spanned two policy versions"
   for record in records:
     assert record.metrics["accuracy"] == 1.0
     whole = envs.run_episodes(ScriptedEngine(tokenizer, policy), task.environment,
-                              tokenizer, record.scored.records, record.scored.prompt_ids,
+                              tokenizer, [t.record for t in record.trajectories],
+                              [t.prompt_ids for t in record.trajectories],
                               greedy(32, tokenizer), seed=0)
-    for got, want in zip(record.scored.completions, whole):
+    for got, want in zip(record.trajectories, whole):
+      got = got.episode()
       assert got.token_ids.tolist() == want.token_ids.tolist()
       assert got.policy_mask.tolist() == want.policy_mask.tolist()
       assert got.turn_ends == want.turn_ends and dict(got.counts) == dict(want.counts)
       assert np.all(np.diff(got.versions) >= 0) and got.versions[-1] <= record.step - 1
   # The buffer survives a checkpoint: the same episodes, bookkeeping and all.
   state = records[-1].state
-  buffered = state.replay.trajectories(task.train)
-  assert buffered and not all(t.finished for t in buffered)
+  buffer = state.rollout.source["replay"]
+  buffered = buffer.trajectories(task.train)
+  assert buffered and not all(t.over for t in buffered)
   checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
   checkpointer.save(3, state)
-  restored = checkpointer.restore(make_state()).replay.trajectories(task.train)
+  like = loop.init_state(tiny_params, loop.rl_optimizer(1e-4), make(), 0)
+  restored = checkpointer.restore(like).rollout.source["replay"].trajectories(task.train)
   checkpointer.close()
-  assert [(t.group, t.record, t.sample) for t in restored] == [
-      (t.group, t.record, t.sample) for t in buffered]
+  assert [(t.group, t.record_index, t.sample) for t in restored] == [
+      (t.group, t.record_index, t.sample) for t in buffered]
   for got, want in zip(restored, buffered):
-    assert dataclasses.asdict(got.state) == dataclasses.asdict(want.state)
+    assert dataclasses.asdict(got) == dataclasses.asdict(want)
   with pytest.raises(TypeError, match="JSON"):
-    buffered[0].state.env_state = object()
-    state.replay.store(buffered)
+    buffered[0].env_state = object()
+    buffer.store(buffered)
 
 
 # --- formats, tools, registries
@@ -510,7 +524,7 @@ def test_trainer_logprobs_equal_engine_logprobs_on_a_multi_turn_episode(tokenize
                                SamplingParams(18, temperature=1.0,
                                               stop_token_ids=(tokenizer.eos_id,)), seed=5)
   assert all(e.turns == 3 and (~e.policy_mask).sum() == 21 for e in episodes)
-  masks = loop.offpolicy_mask(np.ones(len(episodes), bool), episodes, 0, "keep")
+  masks = batch_lib.train_masks(episodes, np.ones(len(episodes), bool))
   batch, _ = trajectory_batch(prompts, [e.token_ids for e in episodes],
                               [e.logprobs for e in episodes], [0.0] * len(episodes), masks, 64)
   trainer = np.asarray(jax.jit(policy_logprobs, static_argnums=1)(
@@ -523,36 +537,43 @@ def test_trainer_logprobs_equal_engine_logprobs_on_a_multi_turn_episode(tokenize
 def test_rl_steps_train_on_episodes_and_log_their_metrics(tokenizer, tiny_cfg, tiny_params):
   task = ToolArithmetic(Arithmetic(digits=3, operands=2, num_train=64, num_test=16))
   seen = []
-  inner = make_train_step(tiny_cfg, loop.rl_optimizer(1e-4), losses.bind("grpo"))
 
-  def train_step(state, batch, ref_params):
-    seen.append(batch)
-    return inner(state, batch, ref_params)
+  def spy(inner):
+    def train_step(state, batch, ref_params):
+      seen.append(batch)
+      return inner(state, batch, ref_params)
+    return train_step
 
   reward = rewards.named_chain({"correctness": rewards.correctness(),
                                 "length": rewards.k15_length_penalty()})
-  state = loop.init_loop_state(tiny_params, loop.rl_optimizer(1e-4), num_prompts=64,
-                               sampler=sampling.uniform(), reward=reward, seed=0)
-  steps = loop.rl_steps(state, engine=ScriptedEngine(tokenizer, calculator_policy), task=task,
-                        tokenizer=tokenizer, train_step=train_step, advantage="group_normalized",
-                        reward=reward, sampler=sampling.uniform(), ref_params=tiny_params,
-                        config=loop.RLConfig(prompts_per_step=2, samples_per_prompt=2,
+  # GRPO that reads the per-turn rewards: the loop fills exactly the fields a loss reads.
+  losses.register("grpo_turns", advantage="group_normalized", aggregation="seq-mean-token-mean",
+                  kl_coef=0.04, reads=("turn_rewards",))(losses.grpo)
+  try:
+    steps, _ = helpers.steps(tiny_params, tiny_cfg, engine=ScriptedEngine(tokenizer,
+                                                                         calculator_policy),
+                             task=task, tokenizer=tokenizer, loss="grpo_turns", reward=reward,
+                             train_step=spy, ref_params=tiny_params,
+                             config=RLConfig(prompts_per_step=2, samples_per_prompt=2,
                                              max_new_tokens=32, seq_len=64))
+  finally:
+    del losses.LOSSES["grpo_turns"]
   record = next(steps)
   m = record.metrics
   assert m["accuracy"] == 1.0 and m["episode_tool_calls"] == 1.0 and m["episode_turns"] == 2
   assert m["episode_tool_errors"] == m["episode_tool_timeouts"] == 0.0
   assert m["episode_budget_truncated"] == 0.0
-  lengths = [envs.policy_tokens(c) for c in record.scored.completions]
+  lengths = [envs.policy_tokens(t.episode()) for t in record.trajectories]
   assert m["completion_length"] == np.mean(lengths) == m["episode_policy_tokens"]
   assert m["episode_observation_tokens"] == np.mean(
-      [len(c.token_ids) - n for c, n in zip(record.scored.completions, lengths)])
+      [len(t.token_ids) - n for t, n in zip(record.trajectories, lengths)])
   (batch,) = seen
   assert batch.loss_mask.sum() == sum(lengths) and batch.turn_rewards is not None
+  assert batch.teacher_logp is None and batch.versions is None  # read by nothing here
   # Out of the loss: the prompts' targets and every observation token.
   placed = np.asarray(batch.segment_ids) > 0
   assert (placed & (np.asarray(batch.loss_mask) == 0)).sum() == sum(
-      len(p) - 1 for p in record.scored.prompt_ids) + 4 * m["episode_observation_tokens"]
+      len(t.prompt_ids) - 1 for t in record.trajectories) + 4 * m["episode_observation_tokens"]
   assert np.isfinite(m["loss"]) and m["engine_logp_diff_max"] >= 0
 
 
@@ -621,13 +642,13 @@ def test_an_episode_on_the_embedded_engine_and_on_the_server_is_the_same(tokeniz
 def test_agentic_config_runs_through_train_and_logs_episode_metrics(tmp_path, partial_rollouts):
   run_dir = tmp_path / "run"
   # Partial rollouts on the embedded engine: episodes pause between the driver's waves.
-  partial = ["--gin_param", "RLConfig.partial_rollouts = True",
-             "--gin_param", "RLConfig.rollout_token_budget = 16"] if partial_rollouts else []
+  partial = ["--gin_param", "train.rollouts = @Partial()",
+             "--gin_param", "Partial.token_budget = 16"] if partial_rollouts else []
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments/run.py"),
        "--gin", os.path.join(ROOT, "experiments/configs/agentic.gin"),
        "--gin", os.path.join(ROOT, "experiments/configs/tiny.gin"),
-       "--run_dir", str(run_dir), "--gin_param", "train.progress = False", *partial],
+       "--run_dir", str(run_dir), "--gin_param", "Hooks.progress = False", *partial],
       capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][1:]
@@ -719,8 +740,8 @@ def qwen_tokenizer(tmp_path_factory):
 class _RecordingEngine(ScriptedEngine):
   """A ScriptedEngine that also keeps what each call returned and the stop tokens it got."""
 
-  def generate(self, prompts, sampling, *, seed, affinity=None):
-    out = super().generate(prompts, sampling, seed=seed, affinity=affinity)
+  def generate(self, prompts, sampling, *, seed, **kwargs):
+    out = super().generate(prompts, sampling, seed=seed, **kwargs)
     self.calls[-1].update(outputs=out, stop_token_ids=tuple(sampling.stop_token_ids))
     return out
 

@@ -12,13 +12,16 @@ import threading
 import jax
 import pytest
 
+from experiments import evaluation
 from models import config, transformer
 from rl import eval as eval_lib
-from rl import loop, rewards, sampling, sft
+from rl import loop, rollout, sft
 from rl.checkpoint import Checkpointer
+from rl.config import RLConfig
 from rl.tasks.arithmetic import Arithmetic
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
+from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,7 +106,7 @@ def test_sampled_eval_and_report(tokenizer, tmp_path):
   accuracy = [m["accuracy"] for m in by_budget]
   assert accuracy == sorted(accuracy)
   assert len(report["lengths"]["correct"]) + len(report["lengths"]["incorrect"]) == 48
-  paths = eval_lib.write_report(report, str(tmp_path / "report"), title="tiny")
+  paths = evaluation.write_report(report, str(tmp_path / "report"), title="tiny")
   assert [os.path.basename(p) for p in paths] == [
       "report.json", "accuracy_vs_budget.png", "lengths.png", "pass_at_k.png"]
   for path in paths[1:]:
@@ -120,9 +123,10 @@ class _BrokenVerifier(Arithmetic):
 class _LosingEngine(JaxEngine):
   """The embedded engine, handing over one completion fewer than it returns."""
 
-  def generate(self, prompts, sampling, *, seed, affinity=None, on_ready=None):
+  def generate(self, prompts, sampling, *, seed, on_ready=None, **kwargs):
     return super().generate(prompts, sampling, seed=seed,
-                            on_ready=lambda ready: on_ready(dict(list(ready.items())[1:])))
+                            on_ready=lambda ready: on_ready(dict(list(ready.items())[1:])),
+                            **kwargs)
 
 
 def test_generate_and_verify_raises_its_verifiers_and_engines_errors(tiny_cfg, tiny_params,
@@ -134,12 +138,12 @@ def test_generate_and_verify_raises_its_verifiers_and_engines_errors(tiny_cfg, t
   sampling = SamplingParams(4, stop_token_ids=tuple(range(tiny_cfg.vocab_size)))
   engine = JaxEngine(tiny_cfg, tiny_params)
   with pytest.raises(ValueError, match="verifier bug"):
-    eval_lib.generate_and_verify(engine, _BrokenVerifier(digits=1, num_train=4, num_test=1),
-                                 tokenizer, records, sampling, samples=2)
+    rollout.generate(engine, _BrokenVerifier(digits=1, num_train=4, num_test=1), tokenizer,
+                     records, sampling, samples=2)
   with pytest.raises(RuntimeError, match=r"returned 4 completions but handed over 3.*\[0\]"):
-    eval_lib.generate_and_verify(_LosingEngine(tiny_cfg, tiny_params),
-                                 Arithmetic(digits=1, num_train=4, num_test=1), tokenizer,
-                                 records, sampling, samples=2)
+    rollout.generate(_LosingEngine(tiny_cfg, tiny_params),
+                     Arithmetic(digits=1, num_train=4, num_test=1), tokenizer, records,
+                     sampling, samples=2)
   assert not [t for t in threading.enumerate() if t.name == "verifier"]
 
 
@@ -154,9 +158,9 @@ def test_eval_cli_on_a_saved_run(tokenizer, tmp_path):
   run_dir = tmp_path / "run"
   cfg = config.tiny(tokenizer.vocab_size, hidden_size=32, intermediate_size=64)
   params = transformer.init_params(cfg, jax.random.PRNGKey(1))
-  optimizer = loop.rl_optimizer(1e-4)
-  state = loop.init_loop_state(params, optimizer, num_prompts=10, sampler=sampling.uniform(),
-                               reward=rewards.named_chain({"c": rewards.correctness()}), seed=0)
+  parts = helpers.parts(cfg, engine=None, task=Arithmetic(num_train=10), tokenizer=tokenizer,
+                        config=RLConfig(prompts_per_step=4))
+  state = loop.init_state(params, loop.rl_optimizer(1e-4), parts, 0)
   checkpointer = Checkpointer(str(run_dir / "checkpoints"))
   checkpointer.save(3, state)
   checkpointer.close()

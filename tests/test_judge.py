@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from models import transformer
-from rl import eval as eval_lib
+from rl import rollout
 from rl import sft
 from rl.tasks.arithmetic import Arithmetic
+from rl.trajectory import column
 from rl.verifiers.judge import Judge, JudgedTask, parse_verdict
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
@@ -112,14 +113,16 @@ def test_an_unparseable_or_late_judge_falls_back_to_the_rule(tiny_cfg, tiny_para
 
 
 def test_the_loop_scores_a_judged_task_in_one_batch(lenient_judge, task, tokenizer):
-  """eval.score (the loop's scoring) uses verify_batch: one judge call per scored batch, and
+  """rollout.verify (the loop's scoring) uses verify_batch: one judge call per scored batch, and
   truncated completions are never judged correct."""
   engine = _Counting(lenient_judge)
   judged = JudgedTask(task, Judge(engine, tokenizer, template=TEMPLATE, max_new_tokens=24))
   records = [task.train[i] for i in range(4)]
-  scored = eval_lib.generate_and_verify(lenient_judge, judged, tokenizer, records,
-                                        SamplingParams(max_new_tokens=12), samples=2, seed=0)
-  assert engine.calls == (1 if (~scored.truncated).any() else 0)
-  assert not scored.correct[scored.truncated].any()
-  np.testing.assert_array_equal(scored.correct, ~scored.truncated)  # lenient: all finished
+  trajectories = rollout.generate(lenient_judge, judged, tokenizer, records,
+                                  SamplingParams(max_new_tokens=12), samples=2, seed=0)
+  correct = column(trajectories, "correct", bool)
+  truncated = column(trajectories, "truncated", bool)
+  assert engine.calls == (1 if (~truncated).any() else 0)
+  assert not correct[truncated].any()
+  np.testing.assert_array_equal(correct, ~truncated)  # lenient: all finished
   judged.judge.close()

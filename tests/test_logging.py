@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from rl import eval as eval_lib
-from rl import loggers, loop
+from rl import loggers, trainer
+from rl.config import RLConfig
 from models import config
 from rl.tasks.arithmetic import Arithmetic
 
@@ -118,13 +119,16 @@ def test_a_run_logs_every_scalar_to_tensorboard_and_wandb_offline(tmp_path, monk
     monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb_{name.lower()}"))
   monkeypatch.setenv("WANDB_MODE", "offline")
   run_dir = str(tmp_path / "run")
-  loop.train(run_dir, task=Arithmetic(digits=1, num_train=500, num_test=50),
-             model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
-             rl=loop.RLConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16,
-                              seq_len=32),
-             num_steps=2, sft_steps=5, sft_batch_size=16, eval_records=8, eval_every=2,
-             sampled_eval=eval_lib.SampledEval(samples=2, ks=(1, 2), budgets=(16,)),
-             progress=False, wandb_project="longrl-test")
+  trainer.train(run_dir, task=Arithmetic(digits=1, num_train=500, num_test=50),
+                model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
+                rl=RLConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16,
+                            seq_len=32, num_steps=2),
+                start=trainer.WarmStart(steps=5, batch_size=16),
+                hooks=trainer.Hooks(
+                    evaluation=trainer.Evaluation(
+                        records=8, every=2,
+                        sampled=eval_lib.SampledEval(samples=2, ks=(1, 2), budgets=(16,))),
+                    progress=False, wandb_project="longrl-test"))
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   assert [r["step"] for r in records] == [0, 1, 2]
   assert "eval_pass@2" in records[2]

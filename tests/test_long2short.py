@@ -1,6 +1,7 @@
 """long2short: the selection rules on hand-made groups, the DPO loss against a hand
 computation, pair packing, merging, and each method end to end on a tiny real model."""
 
+import dataclasses
 import json
 import math
 import os
@@ -41,16 +42,16 @@ def test_dpo_pairs_follow_the_k15_rule():
 
 
 def test_group_helpers_over_scored_samples(tokenizer):
-  from rl.eval import Scored
-  from rollouts.engine import Completion
+  from rl.trajectory import Trajectory
 
-  def completion(n):
-    return Completion(np.arange(n, dtype=np.int32) + 3, np.zeros(n, np.float32), "stop",
-                      np.zeros(n, np.int32))
+  def trajectory(prompt, n, right):
+    return Trajectory({}, tuple(prompt), token_ids=list(range(3, n + 3)), logprobs=[0.0] * n,
+                      versions=[0] * n, policy_mask=[True] * n, policy_count=n, finish="stop",
+                      correct=right, well_formed=True)
   lengths = [5, 3, 7, 2, 4, 6]
   correct = np.array([True, True, False, False, False, False])
-  scored = Scored([[1, 2]] * 3 + [[1, 9]] * 3, [completion(n) for n in lengths], [""] * 6,
-                  correct, np.array(lengths), np.zeros(6, bool), np.ones(6, bool))
+  scored = [trajectory([1, 2] if i < 3 else [1, 9], n, right)
+            for i, (n, right) in enumerate(zip(lengths, correct))]
   examples = long2short.shortest_rejection_examples(scored, samples=3)
   assert len(examples) == 1  # the second prompt has no correct completion
   assert list(examples[0][0]) == [1, 2] and len(examples[0][1]) == 3
@@ -158,17 +159,19 @@ def long_run(tmp_path_factory, tokenizer):
 
 def test_each_method_end_to_end(long_run, tmp_path):
   run_dir, factory, task, long_params = long_run
-  common = dict(long_run=run_dir, model=factory, task=task, num_prompts=24, samples=4,
-                max_new_tokens=32, steps=12, batch_size=8, eval_records=8, seq_len=48,
-                progress=False)
+  sizes = long2short.Long2ShortConfig(num_prompts=24, samples=4, max_new_tokens=32, steps=12,
+                                      batch_size=8, eval_records=8, seq_len=48)
+  common = dict(long_run=run_dir, model=factory, task=task, sizes=sizes, progress=False)
   short = long2short.run(str(tmp_path / "sft"), method="shortest_rejection", **common)
   assert short["examples"] > 0 and short["example_length"] <= short["sample_correct_length"]
-  pref = long2short.run(str(tmp_path / "dpo"), method="dpo", learning_rate=1e-3, **common)
+  pref = long2short.run(str(tmp_path / "dpo"), method="dpo",
+                        **{**common, "sizes": dataclasses.replace(sizes, learning_rate=1e-3)})
   assert pref["pairs"] > 0
   # 12 DPO updates on these pairs: the policy prefers the chosen completions.
   assert pref["dpo_reward_accuracy"] > 0.5 and pref["dpo_loss"] < math.log(2.0)
   merged = long2short.run(str(tmp_path / "merge"), method="merge",
-                          merge_with=str(tmp_path / "sft"), merge_ratio=1.0, **common)
+                          merge_with=str(tmp_path / "sft"),
+                          **{**common, "sizes": dataclasses.replace(sizes, merge_ratio=1.0)})
   # ratio 1: exactly the short model, so the same greedy evaluation.
   assert (merged["accuracy"], merged["length"]) == (short["accuracy"], short["length"])
   for name in ("sft", "dpo", "merge"):
@@ -186,12 +189,14 @@ def test_each_method_end_to_end(long_run, tmp_path):
 
 
 def test_init_from_errors_name_the_problem(long_run, tmp_path, tokenizer):
-  from rl import ConfigError, loop
+  from rl import ConfigError, trainer
+  from rl.config import RLConfig
   run_dir, factory, task, long_params = long_run
   with pytest.raises(ConfigError, match="init_from.*no checkpoints"):
-    loop.train(str(tmp_path / "run"), task=task, model=factory,
-               init_from=str(tmp_path / "missing"), eval_records=8, progress=False,
-               rl=loop.RLConfig(prompts_per_step=4))
+    trainer.train(str(tmp_path / "run"), task=task, model=factory,
+                  start=trainer.FromRun(str(tmp_path / "missing")),
+                  hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=8), progress=False),
+                  rl=RLConfig(prompts_per_step=4))
   bigger = config.tiny(tokenizer.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, intermediate_size=64)
   like = jax.eval_shape(lambda: transformer.init_params(bigger, jax.random.PRNGKey(0)))

@@ -1,5 +1,5 @@
 """rl/monitors.py: each monitor fires on its failure and stays quiet on a noisy healthy run;
-the chain composes; `train.stop_on` stops a real tiny run after a checkpoint, and it resumes."""
+the chain composes; `Hooks.stop_on` stops a real tiny run after a checkpoint, and it resumes."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from rl import ConfigError, loop, monitors
+from rl import ConfigError, monitors, trainer
 from rl.tasks.arithmetic import Arithmetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,10 +153,11 @@ def test_thresholds_are_checked():
 
 
 def test_unknown_stop_name_fails_before_anything_runs(tmp_path):
-  with pytest.raises(ConfigError, match=r"train.stop_on names \['entropy_colapse'\].*"
+  with pytest.raises(ConfigError, match=r"Hooks.stop_on names \['entropy_colapse'\].*"
                                         r"entropy_collapse"):
-    loop.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=50, num_test=20),
-               model=lambda vocab: None, stop_on=["entropy_colapse"], progress=False)
+    trainer.train(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=50, num_test=20),
+                  model=lambda vocab: None,
+                  hooks=trainer.Hooks(stop_on=["entropy_colapse"], progress=False))
   assert not os.path.exists(tmp_path / "run")
 
 
@@ -165,8 +166,8 @@ def _run(*args):
       [sys.executable, os.path.join(ROOT, "experiments/run.py"),
        "--gin", os.path.join(ROOT, "experiments/configs/quickstart.gin"),
        "--gin", os.path.join(ROOT, "experiments/configs/tiny.gin"),
-       "--gin_param", "train.progress = False", "--gin_param", "train.num_steps = 4",
-       "--gin_param", "train.checkpoint_every = 10", *args],
+       "--gin_param", "Hooks.progress = False", "--gin_param", "RLConfig.num_steps = 4",
+       "--gin_param", "Hooks.checkpoint_every = 10", *args],
       capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
@@ -177,10 +178,10 @@ def test_stop_on_saves_a_checkpoint_stops_and_resumes(tmp_path):
   summary.json, and a second call resumes and runs to the end (the monitor has fired)."""
   run_dir = str(tmp_path / "run")
   bindings = ["--run_dir", run_dir,
-              "--gin_param", "train.monitors = {'collapse': @entropy_collapse()}",
+              "--gin_param", "Hooks.monitors = {'collapse': @entropy_collapse()}",
               "--gin_param", "entropy_collapse.fraction = 2.0",
               "--gin_param", "entropy_collapse.window = 1",
-              "--gin_param", "train.stop_on = ['collapse']"]
+              "--gin_param", "Hooks.stop_on = ['collapse']"]
   first = _run(*bindings)
   assert first.returncode == 0, first.stderr[-3000:]
   assert "warning [collapse] at RL step 1: median entropy of the last 1 steps" in first.stdout

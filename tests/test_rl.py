@@ -1,5 +1,6 @@
 """The RL loop end to end on tiny real models: it learns, it resumes exactly."""
 
+import dataclasses
 import json
 import os
 
@@ -9,13 +10,15 @@ import numpy as np
 import pytest
 
 from models import config, transformer
-from rl import distill, loop, losses, rewards, sampling, sft
+from rl import corrections, distill, loop, losses, rewards, sampling, sft, sources, trainer
 from rl.checkpoint import Checkpointer
+from rl.config import KLReward, RLConfig
 from rl.tasks.arithmetic import Arithmetic
 from rl.packing import trajectory_batch
-from rl.train_step import make_train_step, policy_logprobs
+from rl.train_step import policy_logprobs
 from rollouts.jax_engine import JaxEngine
 from rollouts.server import local_engine
+from tests import helpers
 
 
 class PickADigit:
@@ -36,6 +39,13 @@ class PickADigit:
 
   def well_formed(self, completion):
     return len(completion) == 1 and completion.isdigit()
+
+
+class Hopeless(PickADigit):
+  """No completion is ever right: every group is all wrong."""
+
+  def verify(self, completion, record):
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +76,10 @@ def test_rl_on_a_single_prompt_drives_reward_to_one(name, tokenizer, digit_model
   sees the reward) by matching a teacher that picks 7."""
   cfg, params = digit_model
   teachers = request.getfixturevalue("seven_teacher") if losses.get(name).teacher else None
-  optimizer = loop.rl_optimizer(2e-3)
-  reward = rewards.named_chain({"correctness": rewards.correctness()})
-  sampler = sampling.uniform()
-  state = loop.init_loop_state(params, optimizer, num_prompts=1, sampler=sampler, reward=reward,
-                               seed=0)
-  steps = loop.rl_steps(
-      state, engine=JaxEngine(cfg, params), task=PickADigit(1), tokenizer=tokenizer,
-      train_step=make_train_step(cfg, optimizer, losses.bind(name)),
-      advantage=losses.get(name).advantage, reward=reward, sampler=sampler,
-      config=loop.RLConfig(prompts_per_step=1, samples_per_prompt=32, max_new_tokens=4,
-                           seq_len=16),
+  steps, _ = helpers.steps(
+      params, cfg, engine=JaxEngine(cfg, params), task=PickADigit(1), tokenizer=tokenizer,
+      loss=name, config=RLConfig(prompts_per_step=1, samples_per_prompt=32, max_new_tokens=4,
+                                 seq_len=16, learning_rate=2e-3),
       ref_params=params,  # used by losses with a KL to the reference
       teachers=teachers)
   history = [next(steps).metrics["reward"] for _ in range(60)]
@@ -91,23 +94,15 @@ def test_donating_train_step_in_the_loop_equals_the_copying_one(tokenizer, digit
   reference, two RL steps give the same states and metrics either way; the donated run
   really updates in place (the first step's state is deleted by the second)."""
   cfg, params = digit_model
-  optimizer = loop.rl_optimizer(2e-3)
-  reward = rewards.named_chain({"correctness": rewards.correctness()})
-  sampler = sampling.uniform()
-  rl = loop.RLConfig(prompts_per_step=2, samples_per_prompt=8, max_new_tokens=4, seq_len=16,
-                     minibatches=2, offpolicy_tokens="tis")
-  trainer_logprobs = jax.jit(lambda p, b: policy_logprobs(p, cfg, b)[0])
+  rl = RLConfig(prompts_per_step=2, samples_per_prompt=8, max_new_tokens=4, seq_len=16,
+                minibatches=2, learning_rate=2e-3)
 
   def two_steps(donate):
     # Copies: a donated state must not share the fixture's buffers.
     start = jax.tree.map(jnp.copy, params)
-    state = loop.init_loop_state(start, optimizer, num_prompts=2, sampler=sampler,
-                                 reward=reward, seed=0, config=rl)
-    steps = loop.rl_steps(
-        state, engine=JaxEngine(cfg, start), task=PickADigit(2), tokenizer=tokenizer,
-        train_step=make_train_step(cfg, optimizer, losses.bind("grpo"), donate_state=donate),
-        advantage=losses.get("grpo").advantage, reward=reward, sampler=sampler, config=rl,
-        ref_params=params, trainer_logprobs=trainer_logprobs)
+    steps, _ = helpers.steps(start, cfg, engine=JaxEngine(cfg, start), task=PickADigit(2),
+                             tokenizer=tokenizer, loss="grpo", config=rl,
+                             correction=corrections.tis(), donate=donate, ref_params=params)
     first = next(steps)
     kernel = first.state.train.params["layers_0"]["mlp"]["up_proj"]["kernel"]
     second = next(steps)
@@ -132,23 +127,17 @@ def test_rl_through_the_server_drives_reward_to_one(rollout, tokenizer, digit_mo
   """The same learning as in-process, with rollouts from a server process over SGLang's
   protocol (weights synced from disk every step), whole or as partial rollouts."""
   cfg, params = digit_model
-  optimizer = loop.rl_optimizer(2e-3)
-  reward = rewards.named_chain({"correctness": rewards.correctness()})
-  sampler = sampling.uniform()
-  rl = loop.RLConfig(prompts_per_step=1, samples_per_prompt=32, max_new_tokens=4, seq_len=16,
-                     partial_rollouts=rollout == "partial", rollout_token_budget=40,
-                     offpolicy_tokens="tis" if rollout == "partial" else "keep")
-  state = loop.init_loop_state(params, optimizer, num_prompts=1, sampler=sampler, reward=reward,
-                               seed=0, config=rl)
+  rl = RLConfig(prompts_per_step=1, samples_per_prompt=32, max_new_tokens=4, seq_len=16,
+                learning_rate=2e-3)
+  partial = rollout == "partial"
   # 8 requests in flight: once the budget is spent, the ones not yet sent wait for the
   # next iteration (aborted mid-generation ones are tested in test_sglang.py).
   engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path), max_in_flight=8)
   try:
-    steps = loop.rl_steps(
-        state, engine=engine, task=PickADigit(1), tokenizer=tokenizer,
-        train_step=make_train_step(cfg, optimizer, losses.bind("k1.5")),
-        advantage=losses.get("k1.5").advantage, reward=reward, sampler=sampler, config=rl,
-        trainer_logprobs=jax.jit(lambda p, b: policy_logprobs(p, cfg, b)[0]))
+    steps, _ = helpers.steps(
+        params, cfg, engine=engine, task=PickADigit(1), tokenizer=tokenizer, config=rl,
+        rollouts=sources.Partial(token_budget=40) if partial else sources.Lockstep(),
+        correction=corrections.tis() if partial else corrections.keep())
     records = [next(steps) for _ in range(60)]
   finally:
     engine.close()
@@ -163,26 +152,29 @@ def test_rl_through_the_server_drives_reward_to_one(rollout, tokenizer, digit_mo
     assert max(r.metrics["partial_iterations"] for r in records) > 1
 
 
-def _tiny_run(run_dir, num_steps, **overrides):
+TINY_RL = RLConfig(prompts_per_step=4, samples_per_prompt=4, minibatches=2, max_new_tokens=16,
+                   seq_len=32)
+
+
+def _tiny_run(run_dir, num_steps, *, rl=TINY_RL, **overrides):
   kwargs = dict(
       task=Arithmetic(digits=1, num_train=500, num_test=50),
       model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
-      rl=loop.RLConfig(prompts_per_step=4, samples_per_prompt=4, minibatches=2,
-                       max_new_tokens=16, seq_len=32),
-      num_steps=num_steps, sft_steps=5, sft_batch_size=16, eval_records=16, checkpoint_every=2,
-      progress=False)
+      rl=dataclasses.replace(rl, num_steps=num_steps),
+      start=trainer.WarmStart(steps=5, batch_size=16),
+      hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=16), checkpoint_every=2,
+                          progress=False))
   kwargs.update(overrides)
-  return loop.train(run_dir, **kwargs)
+  return trainer.train(run_dir, **kwargs)
 
 
 def _params_at(run_dir, step, vocab_size=55):
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"))
   cfg = config.tiny(vocab_size, hidden_size=32, intermediate_size=64)
-  optimizer = loop.rl_optimizer(1e-4)
-  like = loop.init_loop_state(transformer.init_params(cfg, jax.random.PRNGKey(0)), optimizer,
-                              num_prompts=500, sampler=sampling.uniform(),
-                              reward=rewards.named_chain({"correctness": rewards.correctness()}),
-                              seed=0)
+  like_parts = helpers.parts(cfg, engine=None, task=Arithmetic(digits=1, num_train=500),
+                             tokenizer=None, config=TINY_RL)
+  like = loop.init_state(transformer.init_params(cfg, jax.random.PRNGKey(0)),
+                         loop.rl_optimizer(1e-4), like_parts, 0)
   state = ckpt.restore(like, step=step)
   ckpt.close()
   return state
@@ -210,9 +202,9 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_kl_in_the_reward_runs_in_train(tmp_path):
-  summary = _tiny_run(str(tmp_path / "klr"), 2, rl=loop.RLConfig(
-      prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16, seq_len=32,
-      kl_reward_coef=0.05))
+  summary = _tiny_run(str(tmp_path / "klr"), 2, rl=RLConfig(
+      prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16, seq_len=32),
+      objective=trainer.Objective(kl_reward=KLReward(coef=0.05)))
   assert summary["steps"] == 2
 
 
@@ -221,7 +213,8 @@ def test_kl_reference_is_the_sft_model(tmp_path):
   assert losses.uses_reference("grpo") and not losses.uses_reference("grpo", {"kl_coef": 0.0})
   assert not losses.uses_reference("k1.5")
   run = str(tmp_path / "grpo")
-  _tiny_run(run, 2, loss="grpo")  # kl_coef = 0.04 by default: the SFT model is the reference
+  # kl_coef = 0.04 by default: the SFT model is the reference
+  _tiny_run(run, 2, objective=trainer.Objective(loss="grpo"))
   sft_state = _params_at(run, 0)
   saved = Checkpointer(os.path.join(run, "sft"))
   params = saved.restore(sft_state.train.params)
@@ -233,36 +226,25 @@ def test_kl_reference_is_the_sft_model(tmp_path):
 
 def test_dynamic_sampling_never_yields_an_all_equal_group(tokenizer, digit_model):
   cfg, params = digit_model
-  optimizer = loop.rl_optimizer(1e-4)
-  reward = rewards.named_chain({"correctness": rewards.correctness()})
-  sampler = sampling.uniform()
-  config_ = loop.RLConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=4,
-                          seq_len=16, drop_uniform_groups=True, max_generation_rounds=30)
-  state = loop.init_loop_state(params, optimizer, num_prompts=10, sampler=sampler,
-                               reward=reward, seed=0)
-  steps = loop.rl_steps(state, engine=JaxEngine(cfg, params), task=PickADigit(10),
-                        tokenizer=tokenizer, train_step=make_train_step(
-                            cfg, optimizer, losses.bind("dapo")),
-                        advantage="group_normalized", reward=reward, sampler=sampler,
-                        config=config_)
+  config_ = RLConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=4, seq_len=16)
+  steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params), task=PickADigit(10),
+                           tokenizer=tokenizer, loss="dapo", config=config_,
+                           rollouts=sources.DynamicSampling(max_rounds=30))
   rounds = 0
   for _ in range(3):
     record = next(steps)
     groups = record.rewards.reshape(4, 4)
     assert (groups.std(axis=1) > 0).all()
-    assert len(record.scored.texts) == 16
+    assert len(record.trajectories) == 16
     rounds += record.metrics["generation_rounds"]
     # Every generated group is counted in the prompt statistics, kept or not.
-    assert int(record.state.prompt_stats.attempts.sum()) >= 16 * record.metrics[
+    assert int(record.state.rollout.prompt_stats.attempts.sum()) >= 16 * record.metrics[
         "generation_rounds"]
   assert rounds > 3  # uniform groups were met and dropped
   # A task where every group is uniform exhausts the rounds with a clear error.
-  zero = rewards.named_chain({"zero": rewards.correctness(correct=0.0)})
-  hopeless = loop.rl_steps(state.replace(reward_state=zero.init()), engine=JaxEngine(cfg, params),
-                           task=PickADigit(10), tokenizer=tokenizer,
-                           train_step=make_train_step(cfg, optimizer, losses.bind("dapo")),
-                           advantage="group_normalized", reward=zero, sampler=sampler,
-                           config=config_)
+  hopeless, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params), task=Hopeless(10),
+                              tokenizer=tokenizer, loss="dapo", config=config_,
+                              rollouts=sources.DynamicSampling(max_rounds=30))
   with pytest.raises(RuntimeError, match="dynamic sampling: fewer than 4 groups"):
     next(hopeless)
 
@@ -270,30 +252,24 @@ def test_dynamic_sampling_never_yields_an_all_equal_group(tokenizer, digit_model
 def test_kl_in_the_reward_subtracts_the_sequence_kl(tokenizer, digit_model):
   cfg, params = digit_model
   other = transformer.init_params(cfg, jax.random.PRNGKey(5))  # a reference far from params
-  reward = rewards.named_chain({"correctness": rewards.correctness()})
-  sampler = sampling.uniform()
-  optimizer = loop.rl_optimizer(1e-4)
   reference_logprobs = jax.jit(lambda b: policy_logprobs(other, cfg, b)[0])
   records = {}
   for coef in (0.0, 0.1):
-    config_ = loop.RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=4,
-                            seq_len=16, kl_reward_coef=coef)
-    state = loop.init_loop_state(params, optimizer, num_prompts=10, sampler=sampler,
-                                 reward=reward, seed=0)
-    steps = loop.rl_steps(state, engine=JaxEngine(cfg, params), task=PickADigit(10),
-                          tokenizer=tokenizer,
-                          train_step=make_train_step(cfg, optimizer, losses.bind("rloo")),
-                          advantage="leave_one_out", reward=reward, sampler=sampler,
-                          config=config_, reference_logprobs=reference_logprobs)
+    config_ = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=4,
+                       seq_len=16)
+    steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params), task=PickADigit(10),
+                             tokenizer=tokenizer, loss="rloo", config=config_,
+                             kl_reward=KLReward(coef=coef),
+                             reference_logprobs=reference_logprobs)
     records[coef] = next(steps)
   plain, with_kl = records[0.0], records[0.1]
-  assert plain.scored.texts == with_kl.scored.texts  # same samples, only the reward differs
+  # same samples, only the reward differs
+  assert [t.text for t in plain.trajectories] == [t.text for t in with_kl.trajectories]
   # By hand: k1 = engine logp - reference logp, summed over each completion's tokens.
-  for i, completion in enumerate(plain.scored.completions):
-    tokens = np.concatenate([plain.scored.prompt_ids[i], completion.token_ids])
+  for i, t in enumerate(plain.trajectories):
+    tokens = np.concatenate([t.prompt_ids, t.token_ids])
     batch = jax.tree.map(jnp.asarray, trajectory_batch(
-        [plain.scored.prompt_ids[i]], [completion.token_ids], [completion.logprobs], [0.0],
-        [True], 16)[0])
+        [t.prompt_ids], [t.token_ids], [t.logprobs], [0.0], [True], 16)[0])
     ref = np.asarray(reference_logprobs(batch))[0][:len(tokens) - 1]
     kl = float(np.sum((np.asarray(batch.old_logp)[0][:len(tokens) - 1] - ref)
                       * np.asarray(batch.loss_mask)[0][:len(tokens) - 1]))

@@ -30,11 +30,11 @@ def run(*args, env_extra=None):
     (["--gin", "experiments/configs/no_such.gin"], "not found: experiments/configs/no_such.gin"),
     (["--gin", QUICKSTART, "--gin_param", "train.num_stepz = 3"], "num_stepz"),
     (["--gin", QUICKSTART, "--gin_param", "RLConfig.prompts_per_stp = 3"], "prompts_per_stp"),
-    (["--gin", QUICKSTART, "--gin_param", "train.loss = 'k1.6'"], "unknown loss 'k1.6'"),
-    (["--gin", QUICKSTART, "--gin_param", "train.loss_hparams = {'tau': 1, 'eps': 2}"],
+    (["--gin", QUICKSTART, "--gin_param", "Objective.loss = 'k1.6'"], "unknown loss 'k1.6'"),
+    (["--gin", QUICKSTART, "--gin_param", "Objective.loss_hparams = {'tau': 1, 'eps': 2}"],
      "no hyper-parameter(s) ['eps']"),
-    (["--gin", QUICKSTART, "--gin_param", "RLConfig.kl_reward_estimator = 'k9'"],
-     "unknown RLConfig.kl_reward_estimator 'k9'"),
+    (["--gin", QUICKSTART, "--gin_param", "Objective.kl_reward = @KLReward()",
+      "--gin_param", "KLReward.estimator = 'k9'"], "unknown KLReward.estimator 'k9'"),
     (["--gin", QUICKSTART, "--gin_param", "tiny.attention = 'cudnn'"],
      "attention kernel 'cudnn' needs a GPU"),
     (["--gin", QUICKSTART, "--gin", CONTEXT_PARALLEL, "--gin_param", "make_mesh.context = 16"],
@@ -42,16 +42,17 @@ def run(*args, env_extra=None):
     (["--gin", QUICKSTART, "--gin", CONTEXT_PARALLEL, "--gin_param", "tiny.attention = 'dense'"],
      "attention='dense' cannot run context-parallel"),
     (["--gin", QUICKSTART, "--gin", PARTIAL], "an engine that can abort requests"),
-    (["--gin", QUICKSTART, "--gin_param", "RLConfig.offpolicy_tokens = 'drop'"],
-     "RLConfig.offpolicy_tokens='drop'"),
-    (["--gin", QUICKSTART, "--gin_param", "RLConfig.max_staleness = -1"],
-     "RLConfig.max_staleness=-1 must be >= 0"),
+    (["--gin", QUICKSTART, "--gin_param", "Objective.correction = @drop()"],
+     "No configurable matching reference '@drop()'"),
+    (["--gin", QUICKSTART, "--gin_param", "train.rollouts = @Ahead()",
+      "--gin_param", "Ahead.max_staleness = -1"], "Ahead.max_staleness=-1 must be >= 1"),
     (["--gin", QUICKSTART, "--gin", SERVER, "--gin", PARTIAL, "--gin_param",
-      "RLConfig.max_staleness = 1"], "does not run with RLConfig.partial_rollouts yet"),
+      "train.rollouts = @Ahead()", "--gin_param", "Ahead.inner = @Partial()",
+      "--gin_param", "Ahead.max_staleness = 1"], "Ahead over Partial: not supported yet"),
     (["--gin", QUICKSTART, "--gin", SERVER, "--gin", PARTIAL_LAMBDA,
-      "--gin_param", "RLConfig.partial_lambda = 1.5"], "needs partial_lambda in (0, 1]"),
+      "--gin_param", "Partial.finish_fraction = 1.5"], "finish_fraction in (0, 1]"),
     (["--gin", QUICKSTART, "--gin", SERVER, "--gin", PARTIAL_LAMBDA,
-      "--gin_param", "RLConfig.trust_region = (0.0, 1.0)"], "low < 0 < high"),
+      "--gin_param", "trust_region.low = 0.0"], "low < 0 < high"),
 ])
 def test_bad_configuration_fails_before_any_compile(tmp_path, args, message):
   run_dir = str(tmp_path / "run")
@@ -67,18 +68,18 @@ def test_bad_configuration_fails_before_any_compile(tmp_path, args, message):
 def test_run_writes_the_run_dir_and_resumes(tmp_path):
   run_dir = str(tmp_path / "run")
   first = run("--gin", QUICKSTART, "--gin", TINY, "--run_dir", run_dir,
-              "--gin_param", "train.progress = False")
+              "--gin_param", "Hooks.progress = False")
   assert first.returncode == 0, first.stderr[-3000:]
   last = first.stdout.strip().splitlines()[-1]
   assert re.fullmatch(r"sft_accuracy=\d\.\d\d rl_accuracy=\d\.\d\d", last), last
   for name in ("config.gin", "metrics.jsonl", "metrics.png", "summary.json", "checkpoints"):
     assert os.path.exists(os.path.join(run_dir, name)), name
-  assert "train.num_steps = 3" in open(os.path.join(run_dir, "config.gin")).read()
+  assert "RLConfig.num_steps = 3" in open(os.path.join(run_dir, "config.gin")).read()
 
   # The resumed part also runs the sampled evaluation (pass@k, maj@k, mean@k) at each eval.
   again = run("--gin", QUICKSTART, "--gin", TINY, "--run_dir", run_dir,
-              "--gin_param", "train.progress = False", "--gin_param", "train.num_steps = 4",
-              "--gin_param", "train.sampled_eval = @SampledEval()",
+              "--gin_param", "Hooks.progress = False", "--gin_param", "RLConfig.num_steps = 4",
+              "--gin_param", "Evaluation.sampled = @SampledEval()",
               "--gin_param", "SampledEval.samples = 2", "--gin_param", "SampledEval.ks = (1, 2)",
               "--gin_param", "SampledEval.budgets = (16,)")
   assert again.returncode == 0, again.stderr[-3000:]
@@ -100,8 +101,8 @@ def test_run_writes_the_run_dir_and_resumes(tmp_path):
 def test_context_parallel_config_runs_ring_attention(tmp_path):
   """The quickstart recipe (shrunk) with its train steps on a data=2 x context=4 mesh."""
   result = run("--gin", QUICKSTART, "--gin", TINY, "--gin", CONTEXT_PARALLEL,
-               "--run_dir", str(tmp_path / "run"), "--gin_param", "train.progress = False",
-               "--gin_param", "train.num_steps = 2")
+               "--run_dir", str(tmp_path / "run"), "--gin_param", "Hooks.progress = False",
+               "--gin_param", "RLConfig.num_steps = 2")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "attention ring over 4 sequence shards" in result.stdout
   assert "'context': 4" in result.stdout
@@ -114,9 +115,9 @@ def test_context_parallel_config_runs_ring_attention(tmp_path):
 def test_partial_rollouts_through_a_server_process(tmp_path):
   run_dir = str(tmp_path / "run")
   result = run("--gin", QUICKSTART, "--gin", TINY, "--gin", SERVER, "--gin", PARTIAL,
-               "--run_dir", run_dir, "--gin_param", "train.progress = False",
-               "--gin_param", "RLConfig.rollout_token_budget = 64",
-               "--gin_param", "train.num_steps = 2")
+               "--run_dir", run_dir, "--gin_param", "Hooks.progress = False",
+               "--gin_param", "Partial.token_budget = 64",
+               "--gin_param", "RLConfig.num_steps = 2")
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
   assert [r["step"] for r in records] == [1, 2]
@@ -132,7 +133,7 @@ def test_effort_recipe_trains_and_its_evaluation_sweeps_each_level(tmp_path):
   run_dir, out = str(tmp_path / "run"), str(tmp_path / "eval")
   small = ["--gin_param", "Arithmetic.filler = 2", "--gin_param", "RLConfig.seq_len = 64"]
   result = run("--gin", EFFORT, "--gin", TINY, "--run_dir", run_dir, *small,
-               "--gin_param", "train.progress = False")
+               "--gin_param", "Hooks.progress = False")
   assert result.returncode == 0, result.stderr[-3000:]
   result = subprocess.run(
       [sys.executable, "experiments/eval.py", "--gin", EFFORT, "--gin", TINY, "--gin",
@@ -150,8 +151,8 @@ def test_effort_recipe_trains_and_its_evaluation_sweeps_each_level(tmp_path):
 def test_lambda_partial_rollouts_with_the_trust_region_through_a_server_process(tmp_path):
   run_dir = str(tmp_path / "run")
   result = run("--gin", QUICKSTART, "--gin", TINY, "--gin", SERVER, "--gin", PARTIAL_LAMBDA,
-               "--run_dir", run_dir, "--gin_param", "train.progress = False",
-               "--gin_param", "train.num_steps = 2")
+               "--run_dir", run_dir, "--gin_param", "Hooks.progress = False",
+               "--gin_param", "RLConfig.num_steps = 2")
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
   assert [r["step"] for r in records] == [1, 2]

@@ -22,16 +22,18 @@ import numpy as np
 import pytest
 
 from models import config, hf, transformer
-from rl import eval as eval_lib
-from rl import loop, rewards, sampling
+from rl import batch as batch_lib
+from rl import corrections, envs, loop, replay, rollout, sampling, sources, trainer
+from rl.config import RLConfig
+from rl.envs import driver
 from rl.tasks.arithmetic import Arithmetic
 from rl.checkpoint import Checkpointer
 from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
-from rollouts import partial
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
 from rollouts.server import launch
+from tests import helpers
 from rollouts.sglang import (Request, SGLangClient, SGLangEngine, ServerError, parse_response,
                              remote_engine, request_body)
 
@@ -394,10 +396,10 @@ def test_completions_from_a_server_are_verified_while_the_rest_generate(model, t
     engine = _Returned(SGLangEngine(client, cfg, weights_dir="unused"))
     records = [task.train[i] for i in range(4)]
     timings = {}
-    scored = eval_lib.generate_and_verify(engine, task, tokenizer, records,
-                                          # Stop on 5 of the 55 ids: ~11 tokens each.
-                                          SamplingParams(32, stop_token_ids=(3, 4, 5, 6, 7)),
-                                          samples=2, seed=5, timings=timings)
+    trajectories = rollout.generate(engine, task, tokenizer, records,
+                                    # Stop on 5 of the 55 ids: ~11 tokens each.
+                                    SamplingParams(32, stop_token_ids=(3, 4, 5, 6, 7)),
+                                    samples=2, seed=5, timings=timings)
   finally:
     client.close()
     server.shutdown()
@@ -405,13 +407,13 @@ def test_completions_from_a_server_are_verified_while_the_rest_generate(model, t
       server.scheduler.stopped = True
       server.scheduler.lock.notify_all()
   assert min(task.verified_at) < engine.returned_at, "nothing was verified during generation"
-  assert len(task.verified_at) == int((~scored.truncated).sum()) > 0
+  assert len(task.verified_at) == sum(not t.truncated for t in trajectories) > 0
   assert timings["verify_busy_s"] >= 0.02 * len(task.verified_at)
   assert timings["verify_s"] < timings["verify_busy_s"]
-  after = eval_lib.score(task, tokenizer, scored.records, scored.prompt_ids, scored.completions)
-  assert scored.texts == after.texts and scored.records == [r for r in records for _ in "ab"]
-  np.testing.assert_array_equal(scored.correct, after.correct)
-  np.testing.assert_array_equal(scored.truncated, after.truncated)
+  during = [(t.text, t.correct, t.truncated) for t in trajectories]
+  rollout.verify(task, tokenizer, trajectories)  # all of them again, after
+  assert [(t.text, t.correct, t.truncated) for t in trajectories] == during
+  assert [t.record for t in trajectories] == [r for r in records for _ in "ab"]
 
 
 def test_warmup_compiles_every_batch_shape_served_after_it(model):
@@ -538,28 +540,45 @@ def test_a_run_that_cannot_reach_its_server_names_it_within_the_timeout(model, t
     closed.close()
 
 
-def test_partial_rollouts_abort_resume_and_keep_versions(model, servers):
+def _resumed(t, n: int, token: int = 9, logprob: float = 0.0, version: int = 0):
+  """Trajectory `t` as resumed with `n` tokens already generated."""
+  t.token_ids, t.logprobs, t.versions = [token] * n, [logprob] * n, [version] * n
+  t.policy_mask, t.policy_count = [True] * n, n
+
+
+def _groups(prompts, size: int, first_record: int = 0):
+  """Fresh single-turn trajectories: group g (record first_record + g) of `size` samples on
+  prompts[g]."""
+  count = len(prompts) * size
+  return driver.start(envs.ONE_TURN, [{}] * count, [p for p in prompts for _ in range(size)],
+                      group=[i // size for i in range(count)],
+                      record_index=[first_record + i // size for i in range(count)],
+                      sample=[i % size for i in range(count)])
+
+
+def test_partial_rollouts_abort_resume_and_keep_versions(model, servers, tokenizer):
   cfg, params, paths, root = model
   urls, _ = servers
   engine = SGLangEngine(SGLangClient(urls), cfg, weights_dir=root)
   sampling = SamplingParams(120, temperature=1.0)  # no stop token: every sample runs 120
-  trajectories = [t for g in range(2) for t in partial.new_group(g, g, PROMPTS[g], 3)]
+  trajectories = _groups(PROMPTS[:2], 3)
   # One was resumed with 100 tokens already: it finishes first and spends the budget.
   head = trajectories[0]
-  head.token_ids, head.logprobs = np.full(100, 9, np.int32), np.zeros(100, np.float32)
-  head.versions = np.zeros(100, np.int32)
-  first = partial.run_iteration(engine, trajectories, sampling, token_budget=1, seed=0)
-  assert head.finish == partial.TRUNCATED
-  assert first["aborted"] >= 1 and any(0 < len(t.token_ids) < 120 for t in trajectories)
+  _resumed(head, 100)
+  advance = lambda pause, seed: driver.advance(engine, envs.ONE_TURN, tokenizer, trajectories,
+                                               sampling, seed=seed, pause=pause)
+  first = advance(driver.Pause(token_budget=1), 0)
+  assert head.finish == "length"
+  assert first["unfinished"] >= 1 and any(0 < len(t.token_ids) < 120 for t in trajectories)
   engine.client.sync_weights(paths[1], 1)
-  while not all(t.finished for t in trajectories):
-    partial.run_iteration(engine, trajectories, sampling, token_budget=10**6, seed=1)
+  while not all(t.over for t in trajectories):
+    advance(driver.Pause(token_budget=10**6), 1)
   for t in trajectories:
     assert len(t.token_ids) == len(t.logprobs) == len(t.versions) == 120
-    assert t.finish == partial.TRUNCATED
-    assert np.all(np.diff(t.versions) >= 0) and set(t.versions.tolist()) <= {0, 1}
-  assert any(set(t.versions.tolist()) == {0, 1} for t in trajectories)
-  done, rest = partial.complete_groups(trajectories)
+    assert t.finish == "length"
+    assert np.all(np.diff(t.versions) >= 0) and set(t.versions) <= {0, 1}
+  assert any(set(t.versions) == {0, 1} for t in trajectories)
+  done, rest = replay.complete_groups(trajectories)
   assert [g[0].group for g in done] == [0, 1] and rest == []
   engine.client.sync_weights(paths[0], 0)
 
@@ -585,60 +604,77 @@ def test_exports_keep_the_versions_servers_may_read_even_after_a_resume(model, t
 
 
 def test_replay_buffer_round_trip():
-  trajectories = [t for g in range(3) for t in partial.new_group(g, 10 + g, [1, 2, g + 3], 2)]
+  trajectories = []
+  for g in range(3):
+    trajectories += _groups([[1, 2, g + 3]], 2, first_record=10 + g)
+    for t in trajectories[-2:]:
+      t.group = g
   for i, t in enumerate(trajectories):
-    t.token_ids = np.arange(i, dtype=np.int32)
-    t.logprobs = -np.arange(i, dtype=np.float32)
-    t.versions = np.full(i, i % 2, np.int32)
-    t.finish = partial.STOPPED if i % 3 == 0 else partial.UNFINISHED
-  buffer = partial.ReplayBuffer.empty(8, 4, 8).store(trajectories)
-  back = buffer.trajectories()
-  assert [(t.group, t.record, t.sample, t.prompt_ids, t.finish) for t in back] == \
-      [(t.group, t.record, t.sample, t.prompt_ids, t.finish) for t in trajectories]
+    _resumed(t, i, logprob=-1.0, version=i % 2)
+    t.logprobs = [-float(k) for k in range(i)]
+    t.finish = "stop" if i % 3 == 0 else None
+  records = [{"index": i} for i in range(16)]
+  buffer = replay.ReplayBuffer.empty(8, 4, 8).store(trajectories)
+  back = buffer.trajectories(records)
+  assert [(t.group, t.record_index, t.sample, t.prompt_ids, t.finish) for t in back] == \
+      [(t.group, t.record_index, t.sample, t.prompt_ids, t.finish) for t in trajectories]
   for a, b in zip(back, trajectories):
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
     np.testing.assert_array_equal(a.versions, b.versions)
+    assert a.record == records[b.record_index]
   with pytest.raises(ValueError, match="capacity 4"):
-    partial.ReplayBuffer.empty(4, 4, 8).store(trajectories)
+    replay.ReplayBuffer.empty(4, 4, 8).store(trajectories)
 
 
-def test_replay_buffer_is_part_of_the_checkpoint(tiny_cfg, tiny_params, tmp_path):
-  rl = loop.RLConfig(partial_rollouts=True, rollout_token_budget=8, prompts_per_step=2,
-                     samples_per_prompt=2, max_new_tokens=8, seq_len=16)
-  make = lambda: loop.init_loop_state(tiny_params, loop.rl_optimizer(1e-4), num_prompts=4,
-                                      sampler=sampling.uniform(), reward=rewards.correctness(),
-                                      seed=0, config=rl)
-  waiting = partial.new_group(5, 3, [1, 2, 3], 2)
-  waiting[0].token_ids, waiting[0].logprobs = np.array([7, 8], np.int32), np.array([-1., -2.],
-                                                                                      np.float32)
-  waiting[0].versions = np.array([4, 4], np.int32)
-  state = make().replace(replay=make().replay.store(waiting), next_group=np.int32(6))
+def test_replay_buffer_is_part_of_the_checkpoint(tiny_cfg, tiny_params, tokenizer, tmp_path):
+  task = Arithmetic(num_train=4)
+  make = lambda: loop.init_state(tiny_params, loop.rl_optimizer(1e-4), helpers.parts(
+      tiny_cfg, engine=None, task=task, tokenizer=tokenizer,
+      config=RLConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=8, seq_len=16),
+      rollouts=sources.Partial(token_budget=8)), 0)
+  waiting = _groups([[1, 2, 3]], 2, first_record=3)
+  for t in waiting:
+    t.group = 5
+  _resumed(waiting[0], 2, version=4)
+  waiting[0].token_ids, waiting[0].logprobs = [7, 8], [-1.0, -2.0]
+  state = make()
+  state = state.replace(rollout=state.rollout.replace(source={
+      "replay": state.rollout.source["replay"].store(waiting), "next_group": np.int32(6)}))
   checkpointer = Checkpointer(str(tmp_path / "ckpt"))
   checkpointer.save(1, state)
   restored = checkpointer.restore(make())
   checkpointer.close()
-  back = restored.replay.trajectories()
-  assert int(restored.next_group) == 6 and len(back) == 2
-  assert back[0].token_ids.tolist() == [7, 8] and back[0].versions.tolist() == [4, 4]
-  assert back[1].prompt_ids == (1, 2, 3) and not back[1].finished
+  back = restored.rollout.source["replay"].trajectories(task.train)
+  assert int(restored.rollout.source["next_group"]) == 6 and len(back) == 2
+  assert back[0].token_ids == [7, 8] and back[0].versions == [4, 4]
+  assert back[1].prompt_ids == (1, 2, 3) and not back[1].over
 
 
 def test_offpolicy_tokens_masked_or_importance_weighted():
-  from rollouts.engine import Completion
-  versions = [np.array([3, 3, 4, 4], np.int32), np.array([4, 4], np.int32)]
-  completions = [Completion(np.arange(len(v), dtype=np.int32), np.zeros(len(v), np.float32),
-                            "stop", v) for v in versions]
-  masks = loop.offpolicy_mask(np.array([True, False]), completions, 4, "mask")
-  assert masks[0].tolist() == [False, False, True, True] and not masks[1].any()
-  assert loop.offpolicy_mask(np.array([True, False]), completions, 4, "keep") == [True, False]
+  versions = [[3, 3, 4, 4], [4, 4]]
+  trajectories = []
+  for v in versions:
+    (t,) = _groups([[1]], 1)
+    _resumed(t, len(v))
+    t.versions = v
+    trajectories.append(t)
+  masks = batch_lib.train_masks(trajectories, np.array([True, False]))
+  assert [m.tolist() for m in masks] == [[True] * 4, [False] * 2]
   batch, _ = trajectory_batch([[1, 2], [1]], [[5, 6, 7, 8], [5, 6]],
                               [np.log([0.5, 0.5, 0.5, 0.5]), np.log([0.5, 0.5])], [2.0, 2.0],
-                              masks, 16)
-  assert batch.loss_mask[0].tolist()[:7] == [0, 0, 0, 1, 1, 0, 0]
+                              masks, 16, completion_fields=batch_lib.trajectory_fields(
+                                  trajectories, {"versions"}))
+  # "mask" drops the tokens older than the step's version: only version 4's stay.
+  masked, _ = corrections.mask_stale().apply(batch, step=4, trainer_logp=None)
+  assert masked.loss_mask[0].tolist()[:7] == [0, 0, 0, 1, 1, 0, 0]
+  kept, _ = corrections.keep().apply(batch, step=4, trainer_logp=None)
+  assert kept.loss_mask[0].tolist()[:7] == [0, 1, 1, 1, 1, 0, 0]
+  batch = masked
   # TIS: old log-probs become the trainer's; advantages times min(pi_trainer / pi_engine, cap).
   trainer = np.where(batch.loss_mask > 0, np.log(0.9), 0.0).astype(np.float32)
-  tis, (mean, worst) = loop.truncated_importance(batch, trainer, cap=1.5)
+  tis, metrics = corrections.tis(cap=1.5).apply(batch, step=4, trainer_logp=trainer)
+  mean, worst = metrics["engine_logp_diff_mean"], metrics["engine_logp_diff_max"]
   np.testing.assert_allclose(tis.old_logp, trainer)
   weighted = tis.advantages[batch.loss_mask > 0]
   np.testing.assert_allclose(weighted, 2.0 * 1.5)  # 0.9 / 0.5 = 1.8, capped at 1.5
@@ -647,59 +683,60 @@ def test_offpolicy_tokens_masked_or_importance_weighted():
   np.testing.assert_array_equal(tis.advantages[untouched], batch.advantages[untouched])
 
 
-def test_lambda_partial_rollouts_pause_at_the_count_and_resume_intact(model, servers):
+def test_lambda_partial_rollouts_pause_at_the_count_and_resume_intact(model, servers, tokenizer):
   cfg, params, paths, root = model
   urls, _ = servers
   engine = SGLangEngine(SGLangClient(urls[:1]), cfg, weights_dir=root)  # one batch, in order
   sampling = SamplingParams(120, temperature=1.0)  # no stop token: every sample runs 120
   # N x K = 4 groups x 4 = 16. Groups 0 and 1 were resumed 3..10 tokens short of the limit,
   # so they finish one after another while groups 2 and 3 are still young.
-  trajectories = [t for g in range(4) for t in partial.new_group(g, 10 + g, PROMPTS[g % 3], 4)]
+  trajectories = _groups([PROMPTS[g % 3] for g in range(4)], 4, first_record=10)
   for i, t in enumerate(trajectories[:8]):
-    n = 120 - 3 - i
-    t.token_ids, t.logprobs = np.full(n, 9, np.int32), np.full(n, -0.5, np.float32)
-    t.versions = np.zeros(n, np.int32)
-  result = partial.run_iteration(engine, trajectories, sampling, finish_fraction=0.5, seed=0)
+    _resumed(t, 120 - 3 - i, logprob=-0.5)
+  advance = lambda ts, fraction, seed: driver.advance(
+      engine, envs.ONE_TURN, tokenizer, ts, sampling, seed=seed,
+      pause=driver.Pause(finish_fraction=fraction))
+  result = advance(trajectories, 0.5, 0)
   # lambda = 0.5: paused once 8 of the 16 had finished; the other 8 were aborted.
-  assert (result["finished"], result["aborted"]) == (8, 8)
-  assert all(t.finished for t in trajectories[:8])
+  assert (result["finished"], result["unfinished"]) == (8, 8)
+  assert all(t.over for t in trajectories[:8])
   young = trajectories[8:]
-  assert not any(t.finished for t in young)
+  assert not any(t.over for t in young)
   assert all(len(t.token_ids) < 120 for t in young) and any(len(t.token_ids) for t in young)
-  done, rest = partial.complete_groups(trajectories)
+  done, rest = replay.complete_groups(trajectories)
   assert [g[0].group for g in done] == [0, 1] and rest == young
-  kept = {(t.group, t.sample): (t.token_ids.copy(), t.logprobs.copy(), t.versions.copy())
+  kept = {(t.group, t.sample): (list(t.token_ids), list(t.logprobs), list(t.versions))
           for t in rest}
   # Into the replay buffer (as the loop stores it) and out at the next iteration.
-  buffer = partial.ReplayBuffer.empty(16, 16, 120).store(rest)
-  resumed = buffer.trajectories()
-  assert [(t.group, t.sample, t.record) for t in resumed] == [(t.group, t.sample, t.record)
-                                                               for t in rest]
+  buffer = replay.ReplayBuffer.empty(16, 16, 120).store(rest)
+  resumed = buffer.trajectories([{}] * 16)
+  assert [(t.group, t.sample, t.record_index) for t in resumed] == [
+      (t.group, t.sample, t.record_index) for t in rest]
   for t in resumed:
     for got, want in zip((t.token_ids, t.logprobs, t.versions), kept[(t.group, t.sample)]):
       np.testing.assert_array_equal(got, want)
   engine.client.sync_weights(paths[1], 1)
   try:
-    result = partial.run_iteration(engine, resumed, sampling, finish_fraction=1.0, seed=1)
-    assert result["finished"] == 8 and all(t.finished for t in resumed)
+    result = advance(resumed, 1.0, 1)
+    assert result["finished"] == 8 and all(t.over for t in resumed)
     for t in resumed:
       tokens, logprobs, versions = kept[(t.group, t.sample)]
       n = len(tokens)
       assert len(t.token_ids) == len(t.logprobs) == len(t.versions) == 120
       np.testing.assert_array_equal(t.token_ids[:n], tokens)
       np.testing.assert_array_equal(t.logprobs[:n], logprobs)
-      assert t.versions[:n].tolist() == versions.tolist() == [0] * n
-      assert t.versions[n:].tolist() == [1] * (120 - n)  # the rest by the new weights
+      assert t.versions[:n] == versions == [0] * n
+      assert t.versions[n:] == [1] * (120 - n)  # the rest by the new weights
   finally:
     engine.client.sync_weights(paths[0], 0)
 
 
-def test_lambda_finish_target_and_run_iteration_arguments():
-  assert [partial.finish_target(n, lam) for n, lam in
+def test_lambda_finish_target_and_pause_arguments():
+  assert [driver.finish_target(n, lam) for n, lam in
           [(16, 0.5), (10, 0.3), (3, 0.5), (5, 0.01), (16, 1.0), (7, 0.7)]] == [8, 3, 2, 1, 16, 5]
   for kwargs in ({}, {"token_budget": 8, "finish_fraction": 0.5}, {"finish_fraction": 1.5}):
     with pytest.raises(ValueError, match="give token_budget > 0 .* or finish_fraction in"):
-      partial.run_iteration(None, [], greedy(4), seed=0, **kwargs)
+      driver.Pause(**kwargs)
 
 
 def test_trust_region_masks_exactly_the_tokens_outside_the_window():
@@ -712,7 +749,11 @@ def test_trust_region_masks_exactly_the_tokens_outside_the_window():
   ratio = np.array([-1.5, -0.999, 0.3, 1.001, 0.999, -2.0], np.float32)
   trainer = np.array(batch.old_logp, np.float32)
   trainer[inside] += ratio
-  out, (mean, worst, masked) = loop.trust_region(batch, trainer, (-1.0, 1.0))
+  window = lambda low, high: corrections.trust_region(low=low, high=high).apply(
+      batch, step=0, trainer_logp=trainer)
+  out, metrics = window(-1.0, 1.0)
+  mean, worst, masked = (metrics["engine_logp_diff_mean"], metrics["engine_logp_diff_max"],
+                         metrics["trust_region_masked"])
   expect = np.array(batch.loss_mask)
   expect[inside] = [0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
   np.testing.assert_array_equal(out.loss_mask, expect)
@@ -721,36 +762,47 @@ def test_trust_region_masks_exactly_the_tokens_outside_the_window():
   assert masked == pytest.approx(3 / 6)
   np.testing.assert_allclose([mean, worst], [np.abs(ratio).mean(), 2.0], rtol=1e-5)
   # A window holding every ratio masks nothing.
-  out, (_, _, masked) = loop.trust_region(batch, trainer, (-3.0, 3.0))
-  assert masked == 0.0
+  out, metrics = window(-3.0, 3.0)
+  assert metrics["trust_region_masked"] == 0.0
   np.testing.assert_array_equal(out.loss_mask, batch.loss_mask)
 
 
-def test_partial_and_offpolicy_bindings_that_cannot_run_fail_before_compiling(tmp_path):
+def test_partial_and_offpolicy_bindings_that_cannot_run_fail_before_compiling(
+    tmp_path, tiny_cfg, tiny_params, tokenizer, model, servers):
   from rl import ConfigError
-  for kwargs, message in [
-      ({"partial_mode": "lambda"}, r"partial_mode='lambda' needs partial_lambda in \(0, 1\]"),
-      ({"partial_mode": "lambda", "partial_lambda": 1.5}, r"partial_lambda in \(0, 1\]"),
-      ({"partial_mode": "fraction"}, "partial_mode='fraction'; valid: 'tokens'"),
-      ({}, "partial_mode='tokens' needs rollout_token_budget > 0"),
-      ({"offpolicy_tokens": "trust_region", "trust_region": (0.5, 1.0)}, "low < 0 < high"),
-      ({"offpolicy_tokens": "drop"}, "valid: 'keep', 'mask', 'tis', 'trust_region'")]:
+  cfg, _, _, root = model
+  urls, _ = servers
+  server = SGLangEngine(SGLangClient(urls[:1]), cfg, weights_dir=root)
+  context = lambda engine: sources.Context(engine, Arithmetic(), tokenizer, RLConfig(),
+                                           sampling.uniform())
+  for partial, message in [
+      (sources.Partial(), r"give token_budget > 0 \(k1.5\) or finish_fraction in \(0, 1\]"),
+      (sources.Partial(finish_fraction=1.5), r"finish_fraction in \(0, 1\]"),
+      (sources.Partial(token_budget=8, finish_fraction=0.5), "not both")]:
     with pytest.raises(ConfigError, match=message):
-      loop.check_offpolicy_and_partial(loop.RLConfig(partial_rollouts=True, **kwargs),
-                                       has_abort_engine=True)
+      sources.check(partial, context(server))
+  with pytest.raises(ConfigError, match="low < 0 < high"):
+    corrections.trust_region(low=0.5, high=1.0)
+  from experiments import gin_externals  # noqa: F401 - registers the corrections
+  from experiments import run as run_lib
+  import gin
+  try:
+    with pytest.raises(SystemExit, match=r"No configurable matching reference '@drop\(\)'"):
+      run_lib.load_config([os.path.join(os.path.dirname(os.path.dirname(
+          os.path.abspath(__file__))), "experiments/configs/quickstart.gin")],
+                          ["Objective.correction = @drop()"])
+  finally:
+    gin.clear_config()
   with pytest.raises(ConfigError, match="needs an engine that can abort"):
-    loop.check_offpolicy_and_partial(
-        loop.RLConfig(partial_rollouts=True, partial_mode="lambda", partial_lambda=0.5),
-        has_abort_engine=False)
-  loop.check_offpolicy_and_partial(  # fine: lambda mode needs no token budget
-      loop.RLConfig(partial_rollouts=True, partial_mode="lambda", partial_lambda=0.5,
-                    offpolicy_tokens="trust_region"), has_abort_engine=True)
+    sources.check(sources.Partial(finish_fraction=0.5), context(JaxEngine(tiny_cfg, tiny_params)))
+  # fine: lambda mode needs no token budget
+  sources.check(sources.Partial(finish_fraction=0.5), context(server))
+  server.client.close()
   # Through train: before the run directory exists, let alone a compile.
-  from rl.tasks.arithmetic import Arithmetic
-  with pytest.raises(ConfigError, match="partial_lambda in"):
-    loop.train(str(tmp_path / "run"), task=Arithmetic(), model=config.tiny,
-               rl=loop.RLConfig(partial_rollouts=True, partial_mode="lambda",
-                                partial_lambda=0.0), progress=False)
+  with pytest.raises(ConfigError, match="finish_fraction in"):
+    trainer.train(str(tmp_path / "run"), task=Arithmetic(), model=config.tiny,
+                  rollouts=sources.Partial(finish_fraction=0.0),
+                  hooks=trainer.Hooks(progress=False))
   assert not (tmp_path / "run").exists()
 
 

@@ -1,20 +1,21 @@
-"""The environment protocol of multi-turn episodes, the Episode they produce, and the registry.
+"""The environment protocol of episodes, the one-turn environment, and the registry.
 
-An episode is a prompt followed by turns. The policy generates a turn: its tokens end at a stop
+An episode is a prompt followed by turns (a single-turn task's: one turn, OneTurn). The policy generates a turn: its tokens end at a stop
 token, at one of the environment's stop strings, or at a token budget. The environment answers
 with observation tokens (tool output, environment text), a per-turn reward or None, and whether
-the episode is done or truncated. The continuation after the prompt is one `Episode`, a
-rollouts.engine.Completion: policy and observation tokens concatenated in the order the model
-saw them, `policy_mask` telling them apart. Observation tokens carry log-prob 0 and stay out of
+the episode is done or truncated. The continuation after the prompt is one trajectory
+(rl/trajectory.py), and once over one `Episode`, a rollouts.engine.Completion: policy and
+observation tokens concatenated in the order the model saw them, `policy_mask` telling them
+apart. Observation tokens carry log-prob 0 and stay out of
 the loss; everything that counts lengths counts the policy's tokens.
 
-Owns the types, the registry of environments and `episode_metrics`. rl/envs/driver.py runs
-episodes over a RolloutEngine; tools.py and formats.py are the tools and their call syntax;
+Owns Turn, Observation, the Environment protocol, OneTurn and `environment_of`, the registry
+of environments and `episode_metrics`. rl/envs/driver.py runs episodes over a RolloutEngine; tools.py and formats.py are the tools and their call syntax;
 tool_env.py is the environment that runs them. It does not own verification (the task's
 `verify` scores the episode's text) or training.
 
 Adding an environment: a class (or factory) with `stop_strings`, `max_turn_tokens`,
-`reset(record) -> state`, `step(state, turn, tokenizer) -> (state, Observation)` and `close()`,
+`max_turns`, `reset(record) -> state`, `step(state, turn, tokenizer) -> (state, Observation)` and `close()`,
 decorated with `@register_environment(name)`; experiments/gin_externals.py makes every
 registered one a gin configurable.
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 from models.tokenizer import CharTokenizer, ChatPrompts
 from rl import ConfigError
+from rl.trajectory import Episode
 from rollouts.engine import Completion
 
 
@@ -63,10 +65,13 @@ class Observation:
 
 class Environment(Protocol):
   """stop_strings end a turn besides the stop tokens (e.g. a tool call's closing tag);
-  max_turn_tokens is the policy's budget per turn (None: only the episode's budget)."""
+  max_turn_tokens is the policy's budget per turn (None: only the episode's budget);
+  max_turns the most policy turns an episode has (None: no bound; 1: single-turn), so that
+  the end of its last turn ends the episode whatever `step` answers."""
 
   stop_strings: tuple[str, ...]
   max_turn_tokens: int | None
+  max_turns: int | None
 
   def reset(self, record: dict[str, Any]) -> Any:
     """The initial state of an episode on `record` (None for a stateless environment)."""
@@ -83,33 +88,41 @@ class Environment(Protocol):
     ...
 
 
-@dataclasses.dataclass(frozen=True)
-class Episode(Completion):
-  """A multi-turn continuation as one Completion (token_ids, logprobs with 0 on observation
-  tokens, finish_reason, versions, policy_mask), plus:
+class OneTurn:
+  """The environment of a single-turn task: the policy's one turn is the episode, ended by a
+  stop token or the token budget; nothing is observed. Every task without an `environment`
+  of its own runs in it (`environment_of`)."""
 
-  turn_ends: for each turn, the index in token_ids one past its last policy token.
-  turn_rewards: each turn's reward from the environment (None where it gave none).
-  counts: the environment's counters summed over the episode.
-  budget_truncated: ended because the episode's token budget (policy tokens, or the room in a
-    packed row) was spent.
-  """
-  turn_ends: tuple[int, ...] = ()
-  turn_rewards: tuple[float | None, ...] = ()
-  counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
-  budget_truncated: bool = False
+  stop_strings: tuple[str, ...] = ()
+  max_turn_tokens: int | None = None
+  max_turns: int | None = 1
 
-  @property
-  def turns(self) -> int:
-    return len(self.turn_ends)
+  def reset(self, record: dict[str, Any]) -> None:
+    del record
+    return None
 
-  def turn_reward_tokens(self) -> np.ndarray:
-    """f32[n]: each turn's reward on its last policy token, 0 elsewhere (and for None)."""
-    out = np.zeros(len(self.token_ids), np.float32)
-    for end, reward in zip(self.turn_ends, self.turn_rewards):
-      if reward is not None and end > 0:
-        out[end - 1] += reward
-    return out
+  def step(self, state, turn: Turn, tokenizer) -> tuple[None, "Observation"]:
+    del tokenizer
+    return state, Observation(done=True, truncated=turn.finish_reason != "stop")
+
+  def close(self) -> None:
+    pass
+
+
+ONE_TURN = OneTurn()
+
+
+def environment_of(task) -> Environment:
+  """The environment `task`'s rollouts run in: its own (an agentic task's `environment`), or
+  OneTurn."""
+  environment = getattr(task, "environment", None)
+  return ONE_TURN if environment is None else environment
+
+
+def multi_turn(environment: Environment) -> bool:
+  """Whether episodes of `environment` can have more than one turn (and so episode metrics,
+  observation tokens and per-turn rewards)."""
+  return environment.max_turns != 1
 
 
 def policy_tokens(completion: Completion) -> int:

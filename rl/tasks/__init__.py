@@ -34,15 +34,19 @@ class Task(Protocol):
   def answer(self, completion: str) -> str | None: ...
 
 
-def process_share(source: grain.sources.RandomAccessDataSource, indices) -> list[dict[str, Any]]:
-  """The records `indices` of `source` that this JAX process works on, read through a grain
-  MapDataset: the indices are split into contiguous parts with grain's ShardByJaxProcess
+def share_slice(count: int) -> slice:
+  """This JAX process's contiguous part of `count` items, split with grain's ShardByJaxProcess
   options (one part per process, the first ones one longer when the count does not divide),
-  so that the parts gathered in process order are the indices in order. One process: all."""
+  so that the parts gathered in process order are the items in order. One process: all."""
   shard = grain.sharding.ShardByJaxProcess()
-  base, extra = divmod(len(indices), shard.shard_count)
+  base, extra = divmod(count, shard.shard_count)
   start = shard.shard_index * base + min(shard.shard_index, extra)
-  mine = grain.MapDataset.source([int(i) for i in indices]).slice(
-      slice(start, start + base + (shard.shard_index < extra)))
+  return slice(start, start + base + (shard.shard_index < extra))
+
+
+def process_share(source: grain.sources.RandomAccessDataSource, indices) -> list[dict[str, Any]]:
+  """The records `indices` of `source` that this JAX process works on (its `share_slice`),
+  read through a grain MapDataset."""
+  mine = grain.MapDataset.source([int(i) for i in indices]).slice(share_slice(len(indices)))
   records = mine.map(lambda i: source[i])
   return [records[i] for i in range(len(records))]

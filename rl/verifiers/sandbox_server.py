@@ -213,6 +213,97 @@ def clean_up(pid):
     shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
 
 
+class _Session:
+  """One program's pipes as the server reads and writes them: its output (counted against
+  the output limit), its stdin (written as it drains), and in call mode the requests relayed
+  to it and the results relayed back. `verdict` becomes set once the run must end early."""
+
+  def __init__(self, request, limits, fds):
+    self.out_r, self.err_r, self.stdin_w, self.call_w, self.result_r = fds
+    self.limit = limits["output_bytes"]
+    self.buffers = {self.out_r: bytearray(), self.err_r: bytearray()}
+    self.open_fds = {self.out_r, self.err_r}
+    self.total, self.verdict = 0, None
+    self.pending_stdin = request.get("stdin", "").encode()
+    if not self.pending_stdin:
+      os.close(self.stdin_w)
+      self.stdin_w = None
+    self.call_mode = request["mode"] == "call"
+    self.results, self.in_call = bytearray(), False
+
+  def drain(self, fd) -> None:
+    chunk = os.read(fd, 1 << 16)
+    if not chunk:
+      self.open_fds.discard(fd)
+      return
+    self.buffers[fd] += chunk
+    self.total += len(chunk)
+    if self.total > self.limit:
+      self.verdict = "output limit"
+
+  def drain_buffered(self) -> None:
+    """What the pipes hold now (the program exited; a daemon holding them must not keep us)."""
+    while self.verdict is None and self.open_fds and select.select(
+        list(self.open_fds), [], [], 0)[0]:
+      for fd in select.select(list(self.open_fds), [], [], 0)[0]:
+        self.drain(fd)
+
+  def readers(self, exited) -> list:
+    readers = list(self.open_fds) + [exited]
+    if self.call_mode:
+      readers.append(self.result_r)
+      if not self.in_call:
+        readers.append(0)
+    return readers
+
+  def write_stdin(self) -> None:
+    try:
+      written = os.write(self.stdin_w, self.pending_stdin[:1 << 16])
+      self.pending_stdin = self.pending_stdin[written:]
+    except BrokenPipeError:
+      self.pending_stdin = b""
+    if not self.pending_stdin:
+      os.close(self.stdin_w)
+      self.stdin_w = None
+
+  def read(self, fd) -> None:
+    """`fd` is readable: a call request from the client (0), a result from the program, or
+    its output."""
+    if fd == 0:
+      message = receive(0)
+      if message is None:
+        return
+      if message["op"] == "end":
+        self.verdict = "ended"
+        return
+      os.write(self.call_w, (json.dumps(message) + "\n").encode())
+      self.in_call = True
+    elif fd == self.result_r:
+      self.results += os.read(self.result_r, 1 << 20)
+      while b"\n" in self.results:
+        line, _, rest = bytes(self.results).partition(b"\n")
+        self.results = bytearray(rest)
+        os.write(1, line + b"\n")
+        self.in_call = False
+    else:
+      self.drain(fd)
+
+  def output(self, fd) -> str:
+    return bytes(self.buffers[fd][:self.limit]).decode("utf-8", "replace")
+
+
+def _verdict(verdict, exit_status) -> str:
+  """The run's status from how it ended: early (a verdict), or by the program's exit."""
+  if verdict == "ended":
+    return "ok"
+  if verdict is not None:
+    return verdict
+  if os.WIFSIGNALED(exit_status):
+    return "timeout" if os.WTERMSIG(exit_status) == signal.SIGXCPU else "killed"
+  return {0: "ok", EXIT_SYNTAX: "syntax error", EXIT_MEMORY: "memory"}.get(
+      os.WEXITSTATUS(exit_status), "runtime error")
+
+
 def run(request):
   limits = request["limits"]
   workdir = os.path.join(SCRATCH, "work")
@@ -229,80 +320,28 @@ def run(request):
     os.close(fd)
   start = time.monotonic()
   deadline = start + limits["wall_seconds"]
-  pending_stdin = request.get("stdin", "").encode()
-  if not pending_stdin:
-    os.close(stdin_w)
-    stdin_w = None
-  buffers = {out_r: bytearray(), err_r: bytearray()}
-  open_fds = {out_r, err_r}
-  total, verdict, exit_status = 0, None, None
-  call_mode = request["mode"] == "call"
-  results, in_call = bytearray(), False
-  if call_mode:
+  session = _Session(request, limits, (out_r, err_r, stdin_w, call_w, result_r))
+  exit_status = None
+  if session.call_mode:
     send({"ready": True})
-
-  def drain(fd):
-    nonlocal total, verdict
-    chunk = os.read(fd, 1 << 16)
-    if not chunk:
-      open_fds.discard(fd)
-      return
-    buffers[fd] += chunk
-    total += len(chunk)
-    if total > limits["output_bytes"]:
-      verdict = "output limit"
-
   exited = os.pidfd_open(pid)  # readable once the child exits: no polling
-  while verdict is None:
+  while session.verdict is None:
     waited, status = os.waitpid(pid, os.WNOHANG)
-    if waited:  # drain what is buffered; a daemon holding the pipes must not keep us here
+    if waited:
       exit_status = status
-      while verdict is None and open_fds and select.select(list(open_fds), [], [], 0)[0]:
-        for fd in select.select(list(open_fds), [], [], 0)[0]:
-          drain(fd)
+      session.drain_buffered()
       break
     timeout = deadline - time.monotonic()
     if timeout <= 0:
-      verdict = "timeout"
+      session.verdict = "timeout"
       break
-    readers = list(open_fds) + [exited]
-    if call_mode:
-      readers.append(result_r)
-      if not in_call:
-        readers.append(0)
-    writers = [stdin_w] if stdin_w is not None else []
-    ready_r, ready_w, _ = select.select(readers, writers, [], timeout)
+    writers = [session.stdin_w] if session.stdin_w is not None else []
+    ready_r, ready_w, _ = select.select(session.readers(exited), writers, [], timeout)
     if ready_w:
-      try:
-        written = os.write(stdin_w, pending_stdin[:1 << 16])
-        pending_stdin = pending_stdin[written:]
-      except BrokenPipeError:
-        pending_stdin = b""
-      if not pending_stdin:
-        os.close(stdin_w)
-        stdin_w = None
+      session.write_stdin()
     for fd in ready_r:
-      if fd == exited:
-        continue
-      if fd == 0:
-        message = receive(0)
-        if message is None:
-          continue
-        if message["op"] == "end":
-          verdict = "ended"
-          break
-        os.write(call_w, (json.dumps(message) + "\n").encode())
-        in_call = True
-      elif fd == result_r:
-        chunk = os.read(result_r, 1 << 20)
-        results += chunk
-        while b"\n" in results:
-          line, _, rest = bytes(results).partition(b"\n")
-          results = bytearray(rest)
-          os.write(1, line + b"\n")
-          in_call = False
-      else:
-        drain(fd)
+      if fd != exited and session.verdict is None:
+        session.read(fd)
   if exit_status is None:
     try:
       os.kill(pid, signal.SIGKILL)
@@ -310,22 +349,12 @@ def run(request):
       pass
     _, exit_status = os.waitpid(pid, 0)
   seconds = time.monotonic() - start
-  for fd in (out_r, err_r, call_w, result_r, stdin_w, exited):
+  for fd in (out_r, err_r, call_w, result_r, session.stdin_w, exited):
     if fd is not None:
       os.close(fd)
   clean_up(pid)
-  if verdict == "ended":
-    verdict = "ok"
-  elif verdict is None:
-    if os.WIFSIGNALED(exit_status):
-      verdict = "timeout" if os.WTERMSIG(exit_status) == signal.SIGXCPU else "killed"
-    else:
-      verdict = {0: "ok", EXIT_SYNTAX: "syntax error", EXIT_MEMORY: "memory"}.get(
-          os.WEXITSTATUS(exit_status), "runtime error")
-  cap = limits["output_bytes"]
-  send({"final": True, "status": verdict, "seconds": seconds,
-        "stdout": bytes(buffers[out_r][:cap]).decode("utf-8", "replace"),
-        "stderr": bytes(buffers[err_r][:cap]).decode("utf-8", "replace")})
+  send({"final": True, "status": _verdict(session.verdict, exit_status), "seconds": seconds,
+        "stdout": session.output(out_r), "stderr": session.output(err_r)})
 
 
 def main():

@@ -1,0 +1,69 @@
+"""The sizes of an RL run: how many steps, prompts, samples and tokens, and how updates split.
+
+Owns `RLConfig`. What a step optimizes (loss, rewards, corrections) is rl.trainer.Objective,
+how its rollouts are scheduled is a rollout source (rl/sources.py); neither is a flag here.
+"""
+
+import dataclasses
+
+from rl import ConfigError, kl
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """num_steps RL steps; each draws prompts_per_step prompts, samples samples_per_prompt
+  completions of each (at most max_new_tokens policy tokens, at temperature / top_p), and
+  makes `minibatches` AdamW updates at learning_rate, each on a disjoint share of whole
+  groups, split into micro_batches for memory. Trajectories are packed into rows of seq_len
+  tokens (prompt + completion must fit), the row count padded to a multiple of row_multiple
+  (fewer shapes, fewer compiles).
+
+  weight_sync_every: the engine gets the trainer's weights after every n-th step only
+  (slime's --update-weights-interval); in between it generates on the weights it has, so
+  step t's rollouts are t mod n versions old, a staleness fixed by the schedule, not by
+  timing (rollouts ahead of the trainer, rl.sources.Ahead). A resumed run restarts the cycle
+  at its checkpoint's step; evaluations then run on an engine of their own with the current
+  weights.
+  """
+  num_steps: int = 100
+  prompts_per_step: int = 32
+  samples_per_prompt: int = 8
+  max_new_tokens: int = 48
+  temperature: float = 1.0
+  top_p: float = 1.0
+  learning_rate: float = 1e-4
+  minibatches: int = 1
+  micro_batches: int = 1
+  seq_len: int = 128
+  row_multiple: int = 8
+  weight_sync_every: int = 1
+
+  def check(self) -> None:
+    """ConfigError for sizes that cannot run (rl.trainer.build calls it before anything is
+    built)."""
+    for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "micro_batches",
+                 "seq_len", "row_multiple"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"RLConfig.{name}={getattr(self, name)} must be >= 1")
+    if not 1 <= self.minibatches <= self.prompts_per_step:
+      raise ConfigError(f"RLConfig.minibatches={self.minibatches} must be in [1, "
+                        f"prompts_per_step={self.prompts_per_step}]")
+    if self.weight_sync_every < 1:
+      raise ConfigError(f"RLConfig.weight_sync_every={self.weight_sync_every} must be >= 1 (1: "
+                        "after every step)")
+    if self.num_steps < 0:
+      raise ConfigError(f"RLConfig.num_steps={self.num_steps} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class KLReward:
+  """KL to the reference in the reward (PPO / InstructGPT style; verl's use_kl_in_reward):
+  r_i -= coef * sum_t kl(engine_logp_t, ref_logp_t), kl one of rl.kl.ESTIMATORS, applied
+  after the reward transforms, to every trajectory a step trains on."""
+  coef: float = 0.0
+  estimator: str = "k1"
+
+  def check(self) -> None:
+    if self.estimator not in kl.ESTIMATORS:
+      raise ConfigError(f"unknown KLReward.estimator {self.estimator!r}; valid: "
+                        f"{sorted(kl.ESTIMATORS)}")

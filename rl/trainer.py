@@ -1,0 +1,524 @@
+"""A run: its parts built from a configuration, the loop's generator, and the hooks around it.
+
+`build` makes everything a run needs and checks the configuration before anything is compiled
+or written: the model config and its starting params (random init and an SFT warm start, or
+another run's params), resumed from the run directory's last checkpoint when there is one;
+the rollout engine (and the evaluation engine), the teachers, the reference policy, the
+jitted train step on the mesh, the rollout source, the checkpointer and the loggers. It
+returns a `Run`, whose `steps()` is the generator of rl/loop.py over those parts: a notebook
+drives it directly. `train` is `build`, then the generator drained through the hooks of
+rl/hooks.py (evaluation, monitors, metrics.jsonl and loggers, the progress bar, checkpoints,
+the summary), then the engines closed.
+
+Owns the run-level configuration (Objective, WarmStart / FromRun, Hooks, Evaluation) and the
+run directory's layout: config.gin (written by experiments/run.py), metrics.jsonl,
+metrics.png, summary.json, checkpoints/, sft/ (the starting params: the reference policy),
+TensorBoard and W&B files.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from models import distributed, sharding, transformer
+from models.attention import dispatch
+from models.config import ModelConfig
+from models.tokenizer import CharTokenizer
+from rl import ConfigError
+from rl import advantages as advantages_lib
+from rl import checkpoint
+from rl import corrections as corrections_lib
+from rl import distill
+from rl import eval as eval_lib
+from rl import hooks as hooks_lib
+from rl import loggers as loggers_lib
+from rl import loop
+from rl import losses
+from rl import metrics as metrics_lib
+from rl import rewards as rewards_lib
+from rl import sampling as sampling_lib
+from rl import sft
+from rl import sources
+from rl.checkpoint import Checkpointer
+from rl.config import KLReward, RLConfig
+from rl.train_step import init_train_state, make_train_step, policy_logprobs
+from rollouts.engine import RolloutEngine
+from rollouts.jax_engine import embedded_engine
+
+# (cfg, params, version) -> a RolloutEngine holding `params` as `version`.
+EngineFactory = Callable[[ModelConfig, Any, int], RolloutEngine]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """What a step optimizes: the loss (a registered name, with `loss_hparams` and an
+  `advantage` estimator overriding the one it is registered with), the reward transform
+  (default: correctness), the prompt sampler (default: uniform), the KL to the reference in
+  the reward, the off-policy correction of each minibatch (rl/corrections.py; default keep)
+  and, for distillation, `teachers(cfg)` scoring every trajectory (e.g.
+  rl.distill.from_checkpoints)."""
+  loss: str = "k1.5"
+  loss_hparams: Optional[Mapping[str, Any]] = None
+  advantage: Optional[str] = None
+  reward: Optional[rewards_lib.RewardTransform] = None
+  sampler: Optional[sampling_lib.SamplingTransform] = None
+  kl_reward: Optional[KLReward] = None
+  correction: Optional[corrections_lib.Correction] = None
+  teachers: Optional[Callable[[ModelConfig], distill.Teachers]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+  """Random init, then `steps` SFT updates on the task's reference solutions (so RL starts
+  from non-zero reward); the result is the reference policy of a KL."""
+  steps: int = 200
+  batch_size: int = 64
+  learning_rate: float = 3e-3
+
+  def check(self) -> None:
+    if self.steps < 0 or self.batch_size < 1:
+      raise ConfigError(f"WarmStart(steps={self.steps}, batch_size={self.batch_size}): steps "
+                        "must be >= 0 and batch_size >= 1")
+
+  def params(self, initial, cfg: ModelConfig, task, tokenizer, *, seq_len: int, seed: int,
+             progress: bool, mesh) -> tuple[Any, dict[str, Any]]:
+    params, loss = sft.warm_start(initial, cfg, task, tokenizer, steps=self.steps,
+                                  batch_size=self.batch_size, learning_rate=self.learning_rate,
+                                  seq_len=seq_len, seed=seed, progress=progress, mesh=mesh)
+    return params, {"sft_loss": loss, "init_from": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class FromRun:
+  """The latest params of another run directory (an RL run, or a model saved by
+  rl.checkpoint.save_policy), no SFT warm start: long2short RL, or several runs from one
+  warm start. They are also this run's reference policy."""
+  path: str
+
+  def check(self) -> None:
+    if not os.path.isdir(os.path.join(self.path, "checkpoints")):
+      raise ConfigError(f"FromRun (init_from) {self.path!r}: no checkpoints/ directory there")
+
+  def params(self, initial, cfg: ModelConfig, task, tokenizer, **_) -> tuple[Any, dict]:
+    try:
+      return checkpoint.load_policy(self.path, like=initial), {"sft_loss": None,
+                                                                "init_from": self.path}
+    except ValueError as e:
+      raise ConfigError(f"FromRun (init_from): {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+  """Held-out greedy evaluation of the first `records` test records after the start, every
+  `every` RL steps (0: only at the end) and after the last; `sampled` adds pass@k / maj@k /
+  mean@k at its largest budget to the periodic ones (eval_pass@k, ...). It runs on the
+  rollout engine when that holds the current weights, else on one `engine` makes (default:
+  an embedded one)."""
+  records: int = 256
+  every: int = 0
+  sampled: Optional[eval_lib.SampledEval] = None
+  engine: Optional[EngineFactory] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+  """What a run does around its steps (rl/hooks.py): `evaluation`, checkpoints every
+  `checkpoint_every` steps (and at the last), the collapse `monitors` (name ->
+  rl.monitors.Monitor; None: rl.monitors.defaults(), {}: none) of which those named in
+  `stop_on` end the run when they fire, TensorBoard event files and a W&B run
+  (`wandb_project`; WANDB_MODE=offline: files only), the progress bar, and `extra` hooks of
+  your own (rl.hooks.Hook)."""
+  evaluation: Evaluation = Evaluation()
+  checkpoint_every: int = 20
+  monitors: Optional[Mapping[str, Any]] = None
+  stop_on: Sequence[str] = ()
+  tensorboard: bool = True
+  wandb_project: Optional[str] = None
+  progress: bool = True
+  extra: Sequence[Any] = ()
+
+
+@dataclasses.dataclass
+class Run:
+  """A built run: its parts and state, and what its hooks read and write. `steps()` is the
+  loop's generator from the current state; `close()` releases the engines, the teachers,
+  the checkpointer and the loggers."""
+  run_dir: str
+  cfg: ModelConfig
+  task: Any
+  tokenizer: Any
+  config: RLConfig
+  parts: loop.Parts
+  state: loop.LoopState
+  checkpointer: Checkpointer
+  loggers: loggers_lib.Loggers
+  summary: dict[str, Any]
+  resumed: bool
+  evaluation: Evaluation
+  evaluation_engine: Optional[RolloutEngine] = None
+  hooks: list[Any] = dataclasses.field(default_factory=list)
+  closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+  stopped: Optional[dict[str, Any]] = None
+  label: str = ""
+
+  @property
+  def primary(self) -> bool:
+    return distributed.is_primary()
+
+  @property
+  def metrics_path(self) -> str:
+    return os.path.join(self.run_dir, "metrics.jsonl")
+
+  def say(self, *args, **kwargs) -> None:
+    """Print, on process 0 only (it alone writes and talks)."""
+    if self.primary:
+      print(*args, **kwargs)
+
+  def write(self, metrics: dict[str, Any], histograms: Optional[dict] = None) -> None:
+    """One record: into metrics.jsonl (process 0) and to the loggers."""
+    if self.primary:
+      metrics_lib.append(self.metrics_path, metrics)
+    self.loggers.log(metrics, histograms)
+
+  def write_summary(self) -> None:
+    if self.primary:
+      with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+        json.dump(self.summary, f, indent=2)
+
+  def evaluate(self, step: int) -> dict[str, float]:
+    """Held-out greedy evaluation of the current params (rl.eval.greedy_eval)."""
+    return eval_lib.greedy_eval(self._evaluation_engine(step), self.task, self.tokenizer,
+                                num_records=self.evaluation.records,
+                                max_new_tokens=self.config.max_new_tokens)
+
+  def sampled_eval(self, step: int, spec: eval_lib.SampledEval, seed: int) -> dict:
+    """rl.eval.sampled_eval of the current params on the evaluation's records, computed on
+    process 0 (where servers are driven) and shared with every process."""
+    engine = self._evaluation_engine(step)
+    records = [self.task.test[i] for i in range(self.evaluation.records)]
+    report = distributed.checked(lambda: eval_lib.sampled_eval(
+        engine, self.task, self.tokenizer, records, spec, seed=seed) if self.primary else None)
+    return distributed.gather(report)[0]
+
+  def _evaluation_engine(self, step: int) -> Optional[RolloutEngine]:
+    engine = self.evaluation_engine
+    if engine is not self.parts.context.engine and engine is not None:
+      engine.update_weights(distributed.local_copy(self.state.train.params), step)
+    return engine
+
+  def steps(self):
+    """The loop's generator from the current state (rl.loop.rl_steps); `state` follows it."""
+    inner = loop.rl_steps(self.state, self.parts)
+    try:
+      for record in inner:
+        self.state = record.state
+        yield record
+    finally:
+      inner.close()  # a source running ahead stops
+
+  def close(self) -> None:
+    for close in self.closers:
+      close()
+    self.closers = []
+
+
+def train(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=None,
+          rl: RLConfig = RLConfig(), objective: Objective = Objective(),
+          rollouts: Optional[sources.Source] = None,
+          start: WarmStart | FromRun = WarmStart(), engine: Optional[EngineFactory] = None,
+          mesh: Optional[Mesh] = None, hooks: Hooks = Hooks(), seed: int = 0
+          ) -> dict[str, Any]:
+  """A whole run in `run_dir` (see `build` for the arguments): the start, held-out
+  evaluation, rl.num_steps RL steps through the hooks, evaluation. Running it again on the
+  same directory resumes from the last checkpoint (the step count goes on, metrics.jsonl is
+  appended). Returns the summary: {"sft_accuracy", "rl_accuracy", "steps", ...}, the held-out
+  greedy evaluation after the start and after RL (for an agentic task with its episode
+  metrics: sft_tool_calls_rate, rl_turns, ...)."""
+  run = build(run_dir, task=task, model=model, tokenizer=tokenizer, rl=rl, objective=objective,
+              rollouts=rollouts, start=start, engine=engine, mesh=mesh, hooks=hooks, seed=seed)
+  try:
+    hooks_lib.drive(run)
+  finally:  # servers end with the run, checkpoints are written, also on failure
+    run.close()
+  return run.summary
+
+
+def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=None,
+          rl: RLConfig = RLConfig(), objective: Objective = Objective(),
+          rollouts: Optional[sources.Source] = None,
+          start: WarmStart | FromRun = WarmStart(), engine: Optional[EngineFactory] = None,
+          mesh: Optional[Mesh] = None, hooks: Hooks = Hooks(), seed: int = 0) -> Run:
+  """A run's parts, from `run_dir`'s last checkpoint when it has one.
+
+  `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny);
+  `tokenizer` defaults to CharTokenizer. `rl`: the sizes; `objective`: what a step
+  optimizes; `rollouts`: the rollout source (rl/sources.py; default Lockstep()); `start`:
+  where the params start (WarmStart or FromRun), saved in run_dir/sft as the reference
+  policy of a KL. `engine(cfg, params, version)` makes the rollout engine (default: the
+  embedded JaxEngine; rollouts.server.local_engine serves the policy from subprocesses over
+  SGLang's protocol, rollouts.sglang.remote_engine uses SGLang servers). `mesh`
+  (models.sharding.make_mesh) is where the SFT and RL train steps and the reference
+  log-probs run; its `context` axis turns on ring attention. `hooks`: rl.trainer.Hooks.
+  Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set, or
+  models.distributed.initialize called first; every process calls it with the same
+  arguments): `mesh` spans all their devices, each process makes its own shards of the
+  params, optimizer state and batches and generates for its share of each step's prompts
+  on its own embedded engine (an engine that serves every process, servers, is made and
+  driven by process 0 alone), process 0 alone writes metrics, summary, plots and logs, and
+  all take part in every checkpoint. A run resumes on another number of processes when its
+  mesh fits them (the state is resharded on restore).
+  Everything that can be wrong with the configuration raises ConfigError before anything is
+  compiled or written.
+  """
+  distributed.initialize()  # several processes when the environment says so (JAX_* variables)
+  tokenizer = tokenizer or CharTokenizer()
+  rollouts = sources.Lockstep() if rollouts is None else rollouts
+  plan = _plan(task=task, model=model, tokenizer=tokenizer, rl=rl, objective=objective,
+               start=start, mesh=mesh, hooks=hooks)
+  factory = engine or embedded_engine
+  # Before anything is built, with what the factory says its engine can do; again once made.
+  sources.check(rollouts, sources.Context(None, task, tokenizer, rl, plan["sampler"],
+                                          getattr(factory, "capabilities", None)))
+  cfg = plan["cfg"]
+  # Teachers load before the warm start: a wrong path or shape fails before anything trains.
+  teachers = None if objective.teachers is None else objective.teachers(cfg)
+  say = print if distributed.is_primary() else lambda *args, **kwargs: None
+  say(f"train step: mesh {'one device' if mesh is None else dict(mesh.shape)}, attention "
+      f"{plan['kernel']}" + (f", {jax.process_count()} processes"
+                             if jax.process_count() > 1 else ""))
+  optimizer = loop.rl_optimizer(rl.learning_rate)
+  params, place = _initial_params(cfg, mesh, seed, optimizer)
+  rollout_engine, serves_all = _make_engine(factory, cfg, params, 0)
+  closers = [lambda: rollout_engine is not None and rollout_engine.close()]
+  if teachers is not None:
+    closers.append(teachers.close)
+  try:
+    context = sources.Context(rollout_engine, task, tokenizer, rl, plan["sampler"])
+    distributed.checked(lambda: sources.check(rollouts, context))
+    run = _start(run_dir, context, rollouts, plan, params, place, optimizer,
+                 start=start, mesh=mesh, hooks=hooks, seed=seed)
+    run.closers = closers + run.closers
+    run.parts = _parts(run, plan, rollouts, optimizer, mesh, teachers, serves_all)
+  except BaseException:
+    for close in closers:
+      close()
+    raise
+  run.evaluation_engine = _evaluation_engine(run, hooks.evaluation, serves_all)
+  run.hooks = hooks_lib.standard(run, hooks, seed) + list(hooks.extra)
+  return run
+
+
+def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, mesh,
+          hooks: Hooks) -> dict[str, Any]:
+  """Every check that needs nothing built, and what they resolve: cfg, kernel, loss,
+  advantage, reward, sampler, correction."""
+  rl.check()
+  start.check()
+  monitors = hooks.monitors
+  known = set(monitors) if monitors is not None else set(_default_monitors())
+  unknown = sorted(set(hooks.stop_on) - known)
+  if unknown:
+    raise ConfigError(f"Hooks.stop_on names {unknown}, which are not among the run's monitors "
+                      f"{sorted(known)} (Hooks.monitors)")
+  if hooks.wandb_project and importlib.util.find_spec("wandb") is None:
+    raise ConfigError("Hooks.wandb_project needs the wandb package: pip install "
+                      "'longrl[wandb]'")
+  loss = losses.bind(objective.loss, dict(objective.loss_hparams or {}))
+  if losses.get(objective.loss).advantage is None:
+    raise ConfigError(f"loss {objective.loss!r} does not train on rollouts (e.g. DPO trains on "
+                      f"preference pairs: rl.long2short.dpo); RL losses: "
+                      f"{', '.join(losses.rollout_losses())}")
+  correction = objective.correction or corrections_lib.keep()
+  reads = loss.reads | correction.reads
+  if ("teacher_logp" in reads) != (objective.teachers is not None):
+    raise ConfigError(f"loss {objective.loss!r} reads teacher log-probs: set "
+                      "Objective.teachers (e.g. @from_checkpoints)" if objective.teachers is None
+                      else f"Objective.teachers is set, but loss {objective.loss!r} reads no "
+                      "teacher log-probs; use loss 'opd' or drop the teachers")
+  advantage = objective.advantage or losses.get(objective.loss).advantage
+  if advantage not in advantages_lib.ESTIMATORS:
+    raise ConfigError(f"unknown advantage estimator {advantage!r}; valid: "
+                      f"{', '.join(sorted(advantages_lib.ESTIMATORS))}")
+  if objective.kl_reward is not None:
+    objective.kl_reward.check()
+  cfg = model(tokenizer.vocab_size)
+  if cfg.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                      f"{tokenizer.vocab_size}")
+  context = 1 if mesh is None else mesh.shape["context"]
+  try:
+    kernel = dispatch.plan(cfg.attention, context, cfg.compute_dtype)
+  except dispatch.KernelUnavailable as e:
+    raise ConfigError(str(e)) from None
+  if rl.prompts_per_step > len(task.train):
+    raise ConfigError(f"RLConfig.prompts_per_step={rl.prompts_per_step} exceeds the "
+                      f"{len(task.train)} training prompts")
+  if hooks.evaluation.records > len(task.test):
+    raise ConfigError(f"Evaluation.records={hooks.evaluation.records} exceeds the "
+                      f"{len(task.test)} test records")
+  if jax.process_count() > 1:
+    _check_processes(mesh, start, objective)
+  return {"cfg": cfg, "kernel": f"ring over {context} sequence shards" if kernel == "ring"
+          else kernel, "loss": loss, "advantage": advantage, "correction": correction,
+          "reward": objective.reward or rewards_lib.named_chain(
+              {"correctness": rewards_lib.correctness()}),
+          "sampler": objective.sampler or sampling_lib.uniform(), "objective": objective}
+
+
+def _default_monitors():
+  from rl import monitors as monitors_lib
+  return monitors_lib.defaults()
+
+
+def _check_processes(mesh: Optional[Mesh], start, objective: Objective) -> None:
+  """ConfigError for what a run on several JAX processes cannot do (yet): the mesh must span
+  every process's devices, and rollouts are whole steps, from a warm start."""
+  count = jax.process_count()
+  if mesh is None or mesh.devices.size != jax.device_count():
+    raise ConfigError(f"{count} JAX processes with {jax.device_count()} devices in all: "
+                      "train.mesh must span them all (e.g. make_mesh.fsdp = "
+                      f"{jax.device_count()}), got {None if mesh is None else dict(mesh.shape)}")
+  unsupported = {"train.start = @FromRun()": isinstance(start, FromRun),
+                 "Objective.teachers": objective.teachers is not None}
+  named = [name for name, on in unsupported.items() if on]
+  if named:
+    raise ConfigError(f"{', '.join(named)}: not supported with {count} JAX processes yet "
+                      "(several processes generate whole steps)")
+
+
+def _initial_params(cfg: ModelConfig, mesh: Optional[Mesh], seed: int, optimizer):
+  """Randomly initialised params (each process makes only its own shards on a mesh), and
+  `place(TrainState)`: the state sharded over the mesh (params and optimizer moments split
+  over fsdp and tensor)."""
+  key = jax.random.PRNGKey(seed)
+  if mesh is None:
+    return transformer.init_params(cfg, key), lambda train: train
+  init = lambda k: transformer.init_params(cfg, k)
+  params = jax.jit(init, out_shardings=sharding.param_shardings(jax.eval_shape(init, key),
+                                                                mesh))(np.asarray(key))
+  sharding.check_sharded(params, mesh)
+  shardings = sharding.state_shardings(init_train_state(params, optimizer), optimizer, mesh)
+  return params, lambda train: jax.device_put(distributed.replicated(train, mesh), shardings)
+
+
+def _make_engine(factory: EngineFactory, cfg: ModelConfig, params, version: int):
+  """(the engine, whether it serves every process). Process 0 makes one first; when it does
+  not serve every process (an embedded one), each other process makes its own, else they
+  have none."""
+  whole = distributed.local_copy(params)
+  primary = distributed.is_primary()
+  first = distributed.checked(lambda: factory(cfg, whole, version) if primary else None)
+  serves_all = distributed.gather(
+      first.capabilities.serves_all_processes if primary else None)[0]
+  if primary or serves_all:
+    return first, serves_all
+  return factory(cfg, whole, version), serves_all
+
+
+def _start(run_dir: str, context: sources.Context, rollouts, plan: dict, params, place,
+           optimizer, *, start, mesh, hooks: Hooks, seed: int) -> Run:
+  """The run at its first step: resumed from the last checkpoint, or from `start` (the
+  starting params saved in run_dir/sft and given to the engine)."""
+  os.makedirs(run_dir, exist_ok=True)
+  checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+  parts = loop.Parts(context, rollouts, plan["loss"], None, plan["reward"], plan["advantage"])
+  state = loop.init_state(params, optimizer, parts, seed + 1)
+  state = state.replace(train=place(state.train))
+  summary_path = os.path.join(run_dir, "summary.json")
+  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+  resumed = checkpointer.latest_step() is not None
+  say = print if distributed.is_primary() else lambda *args, **kwargs: None
+  if resumed:
+    state = checkpointer.restore(state)
+    say(f"resuming from {run_dir} at RL step {int(state.step)}")
+    if distributed.is_primary():
+      moved = metrics_lib.truncate(os.path.join(run_dir, "metrics.jsonl"), int(state.step))
+      if moved:
+        say(f"{moved} metrics records after the checkpoint moved to metrics.jsonl.discarded")
+    summary.pop("stopped", None)
+  else:
+    started = time.perf_counter()
+    params, summary = start.params(params, plan["cfg"], context.task, context.tokenizer,
+                                   seq_len=context.config.seq_len, seed=seed,
+                                   progress=hooks.progress and distributed.is_primary(),
+                                   mesh=mesh)
+    if isinstance(start, FromRun):
+      say(f"starting from the params of {start.path} (no SFT warm start)")
+    summary["sft_seconds"] = time.perf_counter() - started
+    state = state.replace(train=place(init_train_state(params, optimizer)))
+    saved = Checkpointer(os.path.join(run_dir, "sft"), max_to_keep=1)
+    saved.save(0, params)
+    saved.close()
+  engine, whole = context.engine, distributed.local_copy(state.train.params)
+  # It was made with the random params. Every process joins the check's collective.
+  distributed.checked(lambda: engine is not None and engine.update_weights(
+      whole, int(state.step)))
+  objective = plan["objective"]
+  loggers = loggers_lib.Loggers(
+      run_dir, tensorboard=hooks.tensorboard and distributed.is_primary(),
+      wandb_project=hooks.wandb_project if distributed.is_primary() else None,
+      resume_step=int(state.step) if resumed else None,
+      config={"loss": objective.loss, "loss_hparams": objective.loss_hparams,
+              "advantage": plan["advantage"], "rl": dataclasses.asdict(context.config),
+              "seed": seed, "start": repr(start), "rollouts": repr(rollouts)})
+  return Run(run_dir, plan["cfg"], context.task, context.tokenizer, context.config, parts,
+             state, checkpointer, loggers, summary, resumed, hooks.evaluation,
+             closers=[checkpointer.close, loggers.close],
+             label=f"{objective.loss} on {type(context.task).__name__}")
+
+
+def _parts(run: Run, plan: dict, rollouts, optimizer, mesh: Optional[Mesh], teachers,
+           serves_all: bool) -> loop.Parts:
+  """The loop's parts: the jitted train step (donating, on the mesh), the reference policy
+  (the starting params, from run_dir/sft) when the loss or the reward reads it, and the
+  trainer's log-probs for a correction that needs them."""
+  del serves_all
+  cfg, loss, objective = run.cfg, plan["loss"], plan["objective"]
+  place_rows = (lambda batch: batch) if mesh is None else (
+      lambda batch: sharding.place_rows(batch, mesh))
+  state_shardings = None if mesh is None else sharding.state_shardings(
+      run.state.train, optimizer, mesh)
+  logprobs_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
+  kl_reward = objective.kl_reward if objective.kl_reward and objective.kl_reward.coef else None
+  reference = reference_logprobs = None
+  if "ref_logp" in loss.reads or kl_reward is not None:
+    saved = Checkpointer(os.path.join(run.run_dir, "sft"), max_to_keep=1)
+    reference = saved.restore(run.state.train.params)
+    saved.close()
+    # Params go in as an argument: closing over them would bake them into the executable.
+    reference_logprobs = lambda batch: distributed.host_copy(
+        logprobs_fn(reference, cfg, place_rows(batch))[0])
+  # Donated: one copy of the params and moments less at each update's peak. Nothing here
+  # reads a state after its update (an orbax save still reading one keeps it: JAX then
+  # copies instead of donating).
+  step_fn = sharding.on_mesh(mesh, make_train_step(
+      cfg, optimizer, loss, micro_batches=run.config.micro_batches,
+      state_shardings=state_shardings, donate_state=True))
+  return dataclasses.replace(
+      run.parts, train_step=lambda train, batch, ref: step_fn(train, place_rows(batch), ref),
+      correction=plan["correction"],
+      trainer_logprobs=lambda params, batch: distributed.host_copy(
+          logprobs_fn(params, cfg, place_rows(batch))[0]),
+      kl_reward=kl_reward, reference_logprobs=reference_logprobs,
+      ref_params=reference if "ref_logp" in loss.reads else None, teachers=teachers)
+
+
+def _evaluation_engine(run: Run, evaluation: Evaluation, serves_all: bool):
+  """The rollout engine when it holds the current weights at every evaluation
+  (weight_sync_every 1), else one of its own."""
+  engine = run.parts.context.engine
+  if run.config.weight_sync_every == 1:
+    return engine
+  own, _ = _make_engine(evaluation.engine or embedded_engine, run.cfg, run.state.train.params,
+                        int(run.state.step))
+  if own is not None:
+    run.closers.append(own.close)
+  return own
