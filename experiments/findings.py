@@ -13,9 +13,10 @@ experiments/notebooks/findings/<key>.ipynb, which calls `run`.
 Every arm runs once per seed k in REPORT_DIR/runs/<arm>/seed<k> with `train.seed = k`,
 starting from that seed's own SFT warm start (runs/warm_start/seed<k>, base.gin). The command
 first runs every run the named findings need through experiments/seeds.py (subprocesses of
-run.py, eval.py and long2short.py, `--jobs` at a time; finished runs are read back, half-done
-ones resume), then executes the notebooks headless, which only analyse, and writes them,
-executed, to REPORT_DIR, with REPORT_DIR/report.md holding every finding's plot, intervals and
+run.py, eval.py and long2short.py, `--jobs` at a time; with `--tiny`, `--jobs` worker processes
+that each run job after job in themselves; finished runs are read back, half-done ones
+resume), then executes the notebooks headless, two kernels at a time, which only analyse, and
+writes them, executed, to REPORT_DIR, with REPORT_DIR/report.md holding every finding's plot, intervals and
 verdict and REPORT_DIR/<key>/results.json its numbers.
 
 A finding's numbers are computed per seed; each predicted difference (a paired difference
@@ -42,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import gin  # noqa: E402
+import jax  # noqa: E402
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
@@ -270,9 +272,12 @@ def ensure(keys) -> None:
 
 
 def _run(jobs) -> None:
+  """The jobs as subprocesses, `--jobs` at a time; tiny ones (start-up and compile bound) one
+  after another in this process."""
   seeds_lib.run_jobs(jobs, parallel=int(os.environ.get("LONGRL_FINDINGS_JOBS", 0)) or None,
                      threads=int(os.environ.get("LONGRL_FINDINGS_THREADS",
-                                                seeds_lib.THREADS)), log=_log)
+                                                seeds_lib.THREADS)), log=_log,
+                     in_process=tiny())
 
 
 def _log(message: str) -> None:
@@ -949,23 +954,33 @@ def run(key: str) -> Result:
 
 # ----------------------------------------------------------------------------- headless
 
-def execute_notebooks(keys, out_dir: str, *, timeout: int = 3600) -> None:
+def execute_notebooks(keys, out_dir: str, *, timeout: int = 3600, parallel: int = 2) -> None:
   """Execute the findings' notebooks with nbclient (they read the LONGRL_FINDINGS_*
-  variables) and write them, executed, to out_dir."""
+  variables), `parallel` kernels at a time (their runs are done: they read and plot), and
+  write them, executed, to out_dir."""
+  import asyncio
+
   import nbformat
   from nbclient import NotebookClient
 
-  for key in keys:
-    path = os.path.join(NOTEBOOKS, f"{key}.ipynb")
-    nb = nbformat.read(path, as_version=4)
-    started = time.perf_counter()
-    print(f"[{key}] executing {os.path.relpath(path, ROOT)} (progress: "
-          f"{os.path.join(out_dir, 'progress.log')})", flush=True)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": NOTEBOOKS}}).execute()
-    nbformat.write(nb, os.path.join(out_dir, f"{key}.ipynb"))
-    verdict = json.load(open(os.path.join(out_dir, key, "results.json")))["verdict"]
-    print(f"[{key}] {verdict} ({time.perf_counter() - started:.0f} s)", flush=True)
+  async def execute(key: str, kernels: asyncio.Semaphore) -> None:
+    async with kernels:
+      path = os.path.join(NOTEBOOKS, f"{key}.ipynb")
+      nb = nbformat.read(path, as_version=4)
+      started = time.perf_counter()
+      print(f"[{key}] executing {os.path.relpath(path, ROOT)} (progress: "
+            f"{os.path.join(out_dir, 'progress.log')})", flush=True)
+      await NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                           resources={"metadata": {"path": NOTEBOOKS}}).async_execute()
+      nbformat.write(nb, os.path.join(out_dir, f"{key}.ipynb"))
+      verdict = json.load(open(os.path.join(out_dir, key, "results.json")))["verdict"]
+      print(f"[{key}] {verdict} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+  async def execute_all() -> None:
+    kernels = asyncio.Semaphore(parallel)
+    await asyncio.gather(*(execute(key, kernels) for key in keys))
+
+  asyncio.run(execute_all())
 
 
 def write_report(keys, out_dir: str) -> str:
@@ -1050,6 +1065,10 @@ def main(argv=None):
   # The runs compile the same small programs again and again: share them on disk.
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(out_dir, ".jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  # This process's JAX read the environment when it was imported: runs made in it (--tiny)
+  # share the cache too.
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   ensure(keys)  # every run first, in parallel
   execute_notebooks(keys, out_dir)  # then the analyses
   print(f"report: {write_report(keys, out_dir)}")

@@ -113,11 +113,16 @@ def seconds(out_dir: str) -> float | None:
 
 
 def run_jobs(jobs: list[Job], *, parallel: int | None = None, threads: int = THREADS,
-             log: Callable[[str], None] = print) -> None:
+             log: Callable[[str], None] = print, in_process: bool = False) -> None:
   """Run the unfinished `jobs`, `parallel` at a time (default: default_jobs(threads)), each
   after the jobs it names in `after`; with parallel x threads cores to spare each job is
-  pinned to its own `threads` of them. A failing job does not stop the others (those after
-  it are skipped); the call then raises RuntimeError naming the failed jobs and their logs."""
+  pinned to its own `threads` of them. `in_process`: in `parallel` worker processes that each
+  run job after job in themselves (`run_in_process`: no interpreter start-up per job, and
+  compiled programs shared between runs: what tiny runs spend most of their time on). A
+  failing job does not stop the others (those after it are skipped); the call then raises
+  RuntimeError naming the failed jobs and their logs."""
+  if in_process:
+    return _run_in_workers(jobs, parallel or default_jobs(threads), threads, log)
   by_name = {}
   for job in jobs:
     if job.name in by_name:
@@ -183,6 +188,104 @@ def run_jobs(jobs: list[Job], *, parallel: int | None = None, threads: int = THR
     raise RuntimeError(f"{len(failed)} job(s) failed: " + ", ".join(
         f"{n} (log {os.path.join(by_name[n].out_dir, 'job.log')})" for n in failed)
         + (f"; {len(skipped)} skipped after them" if skipped else ""))
+
+
+def _run_in_workers(jobs: list[Job], parallel: int, threads: int,
+                    log: Callable[[str], None]) -> None:
+  """run_jobs's in-process mode: `parallel` worker processes (each pinned to its own
+  `threads` cores when there are enough), each job sent to a free one once the jobs it waits
+  for are done."""
+  import multiprocessing
+  done = {job.name for job in jobs if job.done()}
+  waiting, failed, running = [job for job in jobs if job.name not in done], [], {}
+  if not waiting:
+    return
+  cpus = available_cpus()
+  cores = ([cpus[i * threads:(i + 1) * threads] for i in range(parallel)]
+           if parallel * threads <= len(cpus) else None)
+  log(f"{len(waiting)} of {len(jobs)} job(s) to run in {parallel} worker process(es)")
+  context = multiprocessing.get_context("spawn")  # no JAX state forked into the workers
+  slots = context.Queue()
+  for slot in range(parallel):
+    slots.put(cores[slot] if cores else None)
+  with context.Pool(parallel, initializer=_pin, initargs=(slots,)) as pool:
+    while waiting or running:
+      for job in [j for j in waiting if any(a in failed for a in j.after)]:
+        waiting.remove(job)
+        failed.append(job.name)
+        log(f"skipped {job.name} (after a failed job)")
+      for job in [j for j in waiting if all(a in done for a in j.after)][
+          :parallel - len(running)]:
+        waiting.remove(job)
+        running[job.name] = (job, pool.apply_async(_timed, (job,)))
+      if not running:
+        if waiting:
+          raise ValueError(f"run_jobs: {[j.name for j in waiting]} wait for each other")
+        break
+      time.sleep(0.05)
+      for name, (job, result) in list(running.items()):
+        if not result.ready():
+          continue
+        del running[name]
+        returncode, elapsed = result.get()
+        if returncode == 0 and job.done():
+          done.add(name)
+          log(f"finished {name} in {elapsed:.1f} s")
+        else:
+          failed.append(name)
+          log(f"FAILED {name}; last lines of its log:\n"
+              f"{_tail(os.path.join(job.out_dir, 'job.log'))}")
+  if failed:
+    raise RuntimeError(f"{len(failed)} job(s) failed or were skipped: {', '.join(failed)}")
+
+
+def _pin(slots) -> None:
+  """A worker process's start: pinned to the cores of the next free slot (before anything
+  starts threads: XLA sizes its CPU thread pool from this affinity)."""
+  cores = slots.get()
+  if cores:
+    os.sched_setaffinity(0, cores)
+
+
+def _timed(job: Job) -> tuple[int, float]:
+  """run_in_process(job) and its wall time, recorded in out_dir/job.json."""
+  started = time.perf_counter()
+  returncode = run_in_process(job)
+  elapsed = time.perf_counter() - started
+  with open(os.path.join(job.out_dir, "job.json"), "w") as f:
+    json.dump({"argv": list(job.argv), "seconds": elapsed, "returncode": returncode,
+               "cores": sorted(os.sched_getaffinity(0))}, f, indent=2)
+  return returncode, elapsed
+
+
+def run_in_process(job: Job) -> int:
+  """`job` in this process: its script's main(argv) (experiments/run.py, eval.py or
+  long2short.py), gin cleared first, output to out_dir/job.log. Returns 0, or 1 when it
+  failed (its error at the end of the log)."""
+  import contextlib
+  import importlib
+  import traceback
+
+  import gin
+  script = os.path.splitext(os.path.basename(job.argv[1]))[0]
+  main = importlib.import_module(f"experiments.{script}").main
+  if not job.resumes and os.path.isdir(job.out_dir):
+    shutil.rmtree(job.out_dir)  # unfinished (finished jobs never start): start afresh
+  os.makedirs(job.out_dir, exist_ok=True)
+  cwd = os.getcwd()
+  with open(os.path.join(job.out_dir, "job.log"), "a") as log_file, \
+      contextlib.redirect_stdout(log_file), contextlib.redirect_stderr(log_file):
+    try:
+      os.chdir(ROOT)
+      gin.clear_config()
+      main(list(job.argv[2:]))
+      return 0
+    except (Exception, SystemExit):  # noqa: BLE001 - a failed run fails its job, not the rest
+      traceback.print_exc(file=log_file)
+      return 1
+    finally:
+      gin.clear_config()
+      os.chdir(cwd)
 
 
 class _Running(NamedTuple):
