@@ -15,6 +15,7 @@ generator with hooks (evaluation, checkpoints, monitors, logs).
 """
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -112,8 +113,11 @@ def init_state(params, optimizer: optax.GradientTransformation, parts: Parts,
                    sources.init_state(parts.context, parts.rollouts, seed))
 
 
+@functools.lru_cache(maxsize=None)
 def rl_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0,
                  weight_decay: float = 0.0) -> optax.GradientTransformation:
+  """AdamW after a global-norm clip; one object per setting, so that the runs of one process
+  share compiled train steps (rl.trainer)."""
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                      optax.adamw(learning_rate, weight_decay=weight_decay))
 

@@ -43,6 +43,7 @@ from rl import loggers as loggers_lib
 from rl import loop
 from rl import losses
 from rl import metrics as metrics_lib
+from rl import monitors as monitors_lib
 from rl import rewards as rewards_lib
 from rl import sampling as sampling_lib
 from rl import sft
@@ -285,45 +286,58 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
                start=start, mesh=mesh, hooks=hooks)
   factory = engine or embedded_engine
   # Before anything is built, with what the factory says its engine can do; again once made.
-  sources.check(rollouts, sources.Context(None, task, tokenizer, rl, plan["sampler"],
+  sources.check(rollouts, sources.Context(None, task, tokenizer, rl, plan.sampler,
                                           getattr(factory, "capabilities", None)))
-  cfg = plan["cfg"]
+  cfg = plan.cfg
   # Teachers load before the warm start: a wrong path or shape fails before anything trains.
   teachers = None if objective.teachers is None else objective.teachers(cfg)
   say = print if distributed.is_primary() else lambda *args, **kwargs: None
   say(f"train step: mesh {'one device' if mesh is None else dict(mesh.shape)}, attention "
-      f"{plan['kernel']}" + (f", {jax.process_count()} processes"
+      f"{plan.kernel}" + (f", {jax.process_count()} processes"
                              if jax.process_count() > 1 else ""))
   optimizer = loop.rl_optimizer(rl.learning_rate)
   params, place = _initial_params(cfg, mesh, seed, optimizer)
-  rollout_engine, serves_all = _make_engine(factory, cfg, params, 0)
+  rollout_engine = _make_engine(factory, cfg, params, 0)
   closers = [lambda: rollout_engine is not None and rollout_engine.close()]
   if teachers is not None:
     closers.append(teachers.close)
+  run = None
   try:
-    context = sources.Context(rollout_engine, task, tokenizer, rl, plan["sampler"])
+    context = sources.Context(rollout_engine, task, tokenizer, rl, plan.sampler)
     distributed.checked(lambda: sources.check(rollouts, context))
     run = _start(run_dir, context, rollouts, plan, params, place, optimizer,
                  start=start, mesh=mesh, hooks=hooks, seed=seed)
     run.closers = closers + run.closers
-    run.parts = _parts(run, plan, rollouts, optimizer, mesh, teachers, serves_all)
+    run.parts = _parts(run, plan, optimizer, mesh, teachers)
+    run.evaluation_engine = _evaluation_engine(run, hooks.evaluation)
   except BaseException:
-    for close in closers:
+    for close in (closers if run is None else run.closers):
       close()
     raise
-  run.evaluation_engine = _evaluation_engine(run, hooks.evaluation, serves_all)
   run.hooks = hooks_lib.standard(run, hooks, seed) + list(hooks.extra)
   return run
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What the configuration resolves to, once checked."""
+  cfg: ModelConfig
+  kernel: str  # the attention kernel, in words
+  loss: losses.BoundLoss
+  advantage: str
+  correction: corrections_lib.Correction
+  reward: rewards_lib.RewardTransform
+  sampler: sampling_lib.SamplingTransform
+  objective: Objective
+
+
 def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, mesh,
-          hooks: Hooks) -> dict[str, Any]:
-  """Every check that needs nothing built, and what they resolve: cfg, kernel, loss,
-  advantage, reward, sampler, correction."""
+          hooks: Hooks) -> _Plan:
+  """Every check that needs nothing built, and what they resolve."""
   rl.check()
   start.check()
   monitors = hooks.monitors
-  known = set(monitors) if monitors is not None else set(_default_monitors())
+  known = set(monitors) if monitors is not None else set(monitors_lib.defaults())
   unknown = sorted(set(hooks.stop_on) - known)
   if unknown:
     raise ConfigError(f"Hooks.stop_on names {unknown}, which are not among the run's monitors "
@@ -366,16 +380,11 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
                       f"{len(task.test)} test records")
   if jax.process_count() > 1:
     _check_processes(mesh, start, objective)
-  return {"cfg": cfg, "kernel": f"ring over {context} sequence shards" if kernel == "ring"
-          else kernel, "loss": loss, "advantage": advantage, "correction": correction,
-          "reward": objective.reward or rewards_lib.named_chain(
-              {"correctness": rewards_lib.correctness()}),
-          "sampler": objective.sampler or sampling_lib.uniform(), "objective": objective}
-
-
-def _default_monitors():
-  from rl import monitors as monitors_lib
-  return monitors_lib.defaults()
+  return _Plan(cfg, f"ring over {context} sequence shards" if kernel == "ring" else kernel,
+               loss, advantage, correction,
+               objective.reward or rewards_lib.named_chain(
+                   {"correctness": rewards_lib.correctness()}),
+               objective.sampler or sampling_lib.uniform(), objective)
 
 
 def _check_processes(mesh: Optional[Mesh], start, objective: Objective) -> None:
@@ -410,26 +419,25 @@ def _initial_params(cfg: ModelConfig, mesh: Optional[Mesh], seed: int, optimizer
 
 
 def _make_engine(factory: EngineFactory, cfg: ModelConfig, params, version: int):
-  """(the engine, whether it serves every process). Process 0 makes one first; when it does
-  not serve every process (an embedded one), each other process makes its own, else they
-  have none."""
+  """The engine `factory` makes. Process 0 makes one first; when it does not serve every
+  process (an embedded one), each other process makes its own, else they have none."""
   whole = distributed.local_copy(params)
   primary = distributed.is_primary()
   first = distributed.checked(lambda: factory(cfg, whole, version) if primary else None)
   serves_all = distributed.gather(
       first.capabilities.serves_all_processes if primary else None)[0]
   if primary or serves_all:
-    return first, serves_all
-  return factory(cfg, whole, version), serves_all
+    return first
+  return factory(cfg, whole, version)
 
 
-def _start(run_dir: str, context: sources.Context, rollouts, plan: dict, params, place,
+def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params, place,
            optimizer, *, start, mesh, hooks: Hooks, seed: int) -> Run:
   """The run at its first step: resumed from the last checkpoint, or from `start` (the
   starting params saved in run_dir/sft and given to the engine)."""
   os.makedirs(run_dir, exist_ok=True)
   checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
-  parts = loop.Parts(context, rollouts, plan["loss"], None, plan["reward"], plan["advantage"])
+  parts = loop.Parts(context, rollouts, plan.loss, None, plan.reward, plan.advantage)
   state = loop.init_state(params, optimizer, parts, seed + 1)
   state = state.replace(train=place(state.train))
   summary_path = os.path.join(run_dir, "summary.json")
@@ -446,7 +454,7 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: dict, params,
     summary.pop("stopped", None)
   else:
     started = time.perf_counter()
-    params, summary = start.params(params, plan["cfg"], context.task, context.tokenizer,
+    params, summary = start.params(params, plan.cfg, context.task, context.tokenizer,
                                    seq_len=context.config.seq_len, seed=seed,
                                    progress=hooks.progress and distributed.is_primary(),
                                    mesh=mesh)
@@ -461,32 +469,30 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: dict, params,
   # It was made with the random params. Every process joins the check's collective.
   distributed.checked(lambda: engine is not None and engine.update_weights(
       whole, int(state.step)))
-  objective = plan["objective"]
+  objective = plan.objective
   loggers = loggers_lib.Loggers(
       run_dir, tensorboard=hooks.tensorboard and distributed.is_primary(),
       wandb_project=hooks.wandb_project if distributed.is_primary() else None,
       resume_step=int(state.step) if resumed else None,
       config={"loss": objective.loss, "loss_hparams": objective.loss_hparams,
-              "advantage": plan["advantage"], "rl": dataclasses.asdict(context.config),
+              "advantage": plan.advantage, "rl": dataclasses.asdict(context.config),
               "seed": seed, "start": repr(start), "rollouts": repr(rollouts)})
-  return Run(run_dir, plan["cfg"], context.task, context.tokenizer, context.config, parts,
+  return Run(run_dir, plan.cfg, context.task, context.tokenizer, context.config, parts,
              state, checkpointer, loggers, summary, resumed, hooks.evaluation,
              closers=[checkpointer.close, loggers.close],
              label=f"{objective.loss} on {type(context.task).__name__}")
 
 
-def _parts(run: Run, plan: dict, rollouts, optimizer, mesh: Optional[Mesh], teachers,
-           serves_all: bool) -> loop.Parts:
+def _parts(run: Run, plan: _Plan, optimizer, mesh: Optional[Mesh], teachers) -> loop.Parts:
   """The loop's parts: the jitted train step (donating, on the mesh), the reference policy
   (the starting params, from run_dir/sft) when the loss or the reward reads it, and the
   trainer's log-probs for a correction that needs them."""
-  del serves_all
-  cfg, loss, objective = run.cfg, plan["loss"], plan["objective"]
+  cfg, loss, objective = run.cfg, plan.loss, plan.objective
   place_rows = (lambda batch: batch) if mesh is None else (
       lambda batch: sharding.place_rows(batch, mesh))
   state_shardings = None if mesh is None else sharding.state_shardings(
       run.state.train, optimizer, mesh)
-  logprobs_fn = sharding.on_mesh(mesh, jax.jit(policy_logprobs, static_argnums=1))
+  logprobs_fn = sharding.on_mesh(mesh, _POLICY_LOGPROBS)
   kl_reward = objective.kl_reward if objective.kl_reward and objective.kl_reward.coef else None
   reference = reference_logprobs = None
   if "ref_logp" in loss.reads or kl_reward is not None:
@@ -496,29 +502,48 @@ def _parts(run: Run, plan: dict, rollouts, optimizer, mesh: Optional[Mesh], teac
     # Params go in as an argument: closing over them would bake them into the executable.
     reference_logprobs = lambda batch: distributed.host_copy(
         logprobs_fn(reference, cfg, place_rows(batch))[0])
-  # Donated: one copy of the params and moments less at each update's peak. Nothing here
-  # reads a state after its update (an orbax save still reading one keeps it: JAX then
-  # copies instead of donating).
-  step_fn = sharding.on_mesh(mesh, make_train_step(
-      cfg, optimizer, loss, micro_batches=run.config.micro_batches,
-      state_shardings=state_shardings, donate_state=True))
+  step_fn = _train_step(cfg, optimizer, loss, run.config.micro_batches, mesh,
+                        state_shardings)
   return dataclasses.replace(
       run.parts, train_step=lambda train, batch, ref: step_fn(train, place_rows(batch), ref),
-      correction=plan["correction"],
+      correction=plan.correction,
       trainer_logprobs=lambda params, batch: distributed.host_copy(
           logprobs_fn(params, cfg, place_rows(batch))[0]),
       kl_reward=kl_reward, reference_logprobs=reference_logprobs,
       ref_params=reference if "ref_logp" in loss.reads else None, teachers=teachers)
 
 
-def _evaluation_engine(run: Run, evaluation: Evaluation, serves_all: bool):
+# Jitted once per process: runs built one after another (a notebook, findings' tiny runs in one
+# process) reuse the compiled programs instead of tracing them again.
+_POLICY_LOGPROBS = jax.jit(policy_logprobs, static_argnums=1)
+_TRAIN_STEPS: dict[tuple, Callable] = {}
+
+
+def _train_step(cfg: ModelConfig, optimizer, loss: losses.BoundLoss, micro_batches: int,
+                mesh: Optional[Mesh], state_shardings) -> Callable:
+  """The jitted train step, donating its state: one copy of the params and moments less at
+  each update's peak (nothing reads a state after its update; an orbax save still reading one
+  keeps it: JAX then copies instead of donating). Without a mesh, one per (model config,
+  optimizer, loss, micro-batches) in this process."""
+  make = lambda: sharding.on_mesh(mesh, make_train_step(
+      cfg, optimizer, loss, micro_batches=micro_batches, state_shardings=state_shardings,
+      donate_state=True))
+  if mesh is not None:
+    return make()
+  key = (cfg, optimizer, loss.name, repr(sorted(loss.hparams.items())), micro_batches)
+  if key not in _TRAIN_STEPS:
+    _TRAIN_STEPS[key] = make()
+  return _TRAIN_STEPS[key]
+
+
+def _evaluation_engine(run: Run, evaluation: Evaluation):
   """The rollout engine when it holds the current weights at every evaluation
   (weight_sync_every 1), else one of its own."""
   engine = run.parts.context.engine
   if run.config.weight_sync_every == 1:
     return engine
-  own, _ = _make_engine(evaluation.engine or embedded_engine, run.cfg, run.state.train.params,
-                        int(run.state.step))
+  own = _make_engine(evaluation.engine or embedded_engine, run.cfg, run.state.train.params,
+                     int(run.state.step))
   if own is not None:
     run.closers.append(own.close)
   return own
