@@ -173,6 +173,8 @@ def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
   advantage_fn = advantages_lib.ESTIMATORS[parts.advantage]
   adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, rollouts.num_groups))
   metrics = dict(made.metrics)
+  metrics.setdefault("generate_s", 0.0)
+  metrics.setdefault("verify_s", 0.0)
   metrics["score_s"] = time.perf_counter() - started + (
       0.0 if parts.rollouts.concurrent else max(
           0.0, waited_s - metrics["generate_s"] - metrics["verify_s"]))

@@ -336,6 +336,73 @@ class _Stopped(Exception):
   """The loop closed while rollouts were made ahead of it."""
 
 
+class _Ahead:
+  """The thread of one Ahead run: makes each step's rollouts with `inner`, step p's once the
+  engine holds weights of version >= p - max_staleness, and hands them to `next`."""
+
+  def __init__(self, inner, context: Context, state: RolloutState, step: int,
+               max_staleness: int):
+    self._inner, self._max_staleness = inner, max_staleness
+    self._made: queue.Queue = queue.Queue()
+    self._version = step  # the engine holds the weights of the step to train
+    self._awaited: int | None = None  # the step whose rollouts the trainer waits for
+    self._changed = threading.Condition()
+    self._stopped = False
+    threading.Thread(target=self._run, args=(context, state, step), daemon=True,
+                     name="rollouts-ahead").start()
+
+  def _run(self, context: Context, state: RolloutState, step: int) -> None:
+    try:
+      while True:
+        waiting = time.perf_counter()
+        with self._changed:
+          self._changed.wait_for(
+              lambda: self._stopped or self._version >= step - self._max_staleness)
+          if self._stopped:
+            return
+        waited = time.perf_counter() - waiting
+        made, state = self._inner.next(context, state, step,
+                                       gate=lambda step=step: self._collectives(step))
+        made.metrics["engine_idle_s"] = waited
+        self._made.put((made, state))
+        step += 1
+    except _Stopped:
+      return
+    except Exception as e:  # noqa: BLE001 - raised on the trainer's thread by next()
+      failed = RolloutsFailed(f"rollouts for RL step {step + 1}, made ahead of the trainer, "
+                              f"failed: {type(e).__name__}: {e}")
+      failed.__cause__ = e
+      self._made.put(failed)
+
+  def _collectives(self, step: int) -> None:
+    """Returns once the trainer waits for `step`'s rollouts (its thread then issues no
+    collectives); _Stopped if the loop closes first."""
+    with self._changed:
+      self._changed.wait_for(lambda: self._stopped or self._awaited == step)
+      if self._stopped:
+        raise _Stopped
+
+  def next(self, step: int) -> tuple[Made, RolloutState]:
+    with self._changed:
+      self._awaited = step
+      self._changed.notify_all()
+    made = self._made.get()
+    if isinstance(made, RolloutsFailed):
+      raise made
+    return made
+
+  def synced(self, version: int) -> None:
+    with self._changed:
+      self._version = version
+      self._changed.notify_all()
+
+  def stop(self) -> None:
+    """No more steps are started (one being made finishes and is dropped)."""
+    with self._changed:
+      self._stopped = True
+      self._changed.notify_all()
+
+
 @dataclasses.dataclass
 class Ahead(Source):
   """Rollouts ahead of the trainer (AReaL, slime, verl's one-step-off): `inner`'s rollouts for
@@ -347,13 +414,14 @@ class Ahead(Source):
   several JAX processes the collectives of step p's rollouts (gathering the completions)
   wait until the trainer waits for them: the two threads never issue collectives at once, so
   every process issues them in the same order; each step's generation still runs while the
-  step before it trains. Close it (the loop does) to stop the thread."""
+  step before it trains. The thread starts at the first `next` and stops at `close` (the
+  loop's generator closes it)."""
   inner: Any = dataclasses.field(default_factory=Lockstep)
   max_staleness: int = 1
   concurrent = True
 
   def __post_init__(self):
-    self._thread: threading.Thread | None = None
+    self._ahead: _Ahead | None = None
 
   def init(self, context: Context) -> Any:
     return self.inner.init(context)
@@ -377,70 +445,18 @@ class Ahead(Source):
   def next(self, context: Context, state: RolloutState, step: int,
            gate: Callable[[], None] = no_gate) -> tuple[Made, RolloutState]:
     del gate  # this source's own thread waits its turn
-    if self._thread is None:
-      self._start(context, state, step)
-    with self._changed:
-      self._awaited = step
-      self._changed.notify_all()
-    made = self._made.get()
-    if isinstance(made, RolloutsFailed):
-      raise made
-    return made
-
-  def _start(self, context: Context, state: RolloutState, step: int) -> None:
-    self._made: queue.Queue = queue.Queue()
-    self._version = step  # the engine holds the weights of the step to train
-    self._awaited: int | None = None
-    self._changed = threading.Condition()
-    self._stopped = False
-    self._thread = threading.Thread(target=self._run, args=(context, state, step), daemon=True,
-                                    name="rollouts-ahead")
-    self._thread.start()
-
-  def _run(self, context: Context, state: RolloutState, step: int) -> None:
-    try:
-      while True:
-        waiting = time.perf_counter()
-        with self._changed:
-          self._changed.wait_for(
-              lambda: self._stopped or self._version >= step - self.max_staleness)
-          if self._stopped:
-            return
-        waited = time.perf_counter() - waiting
-        made, state = self.inner.next(context, state, step,
-                                      gate=lambda step=step: self._collectives(step))
-        made.metrics["engine_idle_s"] = waited
-        self._made.put((made, state))
-        step += 1
-    except _Stopped:
-      return
-    except Exception as e:  # noqa: BLE001 - raised on the trainer's thread by next()
-      failed = RolloutsFailed(f"rollouts for RL step {step + 1}, made ahead of the trainer, "
-                              f"failed: {type(e).__name__}: {e}")
-      failed.__cause__ = e
-      self._made.put(failed)
-
-  def _collectives(self, step: int) -> None:
-    """Returns once the trainer waits for `step`'s rollouts (its thread then issues no
-    collectives); _Stopped if the loop closes first."""
-    with self._changed:
-      self._changed.wait_for(lambda: self._stopped or self._awaited == step)
-      if self._stopped:
-        raise _Stopped
+    if self._ahead is None:
+      self._ahead = _Ahead(self.inner, context, state, step, self.max_staleness)
+    return self._ahead.next(step)
 
   def synced(self, version: int) -> None:
-    if self._thread is not None:
-      with self._changed:
-        self._version = version
-        self._changed.notify_all()
+    if self._ahead is not None:
+      self._ahead.synced(version)
 
   def close(self) -> None:
-    """No more steps are started (one being made finishes and is dropped)."""
-    if self._thread is not None:
-      with self._changed:
-        self._stopped = True
-        self._changed.notify_all()
-      self._thread = None
+    if self._ahead is not None:
+      self._ahead.stop()
+      self._ahead = None
 
 
 def check(source: Source, context: Context) -> None:
