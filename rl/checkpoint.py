@@ -56,12 +56,32 @@ class Checkpointer:
       dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
       return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=placed)
 
-    restored = self._manager.restore(step, args=ocp.args.StandardRestore(
-        jax.tree.map(target, like)))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.StandardRestore(
+          jax.tree.map(target, like)))
+    except ValueError as e:
+      if "tree structures do not match" not in str(e):
+        raise
+      raise CheckpointMismatch(self._mismatch(step, like)) from None
     if not multi:
       return restored
     return jax.tree.map(lambda x, ref: x if distributed.is_global(ref)
                         else distributed.process_local(x), restored, like)
+
+  def _mismatch(self, step: int, like) -> str:
+    saved = _names(self._manager.item_metadata(step).tree)
+    wanted = {tuple(_key_name(k) for k in path[:2])
+              for path, _ in jax.tree_util.tree_flatten_with_path(like)[0]}
+    depth = 1 if {p[:1] for p in saved} != {p[:1] for p in wanted} else 2
+    only_saved = sorted({"/".join(p[:depth]) for p in saved} - {"/".join(p[:depth]) for p in wanted})
+    only_here = sorted({"/".join(p[:depth]) for p in wanted} - {"/".join(p[:depth]) for p in saved})
+    return (f"the checkpoint {self._manager.directory}/{step} holds a loop state of another "
+            f"layout than this run's (only in the checkpoint: {only_saved or 'nothing'}; only "
+            f"in this run: {only_here or 'nothing'}). It was written by another version of "
+            "longrl (run directories from before the loop redesign, 7d496a1, cannot resume) or "
+            "by a run with another rollout source, sampler or reward state. Resume it with the "
+            "code and config that wrote it, or start a new run directory from its params: "
+            "train.start = @FromRun() with FromRun.path = '<that run directory>'.")
 
   def restore_params(self, step: int | None = None):
     """Only the policy params of a saved loop state (for evaluation, no optimizer needed)."""
@@ -80,14 +100,34 @@ class Checkpointer:
     self._manager.close()
 
 
+class CheckpointMismatch(ValueError):
+  """A run directory's checkpoint does not have the layout of the state restoring it."""
+
+
+def _key_name(key) -> str:
+  for attr in ("name", "key", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _names(tree, prefix: tuple = ()) -> set[tuple[str, ...]]:
+  """The paths, cut at two names, of the leaves of orbax's metadata tree (nested dicts)."""
+  if isinstance(tree, dict) and tree:
+    return set().union(*(_names(v, prefix + (str(k),)) for k, v in tree.items()))
+  if isinstance(tree, (list, tuple)):
+    return set().union(set(), *(_names(v, prefix + (str(i),)) for i, v in enumerate(tree)))
+  return {prefix[:2]} if not isinstance(tree, dict) else set()
+
+
 def _all_devices() -> jax.sharding.Mesh:
   return jax.sharding.Mesh(jax.devices(), ("all",))
 
 
 def save_policy(run_dir: str, params, *, step: int = 0) -> None:
   """Save `params` alone as `run_dir`'s checkpoint (a model made outside the RL loop, e.g. by
-  long2short), readable by `load_policy`, rl.eval.evaluate_checkpoint and
-  `train(init_from=run_dir)`."""
+  long2short), readable by `load_policy`, experiments.evaluation.evaluate_checkpoint and
+  `train(start=FromRun(run_dir))`."""
   checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=1)
   checkpointer.save(step, {"train": {"params": params}})
   checkpointer.close()

@@ -3,7 +3,7 @@
 Owns shortest rejection sampling, k1.5's DPO pairing rule and the DPO fine-tuning loop (the
 loss itself is rl.losses `dpo`), weight merging, and `run`, which applies one of them to a
 trained run and evaluates the result. Long2short RL is an ordinary RL run started from the
-long model with a length penalty and a lower max_new_tokens (`train(init_from=...)`,
+long model with a length penalty and a lower max_new_tokens (`train(start=FromRun(...))`,
 experiments/configs/long2short_rl.gin).
 
 Every method starts from the same samples: n completions per training prompt from the long

@@ -200,6 +200,25 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, capsys):
   assert os.path.exists(os.path.join(split, "metrics.png"))
 
 
+def test_resuming_a_checkpoint_of_another_layout_names_what_differs(tmp_path):
+  """A run directory written by the loop before the redesign (or with another source) is
+  refused with what differs and how to start from its params; its checkpoint stays."""
+  directory = str(tmp_path / "checkpoints")
+  old = {"train": {"params": {"w": np.ones(3, np.float32)}}, "replay": {"tokens": np.zeros(2)},
+         "next_group": np.int32(0)}
+  ckpt = Checkpointer(directory)
+  ckpt.save(7, old)
+  ckpt.close()
+  ckpt = Checkpointer(directory)
+  like = {"train": {"params": {"w": np.zeros(3, np.float32)}}, "rollout": {"rng": np.zeros(2)}}
+  with pytest.raises(ValueError, match=r"checkpoints/7 holds a loop state of another layout.*"
+                     r"only in the checkpoint: \['next_group', 'replay'\]; only in this run: "
+                     r"\['rollout'\].*FromRun"):
+    ckpt.restore(like)
+  np.testing.assert_array_equal(ckpt.restore_params()["w"], np.ones(3))  # nothing lost
+  ckpt.close()
+
+
 @pytest.mark.slow
 def test_kl_in_the_reward_runs_in_train(tmp_path):
   summary = _tiny_run(str(tmp_path / "klr"), 2, rl=RLConfig(
