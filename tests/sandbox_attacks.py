@@ -70,13 +70,17 @@ def main(out_path, planted, escape):
       "stdout flood": "while True:\n  print('x' * 1000)",
       "stderr flood": "import sys\nwhile True:\n  sys.stderr.write('y' * 1000)",
   }
+  # Only the programs that run until the wall clock ends them get a short one; the others
+  # must reach their own limit, and on a loaded machine the memory creep alone took over 1.5 s.
+  clock_cases = ("busy loop", "sleep", "fork bomb")
   results = {}
-  with Sandbox(Limits(wall_seconds=1.5, memory_bytes=256 << 20, pids=16)) as sandbox:
-    for name, src in cases.items():
-      outcome = sandbox.run(src)
-      results[name] = {k: outcome[k][-2000:] if isinstance(outcome[k], str) else outcome[k]
-                       for k in ("status", "stdout", "stderr")}
-    results["restarts"] = sandbox.restarts
+  for wall, names in ((1.5, clock_cases), (30.0, [n for n in cases if n not in clock_cases])):
+    with Sandbox(Limits(wall_seconds=wall, memory_bytes=256 << 20, pids=16)) as sandbox:
+      for name in names:
+        outcome = sandbox.run(cases[name])
+        results[name] = {k: outcome[k][-2000:] if isinstance(outcome[k], str) else outcome[k]
+                         for k in ("status", "stdout", "stderr")}
+  results["restarts"] = sandbox.restarts  # the second sandbox's: it ran the kills
   stop.set()
   results["accepted connections"] = len(accepted)
   results["secret"] = SECRET
