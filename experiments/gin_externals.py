@@ -28,6 +28,7 @@ from rl import envs
 from rl import eval as eval_lib
 from rl import long2short as long2short_lib
 from rl import monitors
+from rl import pretrained
 from rl import rewards
 from rl import sampling
 from rl import sources
@@ -54,7 +55,8 @@ initialize = gin.external_configurable(distributed.initialize, module="models")
 _REGISTERED = {
     "rl": [rl_config.RLConfig, rl_config.KLReward, trainer.Objective, trainer.WarmStart,
            trainer.FromRun, trainer.Hooks, trainer.Evaluation, eval_lib.SampledEval,
-           distill.from_checkpoints, long2short_lib.Long2ShortConfig],
+           distill.from_checkpoints, long2short_lib.Long2ShortConfig,
+           pretrained.HFCheckpoint],
     "sources": [sources.Lockstep, sources.DynamicSampling, sources.Partial, sources.Ahead],
     "corrections": [corrections.keep, corrections.mask_stale, corrections.tis,
                     corrections.trust_region],

@@ -115,6 +115,7 @@ class HFTokenizer:
         key: _special_token(self._config.get(key))
         for key in ("bos_token", "eos_token", "pad_token", "unk_token")
         if _special_token(self._config.get(key)) is not None}
+    self._template = None
     self.chat_template = self._config.get("chat_template")
     if isinstance(self.chat_template, list):  # named templates: use the default one
       self.chat_template = {t["name"]: t["template"] for t in self.chat_template}.get("default")
@@ -159,6 +160,10 @@ class HFTokenizer:
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def special_ids(self) -> set[int]:
+    """Ids of the tokenizer's special added tokens."""
+    return {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+
   def apply_chat_template(self, messages: list[dict[str, Any]], *,
                           add_generation_prompt: bool = True, **kwargs) -> str:
     """The prompt text for `messages` under the checkpoint's chat template; extra keyword
@@ -166,26 +171,57 @@ class HFTokenizer:
     template writes the special tokens itself."""
     if not self.chat_template:
       raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
-    template = _template_environment().from_string(self.chat_template)
-    return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+    if self._template is None:  # compiled once: compiling costs more than rendering
+      self._template = _template_environment().from_string(self.chat_template)
+    return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                            **self.special_tokens_map, **kwargs)
 
 
 class ChatPrompts:
-  """An HFTokenizer seen through the task interface (`encode(text, add_bos=...)`,
-  `decode`, `eos_id`, `vocab_size`): a task's prompt text becomes one user message under the
-  checkpoint's chat template (plain text when it has none); decoding drops special tokens."""
+  """An HFTokenizer seen through the task interface (`encode(text, add_bos=..., add_eos=...)`,
+  `decode`, `eos_id`, `vocab_size`). A prompt's text becomes one user message under the
+  checkpoint's chat template (after `system_prompt` when given; `template_args` such as
+  Qwen3's enable_thinking go to the template), plain text when it has none. A completion's
+  text (`add_eos=True`, e.g. an SFT demonstration) is encoded as it is, then the token the
+  template closes an assistant turn with (Qwen's <|im_end|>, Llama 3's <|eot_id|>), which is
+  also `eos_id`, the stop token of generation. Decoding drops special tokens."""
 
-  def __init__(self, tokenizer: HFTokenizer):
+  def __init__(self, tokenizer: HFTokenizer, *, system_prompt: str | None = None,
+               template_args: dict[str, Any] | None = None):
     self.tokenizer = tokenizer
-    self.eos_id = tokenizer.eos_id
+    self.system_prompt = system_prompt
+    self.template_args = dict(template_args or {})
+    self.eos_id = _end_of_turn(tokenizer) if tokenizer.chat_template else tokenizer.eos_id
+    if self.eos_id is None:
+      raise ValueError("the checkpoint's tokenizer has no eos_token and no chat template to "
+                       "end a turn: generation would never stop")
     self.vocab_size = tokenizer.vocab_size
 
-  def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-    del add_bos  # the chat template writes its own special tokens
+  def messages(self, text: str) -> list[dict[str, str]]:
+    system = [] if self.system_prompt is None else [
+        {"role": "system", "content": self.system_prompt}]
+    return system + [{"role": "user", "content": text}]
+
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    del add_bos  # a prompt's special tokens are the chat template's
+    if add_eos:
+      return self.tokenizer.encode(text) + [self.eos_id]
     if self.tokenizer.chat_template:
-      text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+      text = self.tokenizer.apply_chat_template(self.messages(text), **self.template_args)
     return self.tokenizer.encode(text)
 
   def decode(self, ids: Sequence[int]) -> str:
     return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _end_of_turn(tokenizer: HFTokenizer) -> int | None:
+  """The special token the chat template writes right after an assistant message's content;
+  the tokenizer's eos token when it writes none."""
+  marker = "\ue000longrl\ue000"  # private-use characters: no template writes them
+  text = tokenizer.apply_chat_template(
+      [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+      add_generation_prompt=False)
+  after = text.split(marker, 1)[1] if marker in text else ""
+  ids = tokenizer.encode(after)
+  special = tokenizer.special_ids()
+  return ids[0] if ids and ids[0] in special else tokenizer.eos_id

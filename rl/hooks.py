@@ -212,8 +212,26 @@ class Summary(Hook):
                      for key in last for prefix in ("sft", "rl")))
 
 
-def standard(run, hooks, seed: int) -> list[Any]:
-  """The hooks every run has, in their order, from rl.trainer.Hooks `hooks`."""
+class Export(Hook):
+  """At the end: the final params as a Hugging Face directory, run_dir/hf, written by
+  `export(params, cfg, out_dir)` (rl.pretrained.HFCheckpoint.export: weights, config.json
+  and the starting checkpoint's tokenizer files)."""
+  every = 0
+
+  def __init__(self, export):
+    self.export = export
+
+  def end(self, run) -> None:
+    params = distributed.local_copy(run.state.train.params)  # every process gathers
+    if run.primary:
+      path = self.export(params, run.cfg, os.path.join(run.run_dir, "hf"))
+      run.say(f"final params exported to {path} (a Hugging Face checkpoint directory)")
+
+
+def standard(run, hooks, seed: int, export=None) -> list[Any]:
+  """The hooks every run has, in their order, from rl.trainer.Hooks `hooks`; `export`: the
+  Export hook's function, for a run from a pretrained checkpoint."""
   monitors = monitors_lib.defaults() if hooks.monitors is None else dict(hooks.monitors)
   return [Evaluate(hooks.evaluation, seed), Monitors(monitors, hooks.stop_on), Record(),
-          Checkpoint(hooks.checkpoint_every), Progress(hooks.progress), Summary()]
+          Checkpoint(hooks.checkpoint_every), Progress(hooks.progress),
+          *([Export(export)] if export else []), Summary()]

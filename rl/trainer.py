@@ -50,6 +50,7 @@ from rl import sft
 from rl import sources
 from rl.checkpoint import Checkpointer
 from rl.config import KLReward, RLConfig
+from rl.pretrained import HFCheckpoint
 from rl.train_step import init_train_state, make_train_step, policy_logprobs
 from rollouts.engine import RolloutEngine
 from rollouts.jax_engine import embedded_engine
@@ -76,8 +77,27 @@ class Objective:
   teachers: Optional[Callable[[ModelConfig], distill.Teachers]] = None
 
 
+class _StartKeptInRun:
+  """A start from random params (replaced by the start's own), kept in run_dir/sft as the
+  reference policy."""
+
+  def initial(self, cfg: ModelConfig, mesh, seed: int):
+    return random_params(cfg, mesh, seed)
+
+  def keep(self, run_dir: str, params) -> None:
+    saved = Checkpointer(os.path.join(run_dir, "sft"), max_to_keep=1)
+    saved.save(0, params)
+    saved.close()
+
+  def reference(self, run_dir: str, like):
+    saved = Checkpointer(os.path.join(run_dir, "sft"), max_to_keep=1)
+    params = saved.restore(like)
+    saved.close()
+    return params
+
+
 @dataclasses.dataclass(frozen=True)
-class WarmStart:
+class WarmStart(_StartKeptInRun):
   """Random init, then `steps` SFT updates on the task's reference solutions (so RL starts
   from non-zero reward); the result is the reference policy of a KL."""
   steps: int = 200
@@ -98,7 +118,7 @@ class WarmStart:
 
 
 @dataclasses.dataclass(frozen=True)
-class FromRun:
+class FromRun(_StartKeptInRun):
   """The latest params of another run directory (an RL run, or a model saved by
   rl.checkpoint.save_policy), no SFT warm start: long2short RL, or several runs from one
   warm start. They are also this run's reference policy."""
@@ -114,6 +134,21 @@ class FromRun:
                                                                 "init_from": self.path}
     except ValueError as e:
       raise ConfigError(f"FromRun (init_from): {e}") from None
+
+
+# A run's start: WarmStart, FromRun or rl.pretrained.HFCheckpoint. Each says where the params
+# begin (`initial`, then `params`), and keeps and gives back the reference policy.
+Start = WarmStart | FromRun | HFCheckpoint
+
+
+def random_params(cfg: ModelConfig, mesh: Optional[Mesh], seed: int):
+  """Randomly initialised params; on a mesh each process makes only its own shards."""
+  key = jax.random.PRNGKey(seed)
+  if mesh is None:
+    return transformer.init_params(cfg, key)
+  init = lambda k: transformer.init_params(cfg, k)
+  return jax.jit(init, out_shardings=sharding.param_shardings(jax.eval_shape(init, key),
+                                                              mesh))(np.asarray(key))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +269,7 @@ class Run:
 def train(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=None,
           rl: RLConfig = RLConfig(), objective: Objective = Objective(),
           rollouts: Optional[sources.Source] = None,
-          start: WarmStart | FromRun = WarmStart(), engine: Optional[EngineFactory] = None,
+          start: Optional[Start] = None, engine: Optional[EngineFactory] = None,
           mesh: Optional[Mesh] = None, hooks: Hooks = Hooks(), seed: int = 0
           ) -> dict[str, Any]:
   """A whole run in `run_dir` (see `build` for the arguments): the start, held-out
@@ -255,15 +290,18 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
 def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=None,
           rl: RLConfig = RLConfig(), objective: Objective = Objective(),
           rollouts: Optional[sources.Source] = None,
-          start: WarmStart | FromRun = WarmStart(), engine: Optional[EngineFactory] = None,
+          start: Optional[Start] = None, engine: Optional[EngineFactory] = None,
           mesh: Optional[Mesh] = None, hooks: Hooks = Hooks(), seed: int = 0) -> Run:
   """A run's parts, from `run_dir`'s last checkpoint when it has one.
 
-  `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny);
-  `tokenizer` defaults to CharTokenizer. `rl`: the sizes; `objective`: what a step
-  optimizes; `rollouts`: the rollout source (rl/sources.py; default Lockstep()); `start`:
-  where the params start (WarmStart or FromRun), saved in run_dir/sft as the reference
-  policy of a KL. `engine(cfg, params, version)` makes the rollout engine (default: the
+  `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny), or is a
+  pretrained checkpoint (rl.pretrained.HFCheckpoint), which then also gives the tokenizer
+  (its chat format) and the start (its params, no SFT warm start). `tokenizer` defaults to
+  CharTokenizer. `rl`: the sizes; `objective`: what a step optimizes; `rollouts`: the
+  rollout source (rl/sources.py; default Lockstep()); `start`: where the params start
+  (WarmStart, FromRun or an HFCheckpoint; default WarmStart(), or the model's checkpoint),
+  which is also the reference policy of a KL (kept in run_dir/sft, or the checkpoint
+  directory itself). `engine(cfg, params, version)` makes the rollout engine (default: the
   embedded JaxEngine; rollouts.server.local_engine serves the policy from subprocesses over
   SGLang's protocol, rollouts.sglang.remote_engine uses SGLang servers). `mesh`
   (models.sharding.make_mesh) is where the SFT and RL train steps and the reference
@@ -280,7 +318,11 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   compiled or written.
   """
   distributed.initialize()  # several processes when the environment says so (JAX_* variables)
-  tokenizer = tokenizer or CharTokenizer()
+  pretrained = model if isinstance(model, HFCheckpoint) else None
+  if pretrained is not None:
+    pretrained.check()
+  tokenizer = tokenizer or (pretrained.tokenizer() if pretrained else CharTokenizer())
+  start = start or pretrained or WarmStart()
   rollouts = sources.Lockstep() if rollouts is None else rollouts
   plan = _plan(task=task, model=model, tokenizer=tokenizer, rl=rl, objective=objective,
                start=start, mesh=mesh, hooks=hooks)
@@ -296,7 +338,7 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
       f"{plan.kernel}" + (f", {jax.process_count()} processes"
                              if jax.process_count() > 1 else ""))
   optimizer = loop.rl_optimizer(rl.learning_rate)
-  params, place = _initial_params(cfg, mesh, seed, optimizer)
+  params, place = _initial_params(start, cfg, mesh, seed, optimizer)
   rollout_engine = _make_engine(factory, cfg, params, 0)
   closers = [lambda: rollout_engine is not None and rollout_engine.close()]
   if teachers is not None:
@@ -308,13 +350,14 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
     run = _start(run_dir, context, rollouts, plan, params, place, optimizer,
                  start=start, mesh=mesh, hooks=hooks, seed=seed)
     run.closers = closers + run.closers
-    run.parts = _parts(run, plan, optimizer, mesh, teachers)
+    run.parts = _parts(run, plan, start, optimizer, mesh, teachers)
     run.evaluation_engine = _evaluation_engine(run, hooks.evaluation)
   except BaseException:
     for close in (closers if run is None else run.closers):
       close()
     raise
-  run.hooks = hooks_lib.standard(run, hooks, seed) + list(hooks.extra)
+  run.hooks = hooks_lib.standard(run, hooks, seed, pretrained and pretrained.export
+                                 ) + list(hooks.extra)
   return run
 
 
@@ -403,16 +446,14 @@ def _check_processes(mesh: Optional[Mesh], start, objective: Objective) -> None:
                       "(several processes generate whole steps)")
 
 
-def _initial_params(cfg: ModelConfig, mesh: Optional[Mesh], seed: int, optimizer):
-  """Randomly initialised params (each process makes only its own shards on a mesh), and
-  `place(TrainState)`: the state sharded over the mesh (params and optimizer moments split
-  over fsdp and tensor)."""
-  key = jax.random.PRNGKey(seed)
+def _initial_params(start: Start, cfg: ModelConfig, mesh: Optional[Mesh], seed: int,
+                    optimizer):
+  """The start's initial params (random, or a checkpoint's; on a mesh each process holds
+  only its own shards), and `place(TrainState)`: the state sharded over the mesh (params and
+  optimizer moments split over fsdp and tensor)."""
+  params = start.initial(cfg, mesh, seed)
   if mesh is None:
-    return transformer.init_params(cfg, key), lambda train: train
-  init = lambda k: transformer.init_params(cfg, k)
-  params = jax.jit(init, out_shardings=sharding.param_shardings(jax.eval_shape(init, key),
-                                                                mesh))(np.asarray(key))
+    return params, lambda train: train
   sharding.check_sharded(params, mesh)
   shardings = sharding.state_shardings(init_train_state(params, optimizer), optimizer, mesh)
   return params, lambda train: jax.device_put(distributed.replicated(train, mesh), shardings)
@@ -434,7 +475,7 @@ def _make_engine(factory: EngineFactory, cfg: ModelConfig, params, version: int)
 def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params, place,
            optimizer, *, start, mesh, hooks: Hooks, seed: int) -> Run:
   """The run at its first step: resumed from the last checkpoint, or from `start` (the
-  starting params saved in run_dir/sft and given to the engine)."""
+  starting params kept as the reference and given to the engine)."""
   os.makedirs(run_dir, exist_ok=True)
   checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
   parts = loop.Parts(context, rollouts, plan.loss, None, plan.reward, plan.advantage)
@@ -458,13 +499,11 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
                                    seq_len=context.config.seq_len, seed=seed,
                                    progress=hooks.progress and distributed.is_primary(),
                                    mesh=mesh)
-    if isinstance(start, FromRun):
+    if not isinstance(start, WarmStart):
       say(f"starting from the params of {start.path} (no SFT warm start)")
     summary["sft_seconds"] = time.perf_counter() - started
     state = state.replace(train=place(init_train_state(params, optimizer)))
-    saved = Checkpointer(os.path.join(run_dir, "sft"), max_to_keep=1)
-    saved.save(0, params)
-    saved.close()
+    start.keep(run_dir, params)
   engine, whole = context.engine, distributed.local_copy(state.train.params)
   # It was made with the random params. Every process joins the check's collective.
   distributed.checked(lambda: engine is not None and engine.update_weights(
@@ -483,9 +522,10 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
              label=f"{objective.loss} on {type(context.task).__name__}")
 
 
-def _parts(run: Run, plan: _Plan, optimizer, mesh: Optional[Mesh], teachers) -> loop.Parts:
+def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
+           teachers) -> loop.Parts:
   """The loop's parts: the jitted train step (donating, on the mesh), the reference policy
-  (the starting params, from run_dir/sft) when the loss or the reward reads it, and the
+  (the starting params, from the start) when the loss or the reward reads it, and the
   trainer's log-probs for a correction that needs them."""
   cfg, loss, objective = run.cfg, plan.loss, plan.objective
   place_rows = (lambda batch: batch) if mesh is None else (
@@ -496,9 +536,7 @@ def _parts(run: Run, plan: _Plan, optimizer, mesh: Optional[Mesh], teachers) -> 
   kl_reward = objective.kl_reward if objective.kl_reward and objective.kl_reward.coef else None
   reference = reference_logprobs = None
   if "ref_logp" in loss.reads or kl_reward is not None:
-    saved = Checkpointer(os.path.join(run.run_dir, "sft"), max_to_keep=1)
-    reference = saved.restore(run.state.train.params)
-    saved.close()
+    reference = start.reference(run.run_dir, run.state.train.params)
     # Params go in as an argument: closing over them would bake them into the executable.
     reference_logprobs = lambda batch: distributed.host_copy(
         logprobs_fn(reference, cfg, place_rows(batch))[0])

@@ -673,40 +673,11 @@ def test_agentic_config_runs_through_train_and_logs_episode_metrics(tmp_path, pa
 
 # --- the Qwen format with a real BPE tokenizer
 
-# The message loop of Qwen2.5's chat template (its tool branches included; the tools' system
-# prompt left out, as ChatPrompts gives the template no tools): a conversation rendered by it
-# and encoded whole is what a Qwen model was trained on, so an episode should be that.
-QWEN_TEMPLATE = (
-    "{%- if messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
-    "assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or "
-    "(message.role == 'assistant' and not message.tool_calls) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant' }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for call in message.tool_calls %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' + "
-    "(call.arguments | tojson) + '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-# Qwen2's pre-tokenizer split: digits one by one, newlines apart from the text around them.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2.5's chat template and pre-tokenizer split (experiments/tiny_checkpoint.py): a
+# conversation rendered by the template and encoded whole is what a Qwen model was trained
+# on, so an episode should be that.
+from experiments.tiny_checkpoint import QWEN2_TEMPLATE as QWEN_TEMPLATE  # noqa: E402
+from experiments.tiny_checkpoint import QWEN_SPLIT  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ Owns reading and validating a task file and exposing it as a grain random-access
 import dataclasses
 import json
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +24,12 @@ class Records:
     return self.records[index]
 
 
-def read_jsonl(path: str | pathlib.Path, required: Sequence[str]) -> Records:
-  """Records of a JSONL file; an unreadable line or a missing key raises ValueError naming
-  the file, the line and what is missing."""
+def read_jsonl(path: str | pathlib.Path, required: Sequence[str],
+               convert: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+               ) -> Records:
+  """Records of a JSONL file, each passed through `convert(record, "FILE:LINE")` when given;
+  an unreadable line or a missing key raises ValueError naming the file, the line and what
+  is missing."""
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"task file {path} does not exist")
@@ -45,7 +48,7 @@ def read_jsonl(path: str | pathlib.Path, required: Sequence[str]) -> Records:
       if missing:
         raise ValueError(f"{path}:{number}: missing key(s) {missing}; a record needs "
                          f"{list(required)}")
-      records.append(record)
+      records.append(record if convert is None else convert(record, f"{path}:{number}"))
   if not records:
     raise ValueError(f"{path}: no records")
   return Records(tuple(records), str(path))

@@ -143,6 +143,12 @@ def _boxes(text: str) -> list[str] | None:
   return found
 
 
+def last_boxed(text: str) -> str | None:
+  """The content of the last \\boxed{..} in `text` (a MATH solution's answer); None if none."""
+  boxes = _boxes(text)
+  return boxes[-1].strip() if boxes else None
+
+
 def _parses(text: str) -> bool:
   if len(text) > _MAX_ANSWER_CHARS:
     return False

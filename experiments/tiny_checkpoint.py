@@ -1,0 +1,200 @@
+"""A tiny pretrained checkpoint to try the recipes on without a model hub:
+`python -m experiments.tiny_checkpoint OUT_DIR [--family qwen2|qwen3] [--sft_steps N]`.
+
+Writes what a researcher brings to a run, at a size a CPU trains in minutes:
+- OUT_DIR/data: column-addition word problems in GSM8K's shape (train.jsonl, test.jsonl:
+  {"question", "answer": "<worked solution>\\n#### N"}) and sft.jsonl, demonstrations in
+  MATH's shape ({"problem", "answer", "solution"}) from a sloppy demonstrator that drops the
+  last column's carry from 60% of the answers that have one (as the quickstart's);
+- OUT_DIR: a Qwen2 or Qwen3 checkpoint written by transformers (config.json, safetensors),
+  with a byte-level BPE tokenizer trained here with `tokenizers` (Qwen's digit-by-digit split,
+  <|im_start|> / <|im_end|> / <|endoftext|>) and Qwen's chat template (Qwen3's with its
+  enable_thinking switch);
+- then made competent outside the RL loop: SFT on the demonstrations under the chat template
+  (rl.sft.warm_start through rl.pretrained.HFCheckpoint's tokenizer), saved back over the
+  weights, so that RL starts from a model that is right about half the time and sloppy in a
+  way a verifier of the true sum can unlearn.
+
+Needs torch and transformers (the test extras). Nothing is downloaded.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Qwen2.5's chat template: its message loop, tool calls and tool responses included (the
+# tools' system prompt left out: ChatPrompts gives the template no tools).
+QWEN2_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' + "
+    "(call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Qwen3's: no default system prompt, and with enable_thinking=false an empty think block
+# opens the answer.
+QWEN3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+# Qwen2's pre-tokenizer split: digits one by one, newlines apart from the text around them.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def _problem(rng: random.Random, operands: int, digits: int) -> list[int]:
+  """`operands` numbers of `digits` digits each (two two-digit numbers: the last column
+  carries 45% of the time, so a sloppy demonstrator is wrong often enough to unlearn)."""
+  return [rng.randrange(10 ** (digits - 1), 10 ** digits) for _ in range(operands)]
+
+
+def _worked(numbers: list[int], *, drop_final_carry: bool) -> tuple[str, str]:
+  """(column steps, final answer) for sum(numbers), optionally forgetting the last carry."""
+  from rl.tasks.arithmetic import column_solution
+  steps = column_solution(numbers, drop_final_carry=drop_final_carry)
+  return "".join(steps[:-1]), steps[-1][1:]
+
+
+def write_data(out_dir: str, *, num_train: int = 4000, num_test: int = 200, operands: int = 3,
+               digits: int = 2, sloppy: float = 0.6, seed: int = 0) -> str:
+  """OUT_DIR/data/{train,test,sft}.jsonl (see the module docstring); returns the folder."""
+  data = os.path.join(out_dir, "data")
+  os.makedirs(data, exist_ok=True)
+  rng = random.Random(seed)
+  seen, splits = set(), {"train": [], "test": []}
+  while len(splits["train"]) < num_train or len(splits["test"]) < num_test:
+    numbers = _problem(rng, operands, digits)
+    question = f"What is {'+'.join(map(str, numbers))}?"
+    if question in seen:
+      continue
+    seen.add(question)
+    split = "test" if len(splits["test"]) < num_test and rng.random() < 0.1 else "train"
+    if len(splits[split]) < (num_test if split == "test" else num_train):
+      splits[split].append(numbers)
+  for split, problems in splits.items():
+    with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
+      for numbers in problems:
+        steps, answer = _worked(numbers, drop_final_carry=False)
+        f.write(json.dumps({"question": f"What is {'+'.join(map(str, numbers))}?",
+                            "answer": f"{steps}\n#### {answer}"}) + "\n")
+  with open(os.path.join(data, "sft.jsonl"), "w") as f:
+    for numbers in splits["train"]:
+      steps, answer = _worked(numbers, drop_final_carry=rng.random() < sloppy)
+      f.write(json.dumps({"problem": f"What is {'+'.join(map(str, numbers))}?",
+                          "answer": str(sum(numbers)),
+                          "solution": f"{steps}\nThe answer is \\boxed{{{answer}}}."}) + "\n")
+  return data
+
+
+def write_tokenizer(out_dir: str, corpus: list[str], *, family: str,
+                    vocab_size: int = 512) -> int:
+  """tokenizer.json, tokenizer_config.json and generation_config.json in OUT_DIR; returns
+  the vocabulary size."""
+  import tokenizers
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+      tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT), behavior="isolated"),
+      tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(SPECIALS),
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(os.path.join(out_dir, "tokenizer.json"))
+  template = QWEN2_TEMPLATE if family == "qwen2" else QWEN3_TEMPLATE
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
+               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}, f)
+  with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": [tok.token_to_id("<|im_end|>"),
+                                tok.token_to_id("<|endoftext|>")]}, f)
+  return tok.get_vocab_size(with_added_tokens=True)
+
+
+def write_model(out_dir: str, vocab_size: int, *, family: str, hidden_size: int = 128,
+                num_layers: int = 2, seed: int = 0) -> None:
+  """A randomly initialised Qwen2 / Qwen3 checkpoint written by transformers."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  shape = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+               num_attention_heads=4, num_key_value_heads=2, intermediate_size=3 * hidden_size,
+               max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-6)
+  if family == "qwen2":
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+  else:
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        head_dim=hidden_size // 4, **shape))
+  model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def make(out_dir: str, *, family: str = "qwen2", sft_steps: int = 400, batch_size: int = 64,
+         operands: int = 2, seed: int = 0, progress: bool = True) -> str:
+  """The whole checkpoint (see the module docstring); returns OUT_DIR."""
+  from models import hf
+  from rl import sft
+  from rl.pretrained import HFCheckpoint
+  from rl.tasks.math import TEMPLATE, MathTask
+  os.makedirs(out_dir, exist_ok=True)
+  data = write_data(out_dir, operands=operands, seed=seed)
+  with open(os.path.join(data, "sft.jsonl")) as f:
+    demos = [json.loads(line) for line in f]
+  corpus = [TEMPLATE.format(problem=d["problem"]) + "\n" + d["solution"] for d in demos]
+  corpus += [QWEN2_TEMPLATE, "system\nuser\nassistant\n<think>\n\n</think>\n\n"] * 50
+  vocab = write_tokenizer(out_dir, corpus, family=family)
+  write_model(out_dir, vocab, family=family, seed=seed)
+  checkpoint = HFCheckpoint(out_dir, dtype="float32",
+                            template_args={"enable_thinking": False} if family == "qwen3"
+                            else None)
+  cfg = checkpoint(0)
+  task = MathTask(train_path=os.path.join(data, "sft.jsonl"),
+                  test_path=os.path.join(data, "sft.jsonl"))
+  params, _ = sft.warm_start(checkpoint.load(cfg), cfg, task, checkpoint.tokenizer(),
+                             steps=sft_steps, batch_size=batch_size, learning_rate=3e-3, seq_len=256,
+                             seed=seed, progress=progress)
+  hf.save(params, cfg, out_dir)
+  return out_dir
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("out_dir")
+  parser.add_argument("--family", choices=("qwen2", "qwen3"), default="qwen2")
+  parser.add_argument("--sft_steps", type=int, default=600)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  print(make(args.out_dir, family=args.family, sft_steps=args.sft_steps, seed=args.seed))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,192 @@
+"""A run from a pretrained Hugging Face checkpoint (rl/pretrained.py): a tiny Qwen2 / Qwen3
+written by transformers, with a BPE tokenizer trained here and Qwen's chat template, made
+competent at column addition outside the RL loop (experiments/tiny_checkpoint.py); then the
+tiny GRPO recipe raises its held-out accuracy, resumes after being killed, and exports a
+Hugging Face directory that transformers loads with longrl's logits. Also the pieces: the
+math data shapes, the chat format's end of turn, and the errors for a bad directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import tiny_checkpoint
+from models import transformer
+from models.tokenizer import ChatPrompts, HFTokenizer
+from rl import ConfigError
+from rl.checkpoint import Checkpointer
+from rl.pretrained import HFCheckpoint
+from rl.tasks.math import MathTask
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "experiments/configs/recipes/tiny/grpo_math.gin")
+
+
+def _command(checkpoint: str, run_dir: str, *extra: str) -> list[str]:
+  return [sys.executable, os.path.join(ROOT, "experiments/run.py"), "--gin", RECIPE,
+          "--gin_param", f"CHECKPOINT = {checkpoint!r}",
+          "--gin_param", f"TRAIN = '{checkpoint}/data/train.jsonl'",
+          "--gin_param", f"TEST = '{checkpoint}/data/test.jsonl'",
+          "--gin_param", "Hooks.progress = False", "--run_dir", run_dir, *extra]
+
+
+def _summary(run_dir: str) -> dict:
+  with open(os.path.join(run_dir, "summary.json")) as f:
+    return json.load(f)
+
+
+def _kill_after_checkpoint(command: list[str], checkpoint_dir: str, step: int) -> None:
+  """Start `command` and SIGKILL it once checkpoint `step` is complete (an interruption)."""
+  process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 300
+  try:
+    while not os.path.isdir(os.path.join(checkpoint_dir, str(step))):
+      assert process.poll() is None, "the run ended before its checkpoint"
+      assert time.monotonic() < deadline, f"no checkpoint {step} within 300 s"
+      time.sleep(0.2)
+    time.sleep(1.0)  # orbax renames the finished checkpoint into place: it is complete
+  finally:
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def _logits(params, cfg, tokens):
+  ones = jnp.ones_like(tokens)
+  hidden = transformer.forward(params, cfg, tokens, jnp.arange(tokens.shape[1])[None], ones)
+  return np.asarray(hidden @ transformer.output_projection(params, cfg))
+
+
+def test_rl_from_a_pretrained_qwen2_raises_accuracy_resumes_and_exports(tmp_path):
+  import torch
+  import transformers
+  checkpoint = tiny_checkpoint.make(str(tmp_path / "qwen2"), family="qwen2", progress=False)
+  run_dir = str(tmp_path / "run")
+  _kill_after_checkpoint(_command(checkpoint, run_dir), os.path.join(run_dir, "checkpoints"),
+                         10)
+  result = subprocess.run(_command(checkpoint, run_dir), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "resuming from" in result.stdout and "at RL step 10" in result.stdout, result.stdout
+  summary = _summary(run_dir)
+  assert summary["init_from"] == checkpoint and summary["sft_loss"] is None  # no SFT
+  assert summary["steps"] == 30
+  assert summary["rl_accuracy"] >= summary["sft_accuracy"] + 0.15, summary
+  assert not os.path.exists(os.path.join(run_dir, "sft"))  # the checkpoint is the reference
+
+  # The export is a complete Hugging Face directory: transformers loads the model and the
+  # tokenizer, and its logits are those of the run's last checkpoint.
+  export = os.path.join(run_dir, "hf")
+  for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
+               "generation_config.json"):
+    assert os.path.isfile(os.path.join(export, name)), name
+  model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+  prompt = [{"role": "user", "content": "What is 12+34?"}]
+  assert hf_tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) \
+      == HFTokenizer(export).apply_chat_template(prompt)
+  cfg = HFCheckpoint(checkpoint, dtype="float32")(0)
+  saved = Checkpointer(os.path.join(run_dir, "checkpoints"))
+  params = saved.restore_params()
+  saved.close()
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 20))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(_logits(params, cfg, jnp.asarray(tokens)), want, atol=1e-4,
+                             rtol=0)
+
+
+@pytest.mark.slow
+def test_rl_from_a_pretrained_qwen3_through_a_server_started_from_its_directory(tmp_path):
+  checkpoint = tiny_checkpoint.make(str(tmp_path / "qwen3"), family="qwen3", progress=False)
+  run_dir = str(tmp_path / "run")
+  result = subprocess.run(_command(
+      checkpoint, run_dir, "--gin_param", "HFCheckpoint.template_args = "
+      "{'enable_thinking': False}", "--gin_param", "train.engine = @local_engine",
+      "--gin_param", "local_engine.checkpoint = %CHECKPOINT",
+      "--gin_param", "local_engine.weights_dir = " + repr(str(tmp_path / "weights"))),
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = _summary(run_dir)
+  assert summary["rl_accuracy"] >= summary["sft_accuracy"] + 0.15, summary
+  # Every export the servers loaded carries the tokenizer files.
+  versions = sorted(os.listdir(tmp_path / "weights"))
+  assert versions, "no weights exported"
+  for version in versions:
+    assert os.path.isfile(tmp_path / "weights" / version / "tokenizer_config.json"), version
+
+
+# ---- the pieces
+
+
+def test_math_task_reads_gsm8k_and_math_shapes(tmp_path):
+  gsm8k = tmp_path / "gsm8k.jsonl"
+  gsm8k.write_text(json.dumps({"question": "Ann has 48 apples and gives half away. Left?",
+                               "answer": "She gives 48/2 = <<48/2=24>>24 away.\n#### 1,024"})
+                   + "\n")
+  task = MathTask(train_path=str(gsm8k), test_path=str(gsm8k), fields={"problem": "question"})
+  record = task.train[0]
+  assert record["problem"].startswith("Ann has 48") and record["answer"] == "1024"
+  assert task.solution(record) == "She gives 48/2 = 24 away.\nThe answer is \\boxed{1024}."
+  assert task.verify("so \\boxed{1024}", record) and not task.verify("\\boxed{24}", record)
+
+  math = tmp_path / "math.jsonl"
+  math.write_text(json.dumps({"problem": "What is 1/2 + 1/3?",
+                              "solution": "Add: $\\frac{3}{6}+\\frac{2}{6}=\\boxed{\\frac{5}{6}}$"})
+                  + "\n")
+  task = MathTask(train_path=str(math), test_path=str(math))
+  assert task.train[0]["answer"] == "\\frac{5}{6}"
+  assert task.verify("\\boxed{5/6}", task.train[0])
+
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({"problem": "x"}) + "\n" + json.dumps({"problem": "y",
+                                                                  "answer": "1"}) + "\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: no answer"):
+    MathTask(train_path=str(bad), test_path=str(bad))
+  with pytest.raises(ValueError, match=r"MathTask.fields names \['question'\]"):
+    MathTask(train_path=str(math), test_path=str(math), fields={"question": "problem"})
+  with pytest.raises(ValueError, match="MathTask.train_path is not set"):
+    MathTask(train_path=None, test_path=str(math))
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer_dir(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("qwen3_tok"))
+  tiny_checkpoint.write_tokenizer(path, ["What is 1+2? The answer is \\boxed{3}."] * 20,
+                                  family="qwen3", vocab_size=300)
+  return path
+
+
+def test_chat_prompts_end_the_turn_and_shape_the_prompt(qwen3_tokenizer_dir):
+  tokenizer = HFTokenizer(qwen3_tokenizer_dir)
+  chat = ChatPrompts(tokenizer, system_prompt="Be brief.",
+                     template_args={"enable_thinking": False})
+  im_end = tokenizer.encode("<|im_end|>")
+  assert chat.eos_id == im_end[0]  # the template's end of an assistant turn
+  prompt = tokenizer.decode(chat.encode("What is 1+2?", add_bos=True))
+  assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1+2?"
+                    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+  completion = chat.encode("\\boxed{3}", add_eos=True)
+  assert completion == tokenizer.encode("\\boxed{3}") + im_end
+  assert chat.decode(completion) == "\\boxed{3}"
+
+
+def test_a_bad_checkpoint_directory_is_named_before_anything_is_built(tmp_path,
+                                                                      qwen3_tokenizer_dir):
+  with pytest.raises(ConfigError, match="HFCheckpoint.path is not set"):
+    HFCheckpoint(None).check()
+  with pytest.raises(ConfigError, match="is not a directory"):
+    HFCheckpoint(str(tmp_path / "nowhere")).check()
+  with pytest.raises(ConfigError, match="has no config.json"):
+    HFCheckpoint(qwen3_tokenizer_dir).check()
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+  (tmp_path / "tokenizer.json").write_text(
+      open(os.path.join(qwen3_tokenizer_dir, "tokenizer.json")).read())
+  with pytest.raises(ConfigError, match="model_type='gpt2'"):
+    HFCheckpoint(str(tmp_path)).check()
