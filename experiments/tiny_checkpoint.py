@@ -3,16 +3,16 @@
 
 Writes what a researcher brings to a run, at a size a CPU trains in minutes:
 - OUT_DIR/data: column-addition word problems in GSM8K's shape (train.jsonl, test.jsonl:
-  {"question", "answer": "<worked solution>\\n#### N"}) and sft.jsonl, demonstrations in
-  MATH's shape ({"problem", "answer", "solution"}) from a sloppy demonstrator that drops the
-  last column's carry from 60% of the answers that have one (as the quickstart's);
+  {"question", "answer": "<worked solution>\\n#### N"}) and sft.jsonl, chat demonstrations
+  ({"messages": [user, assistant]}) from a sloppy demonstrator that drops the last column's
+  carry from 60% of the answers that have one (as the quickstart's);
 - OUT_DIR: a Qwen2 or Qwen3 checkpoint written by transformers (config.json, safetensors),
   with a byte-level BPE tokenizer trained here with `tokenizers` (Qwen's digit-by-digit split,
   <|im_start|> / <|im_end|> / <|endoftext|>) and Qwen's chat template (Qwen3's with its
   enable_thinking switch);
-- then made competent outside the RL loop: SFT on the demonstrations under the chat template
-  (rl.sft.warm_start through rl.pretrained.HFCheckpoint's tokenizer), saved back over the
-  weights, so that RL starts from a model that is right about half the time and sloppy in a
+- then made competent outside the RL loop: SFT on the demonstrations under the chat template,
+  loss on the assistant's tokens (rl.sft.read_demonstrations, as WarmStart.demonstrations
+  reads them), saved back over the weights, so that RL starts from a model that is right about half the time and sloppy in a
   way a verifier of the true sum can unlearn.
 
 Needs torch and transformers (the test extras). Nothing is downloaded.
@@ -25,6 +25,8 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rl.tasks.math import TEMPLATE  # noqa: E402
 
 # Qwen2.5's chat template: its message loop, tool calls and tool responses included (the
 # tools' system prompt left out: ChatPrompts gives the template no tools).
@@ -70,7 +72,6 @@ QWEN3_TEMPLATE = (
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def _problem(rng: random.Random, operands: int, digits: int) -> list[int]:
@@ -111,9 +112,11 @@ def write_data(out_dir: str, *, num_train: int = 4000, num_test: int = 200, oper
   with open(os.path.join(data, "sft.jsonl"), "w") as f:
     for numbers in splits["train"]:
       steps, answer = _worked(numbers, drop_final_carry=rng.random() < sloppy)
-      f.write(json.dumps({"problem": f"What is {'+'.join(map(str, numbers))}?",
-                          "answer": str(sum(numbers)),
-                          "solution": f"{steps}\nThe answer is \\boxed{{{answer}}}."}) + "\n")
+      problem = TEMPLATE.format(problem=f"What is {'+'.join(map(str, numbers))}?")
+      f.write(json.dumps({"messages": [
+          {"role": "user", "content": problem},
+          {"role": "assistant",
+           "content": f"{steps}\nThe answer is \\boxed{{{answer}}}."}]}) + "\n")
   return data
 
 
@@ -164,24 +167,24 @@ def make(out_dir: str, *, family: str = "qwen2", sft_steps: int = 400, batch_siz
   from models import hf
   from rl import sft
   from rl.pretrained import HFCheckpoint
-  from rl.tasks.math import TEMPLATE, MathTask
   os.makedirs(out_dir, exist_ok=True)
   data = write_data(out_dir, operands=operands, seed=seed)
   with open(os.path.join(data, "sft.jsonl")) as f:
-    demos = [json.loads(line) for line in f]
-  corpus = [TEMPLATE.format(problem=d["problem"]) + "\n" + d["solution"] for d in demos]
+    corpus = [m["content"] for line in f for m in json.loads(line)["messages"]]
   corpus += [QWEN2_TEMPLATE, "system\nuser\nassistant\n<think>\n\n</think>\n\n"] * 50
   vocab = write_tokenizer(out_dir, corpus, family=family)
   write_model(out_dir, vocab, family=family, seed=seed)
   checkpoint = HFCheckpoint(out_dir, dtype="float32",
                             template_args={"enable_thinking": False} if family == "qwen3"
                             else None)
+  if not sft_steps:  # as transformers initialised it
+    return out_dir
   cfg = checkpoint(0)
-  task = MathTask(train_path=os.path.join(data, "sft.jsonl"),
-                  test_path=os.path.join(data, "sft.jsonl"))
-  params, _ = sft.warm_start(checkpoint.load(cfg), cfg, task, checkpoint.tokenizer(),
-                             steps=sft_steps, batch_size=batch_size, learning_rate=3e-3, seq_len=256,
-                             seed=seed, progress=progress)
+  examples = sft.read_demonstrations(os.path.join(data, "sft.jsonl"), checkpoint.tokenizer())
+  # Rows of 256 tokens hold three demonstrations: a third of the padding of 128.
+  params, _ = sft.fit(checkpoint.load(cfg), cfg, examples.__getitem__, len(examples),
+                      steps=sft_steps, batch_size=batch_size, learning_rate=3e-3, seq_len=256,
+                      seed=seed, progress=progress, desc="SFT on demonstrations")
   hf.save(params, cfg, out_dir)
   return out_dir
 

@@ -160,6 +160,11 @@ class HFTokenizer:
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def encode_with_offsets(self, text: str) -> list[tuple[int, tuple[int, int]]]:
+    """(id, (start, end) character offsets into `text`) of each token."""
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return list(zip(encoding.ids, encoding.offsets))
+
   def special_ids(self) -> set[int]:
     """Ids of the tokenizer's special added tokens."""
     return {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
@@ -212,6 +217,38 @@ class ChatPrompts:
 
   def decode(self, ids: Sequence[int]) -> str:
     return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+  def encode_conversation(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+    """Token ids of a whole conversation under the chat template, and which of them are the
+    assistant's: each assistant message's content up to and including the end-of-turn token
+    (what an SFT demonstration trains on), not the template's text around it. ValueError when
+    the template renders an earlier assistant turn differently once later turns follow
+    (Qwen3's drops their thinking): give such demonstrations one assistant turn each."""
+    whole = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                               **self.template_args)
+    spans = []
+    for i, message in enumerate(messages):
+      if message.get("role") != "assistant":
+        continue
+      before = self.tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True,
+                                                  **self.template_args)
+      through = self.tokenizer.apply_chat_template(messages[:i + 1],
+                                                   add_generation_prompt=False,
+                                                   **self.template_args)
+      if not (through.startswith(before) and whole.startswith(through)):
+        raise ValueError(f"the chat template renders assistant turn {i} differently once "
+                         "later turns follow; give each demonstration one assistant turn")
+      spans.append((len(before), len(through)))
+    encoding = self.tokenizer.encode_with_offsets(whole)
+    ids, mask = [], []
+    for token, (start, _) in encoding:
+      ids.append(token)
+      mask.append(any(a <= start < b for a, b in spans))
+    # A turn's text after its end-of-turn token (Qwen's "\n") is never generated.
+    for k in range(1, len(ids)):
+      if mask[k] and mask[k - 1] and ids[k - 1] == self.eos_id:
+        mask[k] = False
+    return ids, mask
 
 
 def _end_of_turn(tokenizer: HFTokenizer) -> int | None:

@@ -1,12 +1,13 @@
 """Supervised fine-tuning: the warm start on a task's reference solutions (so RL starts from
-non-zero reward) and SFT on any list of (prompt, completion) token ids (long2short's shortest
-rejection sampling).
+non-zero reward) or on a JSONL of chat demonstrations (loss on the assistant's tokens only),
+and SFT on any list of (prompt, completion) token ids (long2short's shortest rejection
+sampling).
 
 Owns the SFT batches (prompt + completion, loss on the completion) and the short loop over
 them; the update itself is rl/train_step.py with the `nll` loss.
 """
 
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from rl import losses
 from rl.envs import encode_text, environment_of, multi_turn
 from rl.rollout import prompt_ids
 from rl.packing import trajectory_batch
+from rl.tasks.jsonl import read_jsonl
 from rl.train_step import init_train_state, make_train_step
 
 # An SFT example: (prompt token ids, target token ids with <eos> where the model should
@@ -92,6 +94,35 @@ def solution_example(task, tokenizer, record) -> Example:
     targets += ids
     mask += [policy] * len(ids)
   return prompt, targets + [tokenizer.eos_id], np.array(mask + [True], bool)
+
+
+def conversation_example(tokenizer, messages: list[dict[str, Any]], where: str) -> Example:
+  """The SFT example of a chat demonstration (models.tokenizer.ChatPrompts
+  .encode_conversation): the tokens before the first assistant token are the prompt, those
+  from it to the last assistant token the targets, the loss on the assistant's."""
+  try:
+    ids, mask = tokenizer.encode_conversation(messages)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  if not any(mask):
+    raise ValueError(f"{where}: no assistant message to learn from")
+  first, last = mask.index(True), len(mask) - mask[::-1].index(True)
+  return ids[:first], ids[first:last], np.array(mask[first:last], bool)
+
+
+def read_demonstrations(path: str, tokenizer) -> list[Example]:
+  """The SFT examples of a JSONL file of chat demonstrations, {"messages": [{"role",
+  "content"}, ...]} a line (the shape of OpenAI's and TRL's chat datasets)."""
+
+  def convert(record, where):
+    messages = record["messages"]
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
+        for m in messages):
+      raise ValueError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
+    return {"example": conversation_example(tokenizer, messages, where)}
+
+  return [r["example"] for r in read_jsonl(path, ("messages",), convert).records]
 
 
 def warm_start(params, cfg: ModelConfig, task, tokenizer, *, steps: int, batch_size: int = 64,

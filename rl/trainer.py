@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from models import distributed, sharding, transformer
 from models.attention import dispatch
 from models.config import ModelConfig
-from models.tokenizer import CharTokenizer
+from models.tokenizer import CharTokenizer, ChatPrompts
 from rl import ConfigError
 from rl import advantages as advantages_lib
 from rl import checkpoint
@@ -98,22 +98,36 @@ class _StartKeptInRun:
 
 @dataclasses.dataclass(frozen=True)
 class WarmStart(_StartKeptInRun):
-  """Random init, then `steps` SFT updates on the task's reference solutions (so RL starts
-  from non-zero reward); the result is the reference policy of a KL."""
+  """Random init (a pretrained model's params: an HFCheckpoint), then `steps` SFT updates on
+  the task's reference solutions, or with `demonstrations` on a JSONL file of chat
+  demonstrations ({"messages": [...]} a line; loss on the assistant's tokens only; needs a
+  chat template), so RL starts from non-zero reward; the result is the reference policy of a
+  KL."""
   steps: int = 200
   batch_size: int = 64
   learning_rate: float = 3e-3
+  demonstrations: str = ""
 
   def check(self) -> None:
     if self.steps < 0 or self.batch_size < 1:
       raise ConfigError(f"WarmStart(steps={self.steps}, batch_size={self.batch_size}): steps "
                         "must be >= 0 and batch_size >= 1")
+    if self.demonstrations and not os.path.isfile(self.demonstrations):
+      raise ConfigError(f"WarmStart.demonstrations={self.demonstrations!r}: no such file")
 
   def params(self, initial, cfg: ModelConfig, task, tokenizer, *, seq_len: int, seed: int,
              progress: bool, mesh) -> tuple[Any, dict[str, Any]]:
-    params, loss = sft.warm_start(initial, cfg, task, tokenizer, steps=self.steps,
-                                  batch_size=self.batch_size, learning_rate=self.learning_rate,
-                                  seq_len=seq_len, seed=seed, progress=progress, mesh=mesh)
+    if self.demonstrations:
+      examples = sft.read_demonstrations(self.demonstrations, tokenizer)
+      params, loss = sft.fit(initial, cfg, examples.__getitem__, len(examples),
+                             steps=self.steps, batch_size=self.batch_size,
+                             learning_rate=self.learning_rate, seq_len=seq_len, seed=seed,
+                             progress=progress, desc="SFT on demonstrations", mesh=mesh)
+    else:
+      params, loss = sft.warm_start(initial, cfg, task, tokenizer, steps=self.steps,
+                                    batch_size=self.batch_size,
+                                    learning_rate=self.learning_rate, seq_len=seq_len,
+                                    seed=seed, progress=progress, mesh=mesh)
     return params, {"sft_loss": loss, "init_from": None}
 
 
@@ -338,7 +352,8 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
       f"{plan.kernel}" + (f", {jax.process_count()} processes"
                              if jax.process_count() > 1 else ""))
   optimizer = loop.rl_optimizer(rl.learning_rate)
-  params, place = _initial_params(start, cfg, mesh, seed, optimizer)
+  # A pretrained model's params are where any start begins (a WarmStart fine-tunes them).
+  params, place = _initial_params(pretrained or start, cfg, mesh, seed, optimizer)
   rollout_engine = _make_engine(factory, cfg, params, 0)
   closers = [lambda: rollout_engine is not None and rollout_engine.close()]
   if teachers is not None:
@@ -379,6 +394,10 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
   """Every check that needs nothing built, and what they resolve."""
   rl.check()
   start.check()
+  if isinstance(start, WarmStart) and start.demonstrations and not isinstance(tokenizer,
+                                                                              ChatPrompts):
+    raise ConfigError("WarmStart.demonstrations are chat conversations: they need a model "
+                      "with a chat template (train.model = @HFCheckpoint())")
   monitors = hooks.monitors
   known = set(monitors) if monitors is not None else set(monitors_lib.defaults())
   unknown = sorted(set(hooks.stop_on) - known)

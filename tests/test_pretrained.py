@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -190,3 +191,71 @@ def test_a_bad_checkpoint_directory_is_named_before_anything_is_built(tmp_path,
       open(os.path.join(qwen3_tokenizer_dir, "tokenizer.json")).read())
   with pytest.raises(ConfigError, match="model_type='gpt2'"):
     HFCheckpoint(str(tmp_path)).check()
+
+
+def test_a_conversation_trains_on_the_assistants_tokens_only(tmp_path):
+  tiny_checkpoint.write_tokenizer(str(tmp_path), ["What is 1+2? The answer is 3."] * 20,
+                                  family="qwen2", vocab_size=300)
+  chat = HFCheckpoint(str(tmp_path)).tokenizer()
+  messages = [{"role": "user", "content": "What is 1+2?"},
+              {"role": "assistant", "content": "The answer is 3."},
+              {"role": "user", "content": "And 2+2?"}, {"role": "assistant", "content": "4"}]
+  ids, mask = chat.encode_conversation(messages)
+  tokenizer = chat.tokenizer
+  assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages,
+                                                                add_generation_prompt=False)
+  learned = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+  assert learned == "The answer is 3.<|im_end|>4<|im_end|>"  # not the "\n" after each turn
+  prompt, targets, target_mask = __import__("rl.sft", fromlist=["x"]).conversation_example(
+      chat, messages, "here")
+  assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+  assert tokenizer.decode(targets).endswith("4<|im_end|>") and target_mask[-1]
+
+  # A template that renders an earlier assistant turn otherwise once later turns follow.
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  config["chat_template"] = ("{%- for m in messages %}{%- if m.role == 'assistant' and not "
+                             "loop.last %}{{- '<|im_start|>assistant\\n<|im_end|>\\n' }}"
+                             "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + "
+                             "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+                             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                             "{%- endif %}")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="renders assistant turn 1 differently"):
+    HFCheckpoint(str(tmp_path)).tokenizer().encode_conversation(messages)
+
+
+def test_an_sft_stage_on_chat_demonstrations_before_rl(tmp_path):
+  """WarmStart over a pretrained checkpoint fine-tunes its params (not a random model) on
+  the demonstrations, and the result is the reference policy."""
+  checkpoint = tiny_checkpoint.make(str(tmp_path / "raw"), sft_steps=0, progress=False)
+  run_dir = str(tmp_path / "run")
+  result = subprocess.run(_command(
+      checkpoint, run_dir, "--gin_param", "train.start = @WarmStart()",
+      "--gin_param", f"WarmStart.demonstrations = '{checkpoint}/data/sft.jsonl'",
+      "--gin_param", "WarmStart.steps = 150", "--gin_param", "WarmStart.batch_size = 32",
+      "--gin_param", "RLConfig.num_steps = 2", "--gin_param", "Evaluation.every = 0"),
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = _summary(run_dir)
+  assert summary["sft_loss"] < 1.0 and summary["init_from"] is None, summary
+  # It learned where a turn ends: untrained, every answer runs to the 40-token limit.
+  assert summary["sft_length"] < 35, summary
+  assert "after SFT: held-out accuracy" in result.stdout
+  assert os.path.isdir(os.path.join(run_dir, "sft"))  # the reference: the fine-tuned params
+
+  # With no SFT step, the params are the checkpoint's: the stage starts from them.
+  from models import hf
+  from rl import trainer
+  model = HFCheckpoint(checkpoint, dtype="float32")
+  run = trainer.build(str(tmp_path / "zero"), task=MathTask(
+      train_path=f"{checkpoint}/data/train.jsonl", test_path=f"{checkpoint}/data/test.jsonl",
+      fields={"problem": "question"}), model=model, start=trainer.WarmStart(
+          steps=0, demonstrations=f"{checkpoint}/data/sft.jsonl"),
+      hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=16), progress=False,
+                          tensorboard=False))
+  try:
+    _, want = hf.load(checkpoint, model(0))
+    for got, expected in zip(jax.tree.leaves(run.state.train.params), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  finally:
+    run.close()
