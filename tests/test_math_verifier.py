@@ -166,6 +166,53 @@ def test_conventions(convention):
   assert not wrong, wrong
 
 
+def test_a_transposed_matrix_is_not_the_matrix():
+  # The same entries in other places make another matrix; spacing and brackets do not.
+  gold = "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"
+  transposed = ["\\boxed{\\begin{pmatrix} 1 & 3 \\\\ 2 & 4 \\end{pmatrix}}",
+                "\\boxed{\\begin{bmatrix}1&3\\\\2&4\\end{bmatrix}}",
+                "The answer is $\\left[\\begin{array}{cc}1 & 3 \\\\ 2 & 4\\end{array}\\right]$."]
+  same = ["\\boxed{\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}}",
+          "\\boxed{\\begin{bmatrix} 1 & 2 \\\\  3 & 4 \\\\ \\end{bmatrix}}",
+          "The answer is $\\left(\\begin{matrix}1 & 2 \\\\ 3 & 4\\end{matrix}\\right)$."]
+  wrong = [r for r in transposed if verify(r, gold).correct]
+  wrong += [r for r in same if not verify(r, gold).correct]
+  # Not square: 2 x 3 against its 3 x 2 transpose.
+  wide = "\\begin{pmatrix}1&2&3\\\\4&5&6\\end{pmatrix}"
+  tall = "\\begin{pmatrix}1&4\\\\2&5\\\\3&6\\end{pmatrix}"
+  wrong += [(a, g) for a, g in ((wide, tall), (tall, wide))
+            if verify(f"\\boxed{{{a}}}", g).correct]
+  assert not wrong, wrong
+
+
+def test_a_row_vector_is_not_a_column_vector():
+  # A 1 x 2 and a 2 x 1 matrix are different shapes (u v^T is a matrix, u^T v a number); a
+  # tuple has no orientation, so either one equals the tuple of its entries.
+  row, column = "\\begin{pmatrix} 1 & 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"
+  assert not verify(f"\\boxed{{{row}}}", column).correct
+  assert not verify(f"\\boxed{{{column}}}", row).correct
+  assert verify(f"\\boxed{{{row}}}", "(1, 2)").correct
+  assert verify(f"\\boxed{{{column}}}", "(1, 2)").correct
+
+
+def test_code_holding_the_number_is_not_the_number():
+  # A program that would print or return 42 is not the answer 42, however it is wrapped.
+  code = ["lambda: 42", "lambda x: 42", "(lambda: 42)()", "def f(): return 42", "print(42)",
+          "f() = 42", "\\text{lambda: } 42", "\\text{def f(): return } 42", "\\text{return } 42",
+          "\\text{print}(42)", "\\mathrm{print}(42)", "\\texttt{print(42)}"]
+  wrappers = ["\\boxed{%s}", "The answer is %s", "Final answer: %s", "So we get %s.",
+              "The answer is $%s$."]
+  accepted = [w % c for c in code for w in wrappers if verify(w % c, "42").correct]
+  assert not accepted, accepted
+  assert verify("\\boxed{(lambda: 42)()}", "42").reason == "code"
+  # The number itself, a named quantity, and code beside the answer stay correct.
+  answers = ["\\boxed{42}", "So we get 42.", "\\boxed{f(x) = 42}", "\\boxed{\\lambda = 42}",
+             "```python\nprint(6 * 7)\n```\n```output\n42\n```\nThe answer is $\\boxed{42}$.",
+             "```python\ndef f():\n  return 6 * 7\n```\nSo it is 42."]
+  rejected = [r for r in answers if not verify(r, "42").correct]
+  assert not rejected, rejected
+
+
 def test_extraction():
   assert extract_answer("so \\boxed{42}.").answer == "42"
   assert extract_answer("\\fbox{7}").answer == "7"

@@ -17,6 +17,8 @@ think block is a truncated response: no answer) and before a chat template's end
   bare formula, else its last math span (`$..$`, `$$..$$`, `\\(..\\)`, `\\[..\\]`) or number,
   whichever is later. A number or span listed after another ("3 or 4", "$5$, $6$") is a hedge
   and no answer; a negated one ("7, not 8") is passed over.
+An answer written as code (`lambda: 42`, `def f(): return 42`, `print(42)`, `f() = 42`, also
+inside \\text{} or a prose sentence) is no answer: what a program would print is not the answer.
 A gold with a box, a closed think block or an answer phrase is a worked solution: its answer
 is extracted the same way (`gold_answer`).
 
@@ -57,8 +59,9 @@ Equivalence (`is_equivalent`), by value, convention by convention:
   \\sin^2 x + \\cos^2 x = 1), at negative points too where an absolute value is taken
   (|x| != x); different variables differ (2y+1 != 2x+1).
 - matrices and vectors: pmatrix, bmatrix, matrix, smallmatrix and array (also inside ( ) or
-  [ ]) compare entry by entry with their shape; a one-column or one-row matrix equals the
-  tuple of its entries ((1, 2)), not an interval [1, 2]. Matrix arithmetic is not evaluated.
+  [ ]) compare entry by entry with their shape (a transpose differs, and so do a row and a
+  column); a one-column or one-row matrix equals the tuple of its entries ((1, 2)), not an
+  interval [1, 2]. Matrix arithmetic is not evaluated.
 - complex numbers: i is the imaginary unit (i^2 = -1, 2e^{i\\pi/3} = 1+\\sqrt{3}i,
   \\sqrt{-4} = 2i); \\overline{z} is the conjugate.
 - text: compares case-insensitively without spaces ((B) = B, \\text{Yes} = yes).
@@ -97,7 +100,7 @@ _SAMPLE_POINTS = 6
 class Extracted:
   answer: str | None
   reason: str  # "boxed", "boxes", "phrase", "prose", "no answer", "hedged", "truncated",
-  # "unbalanced"
+  # "unbalanced", "code"
 
 
 def _braced(text: str, open_at: int) -> tuple[str, int] | None:
@@ -126,6 +129,10 @@ _NUMBER = re.compile(r"(?<![\w.])-?(?:(?:\d{1,3}(?:[ ,]\d{3})+|\d+)(?:[.,]\d+)?|
 _LISTING = re.compile(r"\s*(?:,|\bor\b|\band\b)\s*")
 _SPAN_MARK = "\x00"
 _NEGATED = re.compile(r"\b(?:not|no|never|instead of|rather than)\s*$", re.IGNORECASE)
+# Python around a number: a lambda with its colon (\lambda is the Greek letter), def, return,
+# print, a call without arguments. The parser rejects most of it only by accident, and \text{}
+# (dropped beside a number as a unit) or prose extraction (the last number) would strip it.
+_CODE = re.compile(r"(?<!\\)\blambda\b[\w\s,*]*:|\b(?:def|return|print)\b|[A-Za-z_]\w*\s*\(\s*\)")
 
 
 def _boxes(text: str) -> list[str] | None:
@@ -179,13 +186,19 @@ def _prose_answer(text: str, reason: str = "prose") -> Extracted:
   if not sentences:
     return Extracted(None, "no answer")
   sentence = sentences[-1]
+  marks = rf"{_SPAN_MARK}(.){_SPAN_MARK}"
+
+  def shown(m: re.Match) -> str:
+    return spans[ord(m.group(1)) - 0xE000]
+
+  if _CODE.search(re.sub(marks, shown, sentence)):  # its math spans too: $\text{print}(42)$
+    return Extracted(None, "code")
   words = re.sub(r"\\[a-zA-Z]+", " ", sentence)
   if _SPAN_MARK not in sentence and not re.search(r"[a-zA-Z]{2,}", words):
     bare = sentence.strip().rstrip(".").strip()
     if _parses(bare):
       return Extracted(bare, reason)
-  candidates = [(m.start(), m.end(), spans[ord(m.group(1)) - 0xE000])
-                for m in re.finditer(rf"{_SPAN_MARK}(.){_SPAN_MARK}", sentence)]
+  candidates = [(m.start(), m.end(), shown(m)) for m in re.finditer(marks, sentence)]
   candidates += [(m.start(), m.end(), m.group(0)) for m in _NUMBER.finditer(sentence)]
   candidates = sorted(c for c in candidates if c[2] and not _NEGATED.search(sentence[:c[0]]))
   if not candidates:
@@ -210,6 +223,8 @@ def extract_answer(response: str) -> Extracted:
   if len(boxes) > _MAX_BOXES:  # a flood of boxes is no answer (and costs quadratic checks)
     return Extracted(None, "hedged")
   if boxes:
+    if any(_CODE.search(box) for box in boxes):
+      return Extracted(None, "code")
     distinct = []
     for box in boxes:
       if not any(is_equivalent(box, seen) for seen in distinct):
@@ -227,6 +242,8 @@ def extract_answer(response: str) -> Extracted:
   line = line.strip().rstrip(".").strip()
   if not line:
     return Extracted(None, "no answer")
+  if _CODE.search(line):
+    return Extracted(None, "code")
   bare = line.strip("$").strip()
   if _parses(bare):
     return Extracted(bare, "phrase")
