@@ -2,6 +2,9 @@
 
 tests/test_code_sandbox.py runs this script inside an outer pid (and mount) namespace, so
 that a sandbox bug can at worst hurt that namespace, and checks the results and the host.
+The script is that namespace's init: every process the sandboxes start is in it, orphans
+are reparented to it, and its /proc lists them and nothing else on the machine, so what is
+left once the sandboxes are closed is exactly what they failed to clean up.
 Usage: python tests/sandbox_attacks.py OUT.json PLANTED_FILE ESCAPE_PATH
 """
 
@@ -10,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +39,22 @@ def listener():
 
   threading.Thread(target=loop, daemon=True).start()
   return server.getsockname()[1], accepted, stop
+
+
+def leftover_processes(seconds: float = 5.0) -> list[int]:
+  """Processes of this namespace but this script, once dead orphans are reaped; a killed
+  sandbox takes a moment to exit, so wait up to `seconds` for none to be left."""
+  deadline = time.monotonic() + seconds
+  while True:
+    try:
+      while os.waitpid(-1, os.WNOHANG)[0]:
+        pass
+    except ChildProcessError:
+      pass
+    left = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid())
+    if not left or time.monotonic() > deadline:
+      return left
+    time.sleep(0.05)
 
 
 def main(out_path, planted, escape):
@@ -81,6 +101,7 @@ def main(out_path, planted, escape):
         results[name] = {k: outcome[k][-2000:] if isinstance(outcome[k], str) else outcome[k]
                          for k in ("status", "stdout", "stderr")}
   results["restarts"] = sandbox.restarts  # the second sandbox's: it ran the kills
+  results["leftover processes"] = leftover_processes()
   stop.set()
   results["accepted connections"] = len(accepted)
   results["secret"] = SECRET

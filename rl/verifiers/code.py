@@ -22,11 +22,12 @@ only the program's process group killed at the end. Install bubblewrap
 (`apt-get install bubblewrap`) before running code you do not trust.
 
 Tests never enter the sandbox. Stdin/stdout tests compare the captured stdout outside.
-Assert tests run on the host against a proxy: each call of the tested function is sent to
-the sandbox, its result comes back as plain values only (int, float, str, bool, None and
-lists, tuples, dicts, sets of them; subclasses refused), and the assert is evaluated on the
-host. An always-equal object, sys.exit(0) before the asserts, a printed "passed" or a
-look for the test file therefore cannot pass.
+Assert tests run on the host against a proxy: each call of the tested function (or of a
+method of a fresh instance, LeetCode's `Solution().twoSum`) is sent to the sandbox, its
+result comes back as plain values only (int, float, str, bool, None and lists, tuples,
+dicts, sets of them; subclasses refused), and the assert is evaluated on the host. An
+always-equal object, sys.exit(0) before the asserts, a printed "passed" or a look for the
+test file therefore cannot pass. Any exit status but 0 is a runtime error.
 """
 
 import concurrent.futures
@@ -335,7 +336,9 @@ class Sandbox:
     """Each test is trusted Python run on the host (e.g. "assert f(2) == 4" or a HumanEval
     `check(candidate)` call) where `entry_point` and `candidate` stand for the program's
     function; `setup` is trusted code run first in the same host namespace (a dataset's
-    helpers, a HumanEval prompt's other functions and the check function)."""
+    helpers, a HumanEval prompt's other functions and the check function). A dotted
+    `entry_point` ("Solution.twoSum") calls that method of a fresh instance of the class, as
+    LeetCode does; the tests call it as `candidate` or by the method's name."""
     deadline = self._begin(src, "", "call")
     ready = self._receive(deadline)
     if ready is None or ready.get("final"):
@@ -365,7 +368,7 @@ class Sandbox:
       namespace: dict[str, Any] = {"__name__": "longrl_tests"}
       try:
         exec(setup, namespace)  # trusted: comes from the dataset, not the model
-        namespace[entry_point] = namespace["candidate"] = call
+        namespace[entry_point.rpartition(".")[2]] = namespace["candidate"] = call
         exec(test, namespace)
         results.append(TestResult("accepted"))
       except _CallFailed as e:

@@ -7,6 +7,12 @@ stdout/stderr (one byte cap across both) and function calls, enforce the wall cl
 kill every process the program left behind and wipe the scratch space. It speaks JSON lines
 on fds 0/1 with rl/verifiers/code.py and imports nothing outside the standard library.
 
+A run's verdict comes from how the child ended: a signal (timeout or killed), exit status 0
+("ok") or any other status ("runtime error"). A syntax error and running out of memory are
+told apart by a word the child writes on a pipe of its own before it exits, never by the
+status, which the program chooses (`sys.exit(3)`, `os._exit(4)`). Calls name a function
+("add") or a method of a fresh instance ("Solution.twoSum"), see `resolve`.
+
 Inside a pid namespace (`--pidns`), clean-up is `kill(-1)`: every process but this one and
 the namespace's init. Without one it only kills the child's process group, so a program
 that calls setsid() can outlive its run: that is the weaker fallback.
@@ -23,14 +29,15 @@ import sys
 import time
 import traceback
 
-EXIT_SYNTAX, EXIT_MEMORY, EXIT_RUNTIME = 3, 4, 1
+EXIT_RUNTIME = 1
+REPORTED = ("syntax error", "memory")  # the verdicts the child reports on its pipe
 SCRATCH = os.environ.get("SANDBOX_SCRATCH", "/tmp")
 PIDNS = "--pidns" in sys.argv
 
 # Warm the modules programs import most, once, so each forked child starts with them.
 for _module in ("collections", "functools", "heapq", "itertools", "math", "re", "string",
                 "bisect", "fractions", "random", "statistics", "decimal", "copy", "typing",
-                "dataclasses", "operator"):
+                "dataclasses", "operator", "datetime", "json"):
   __import__(_module)
 
 
@@ -108,14 +115,14 @@ def receive(timeout=None):
 
 def child(request, workdir, fds):
   """Runs in the forked child: never returns."""
-  stdin_r, out_w, err_w, call_r, result_w = fds
+  stdin_r, out_w, err_w, call_r, result_w, verdict_w = fds
   try:
     os.setsid()
     os.chdir(workdir)
     os.dup2(stdin_r, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
-    keep = {0, 1, 2} | ({call_r, result_w} if request["mode"] == "call" else set())
+    keep = {0, 1, 2, verdict_w} | ({call_r, result_w} if request["mode"] == "call" else set())
     for fd in range(3, 256):
       if fd not in keep:
         try:
@@ -142,18 +149,26 @@ def child(request, workdir, fds):
   except (SyntaxError, ValueError, MemoryError, RecursionError):
     traceback.print_exc(limit=0)
     sys.stderr.flush()
-    os._exit(EXIT_SYNTAX)
+    report_and_exit(verdict_w, "syntax error")
   namespace = {"__name__": "__main__" if request["mode"] == "stdio" else "solution",
                "__builtins__": builtins}
-  status = 0
+  status, verdict = 0, None
   try:
     exec(code, namespace)
     if request["mode"] == "call":
       serve_calls(namespace, call_r, result_w)
   except SystemExit as e:
-    status = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_RUNTIME)
+    # Any status but 0 (256 included, which the kernel would truncate to 0) is a failure;
+    # type() rather than ==, which the program's own class could redefine to raise here.
+    if not (e.code is None or (type(e.code) in (int, bool) and e.code == 0)):
+      status = EXIT_RUNTIME
+      try:  # the message of sys.exit("message"), as the interpreter prints it
+        if type(e.code) not in (int, bool):
+          print(e.code, file=sys.stderr)
+      except BaseException:
+        pass
   except MemoryError:
-    status = EXIT_MEMORY
+    verdict = "memory"
   except BaseException as e:
     try:  # the program's frames only, not this server's
       traceback.print_exception(type(e), e, e.__traceback__.tb_next)
@@ -165,18 +180,42 @@ def child(request, workdir, fds):
     sys.stderr.flush()
   except BaseException:
     pass
-  os._exit(status & 0xFF)
+  if verdict is not None:
+    report_and_exit(verdict_w, verdict)
+  os._exit(status)
+
+
+def report_and_exit(verdict_w, verdict):
+  """Tell the server a verdict that an exit status cannot carry, then exit as failed."""
+  try:
+    os.write(verdict_w, verdict.encode())
+  except OSError:
+    pass
+  os._exit(EXIT_RUNTIME)
+
+
+def resolve(namespace, name):
+  """The function a call names: a module-level function, or "Class.method" on a fresh
+  instance, as LeetCode's judge calls `Solution().twoSum(...)` (one instance per call)."""
+  owner, _, method = name.rpartition(".")
+  if owner:
+    cls = namespace.get(owner)
+    if not isinstance(cls, type):
+      raise NameError(f"the program defines no class {owner!r}")
+    function = getattr(cls(), method, None)
+  else:
+    function = namespace.get(name)
+  if not callable(function):
+    raise NameError(f"the program defines no function {name!r}")
+  return function
 
 
 def serve_calls(namespace, call_r, result_w):
   reader = os.fdopen(call_r, "r")
   for line in reader:
     call = json.loads(line)
-    function = namespace.get(call["name"])
     try:
-      if not callable(function):
-        raise NameError(f"the program defines no function {call['name']!r}")
-      reply = {"value": encode(function(*decode(call["args"])))}
+      reply = {"value": encode(resolve(namespace, call["name"])(*decode(call["args"])))}
     except MemoryError:
       raise
     except Exception as e:
@@ -276,8 +315,11 @@ class _Session:
       if message["op"] == "end":
         self.verdict = "ended"
         return
-      os.write(self.call_w, (json.dumps(message) + "\n").encode())
-      self.in_call = True
+      try:
+        os.write(self.call_w, (json.dumps(message) + "\n").encode())
+        self.in_call = True
+      except BrokenPipeError:  # it exited; the loop reports how
+        pass
     elif fd == self.result_r:
       self.results += os.read(self.result_r, 1 << 20)
       while b"\n" in self.results:
@@ -292,16 +334,25 @@ class _Session:
     return bytes(self.buffers[fd][:self.limit]).decode("utf-8", "replace")
 
 
-def _verdict(verdict, exit_status) -> str:
-  """The run's status from how it ended: early (a verdict), or by the program's exit."""
+def _verdict(verdict, exit_status, reported) -> str:
+  """The run's status from how it ended: early (a verdict), or by the program's exit, where
+  `reported` is what the child wrote on its verdict pipe (only believed after a failure)."""
   if verdict == "ended":
     return "ok"
   if verdict is not None:
     return verdict
   if os.WIFSIGNALED(exit_status):
     return "timeout" if os.WTERMSIG(exit_status) == signal.SIGXCPU else "killed"
-  return {0: "ok", EXIT_SYNTAX: "syntax error", EXIT_MEMORY: "memory"}.get(
-      os.WEXITSTATUS(exit_status), "runtime error")
+  if os.WEXITSTATUS(exit_status) == 0:
+    return "ok"
+  return reported if reported in REPORTED else "runtime error"
+
+
+def _reported(verdict_r) -> str:
+  """What the child wrote on its verdict pipe; a daemon holding the pipe must not block us."""
+  if not select.select([verdict_r], [], [], 0)[0]:
+    return ""
+  return os.read(verdict_r, 64).decode("utf-8", "replace")
 
 
 def run(request):
@@ -313,10 +364,11 @@ def run(request):
   err_r, err_w = os.pipe()
   call_r, call_w = os.pipe()
   result_r, result_w = os.pipe()
+  verdict_r, verdict_w = os.pipe()
   pid = os.fork()
   if pid == 0:
-    child(request, workdir, (stdin_r, out_w, err_w, call_r, result_w))
-  for fd in (stdin_r, out_w, err_w, call_r, result_w):
+    child(request, workdir, (stdin_r, out_w, err_w, call_r, result_w, verdict_w))
+  for fd in (stdin_r, out_w, err_w, call_r, result_w, verdict_w):
     os.close(fd)
   start = time.monotonic()
   deadline = start + limits["wall_seconds"]
@@ -349,16 +401,19 @@ def run(request):
       pass
     _, exit_status = os.waitpid(pid, 0)
   seconds = time.monotonic() - start
-  for fd in (out_r, err_r, call_w, result_r, session.stdin_w, exited):
+  reported = _reported(verdict_r)
+  for fd in (out_r, err_r, call_w, result_r, session.stdin_w, exited, verdict_r):
     if fd is not None:
       os.close(fd)
   clean_up(pid)
-  send({"final": True, "status": _verdict(session.verdict, exit_status), "seconds": seconds,
-        "stdout": session.output(out_r), "stderr": session.output(err_r)})
+  send({"final": True, "status": _verdict(session.verdict, exit_status, reported),
+        "seconds": seconds, "stdout": session.output(out_r), "stderr": session.output(err_r)})
 
 
 def main():
-  signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+  # SIGPIPE stays ignored (Python's default, which the program inherits too): a program may
+  # exit before reading all its stdin or before a relayed call, and writing to it then must
+  # raise BrokenPipeError here, not kill the server.
   send({"ready": True, "pid": os.getpid()})
   while True:
     request = receive()
