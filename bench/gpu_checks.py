@@ -22,6 +22,9 @@ engine           the embedded engine (rollouts/jax_engine.py) on the GPU: genera
 quickstart       experiments/configs/quickstart.gin for 50 RL steps on the GPU: SFT seconds,
                  the median RL step's seconds and its parts, accuracies, the engine-trainer
                  log-prob gap.
+pretrained       RL from a Qwen2.5-1.5B-shaped Hugging Face checkpoint (random weights) in
+                 bf16 with f32 master weights on the embedded engine: generation and training
+                 tokens/s and MFU against `peak` (rl.pretrained.HFCheckpoint).
 
 Each part's rows are printed and written to OUT/gpu_checks.json as soon as the part ends (a
 run cut short keeps what it measured); a part that raises records its error and the next one
@@ -278,7 +281,70 @@ def part_quickstart():
   return [row]
 
 
-PARTS = ("peak", "attention", "attention_speed", "train_step", "engine", "quickstart")
+def part_pretrained(peak_tflops=None):
+  """RL steps of a Qwen2.5-1.5B-shaped checkpoint (random weights, written as a Hugging Face
+  directory with a small trained tokenizer) through train.model = HFCheckpoint: bf16
+  compute, float32 master weights, remat, GRPO with its KL to the checkpoint, the embedded
+  engine on the same GPU. Random weights never stop early, so every completion runs to
+  max_new_tokens: generation and training tokens/s and MFU against `peak` (6 x params per
+  trained token, plus 2 x params for the reference's forward; 2 x params per generated
+  token)."""
+  from experiments import tiny_checkpoint
+  from models import hf, transformer
+  from rl import trainer
+  from rl.config import RLConfig
+  from rl.pretrained import HFCheckpoint
+  from rl.tasks.math import MathTask
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  from memory import CONFIGS
+  work = tempfile.mkdtemp(prefix="longrl-gpu-pretrained-")
+  shape = dict(CONFIGS["qwen2.5-1.5b"])
+  if SMALL:
+    shape.update(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
+  data = tiny_checkpoint.write_data(work, num_train=512, num_test=64)
+  tiny_checkpoint.write_tokenizer(work, tiny_checkpoint.corpus(data), family="qwen2")
+  cfg = hf.config_from_hf(shape, param_dtype="bfloat16")
+  hf.save(transformer.init_params(cfg, jax.random.PRNGKey(0)), cfg, work)
+  steps, new_tokens = (3, 32) if SMALL else (4, 1024)
+  rl = RLConfig(num_steps=steps, learning_rate=1e-6, prompts_per_step=32 if not SMALL else 4,
+                samples_per_prompt=8, max_new_tokens=new_tokens, seq_len=new_tokens + 256,
+                micro_batches=1 if SMALL else 8)
+  run_dir = os.path.join(work, "run")
+  started = time.perf_counter()
+  summary = trainer.train(
+      run_dir, task=MathTask(train_path=f"{data}/train.jsonl", test_path=f"{data}/test.jsonl",
+                             fields={"problem": "question"}),
+      model=HFCheckpoint(work, dtype="bfloat16", param_dtype="float32", remat="full"),
+      rl=rl, objective=trainer.Objective(loss="grpo"),
+      hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=8), progress=False,
+                          tensorboard=False, checkpoint_every=100))
+  records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+  warm = [r for r in records if "train_s" in r][1:]  # the first step compiles
+  params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+      lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))))
+  generated = statistics.median(r["completion_length"] * rl.prompts_per_step *
+                                rl.samples_per_prompt for r in warm)
+  task = MathTask(train_path=f"{data}/train.jsonl", test_path=f"{data}/test.jsonl",
+                  fields={"problem": "question"})
+  prompt = len(HFCheckpoint(work).tokenizer().encode(task.prompt(task.train[0]), add_bos=True))
+  trained = generated + prompt * rl.prompts_per_step * rl.samples_per_prompt
+  generate_s = statistics.median(r["generate_s"] for r in warm)
+  train_s = statistics.median(r["train_s"] for r in warm)
+  row = {"params": params, "steps": steps, "wall_seconds": time.perf_counter() - started,
+         "generated_tokens_per_step": generated, "generate_s": generate_s, "train_s": train_s,
+         "generate_tokens_per_s": generated / generate_s, "train_tokens_per_s": trained / train_s,
+         "weight_sync_s": statistics.median(r["weight_sync_s"] for r in warm),
+         "summary": {k: summary.get(k) for k in ("sft_accuracy", "rl_accuracy", "steps")}}
+  if peak_tflops:
+    row["train_mfu"] = 8 * params * trained / train_s / (peak_tflops * 1e12)
+    row["generate_mfu"] = 2 * params * generated / generate_s / (peak_tflops * 1e12)
+  print(row, flush=True)
+  return [row]
+
+
+PARTS = ("peak", "attention", "attention_speed", "train_step", "engine", "quickstart",
+         "pretrained")
 
 
 def main():
@@ -296,9 +362,9 @@ def main():
   for part in args.parts.split(","):
     started = time.perf_counter()
     try:
-      if part == "train_step":
+      if part in ("train_step", "pretrained"):
         peak = results.get("peak", [{}])[0].get("tflops")
-        results[part] = part_train_step(peak)
+        results[part] = globals()[f"part_{part}"](peak)
       else:
         results[part] = globals()[f"part_{part}"]()
     except Exception as e:  # noqa: BLE001 - the other parts still run

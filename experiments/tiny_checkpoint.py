@@ -120,6 +120,13 @@ def write_data(out_dir: str, *, num_train: int = 4000, num_test: int = 200, oper
   return data
 
 
+def corpus(data_dir: str) -> list[str]:
+  """Texts to train the tokenizer on: the demonstrations and the chat templates' words."""
+  with open(os.path.join(data_dir, "sft.jsonl")) as f:
+    texts = [m["content"] for line in f for m in json.loads(line)["messages"]]
+  return texts + [QWEN2_TEMPLATE, "system\nuser\nassistant\n<think>\n\n</think>\n\n"] * 50
+
+
 def write_tokenizer(out_dir: str, corpus: list[str], *, family: str,
                     vocab_size: int = 512) -> int:
   """tokenizer.json, tokenizer_config.json and generation_config.json in OUT_DIR; returns
@@ -169,10 +176,7 @@ def make(out_dir: str, *, family: str = "qwen2", sft_steps: int = 400, batch_siz
   from rl.pretrained import HFCheckpoint
   os.makedirs(out_dir, exist_ok=True)
   data = write_data(out_dir, operands=operands, seed=seed)
-  with open(os.path.join(data, "sft.jsonl")) as f:
-    corpus = [m["content"] for line in f for m in json.loads(line)["messages"]]
-  corpus += [QWEN2_TEMPLATE, "system\nuser\nassistant\n<think>\n\n</think>\n\n"] * 50
-  vocab = write_tokenizer(out_dir, corpus, family=family)
+  vocab = write_tokenizer(out_dir, corpus(data), family=family)
   write_model(out_dir, vocab, family=family, seed=seed)
   checkpoint = HFCheckpoint(out_dir, dtype="float32",
                             template_args={"enable_thinking": False} if family == "qwen3"
