@@ -102,6 +102,18 @@ def test_rl_from_a_pretrained_qwen2_raises_accuracy_resumes_and_exports(tmp_path
   np.testing.assert_allclose(_logits(params, cfg, jnp.asarray(tokens)), want, atol=1e-4,
                              rtol=0)
 
+  # The DAPO recipe's tiny variant on the same checkpoint (a few steps: it runs).
+  _runs_a_few_steps("dapo_math", checkpoint, str(tmp_path / "dapo"))
+
+
+def _runs_a_few_steps(recipe: str, checkpoint: str, run_dir: str, *extra: str) -> None:
+  command = _command(checkpoint, run_dir, "--gin_param", "RLConfig.num_steps = 3",
+                     "--gin_param", "Evaluation.records = 32", *extra)
+  command[command.index(RECIPE)] = RECIPE.replace("grpo_math", recipe)
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert _summary(run_dir)["steps"] == 3
+
 
 @pytest.mark.slow
 def test_rl_from_a_pretrained_qwen3_through_a_server_started_from_its_directory(tmp_path):
@@ -121,6 +133,9 @@ def test_rl_from_a_pretrained_qwen3_through_a_server_started_from_its_directory(
   assert versions, "no weights exported"
   for version in versions:
     assert os.path.isfile(tmp_path / "weights" / version / "tokenizer_config.json"), version
+
+  # Kimi k1.5's recipe for Qwen3 (thinking mode) on the same checkpoint: it runs.
+  _runs_a_few_steps("k15_qwen3", checkpoint, str(tmp_path / "k15"))
 
 
 # ---- the pieces
