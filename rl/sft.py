@@ -21,7 +21,7 @@ from rl import losses
 from rl.envs import encode_text, environment_of, multi_turn
 from rl.rollout import prompt_ids
 from rl.packing import trajectory_batch
-from rl.tasks.jsonl import read_jsonl
+from rl.tasks.jsonl import read_records
 from rl.train_step import init_train_state, make_train_step
 
 # An SFT example: (prompt token ids, target token ids with <eos> where the model should
@@ -122,7 +122,7 @@ def read_demonstrations(path: str, tokenizer) -> list[Example]:
       raise ValueError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
     return {"example": conversation_example(tokenizer, messages, where)}
 
-  return [r["example"] for r in read_jsonl(path, ("messages",), convert).records]
+  return [r["example"] for r in read_records(path, ("messages",), convert).records]
 
 
 def warm_start(params, cfg: ModelConfig, task, tokenizer, *, steps: int, batch_size: int = 64,

@@ -160,6 +160,19 @@ def test_math_task_reads_gsm8k_and_math_shapes(tmp_path):
   assert task.train[0]["answer"] == "\\frac{5}{6}"
   assert task.verify("\\boxed{5/6}", task.train[0])
 
+  # The same GSM8K records as Parquet, as the hub publishes them.
+  import pyarrow
+  import pyarrow.parquet
+  parquet = tmp_path / "gsm8k.parquet"
+  pyarrow.parquet.write_table(pyarrow.Table.from_pylist(
+      [json.loads(gsm8k.read_text()), {"question": "No answer here", "answer": ""}]), parquet)
+  with pytest.raises(ValueError, match=r"gsm8k.parquet:row 2: no answer"):
+    MathTask(train_path=str(parquet), test_path=str(gsm8k), fields={"problem": "question"})
+  pyarrow.parquet.write_table(pyarrow.Table.from_pylist([json.loads(gsm8k.read_text())]),
+                              parquet)
+  task = MathTask(train_path=str(parquet), test_path=str(gsm8k), fields={"problem": "question"})
+  assert task.train[0]["answer"] == "1024" and task.train[0] == task.test[0]
+
   bad = tmp_path / "bad.jsonl"
   bad.write_text(json.dumps({"problem": "x"}) + "\n" + json.dumps({"problem": "y",
                                                                   "answer": "1"}) + "\n")

@@ -45,7 +45,7 @@ import re
 import zlib
 from typing import Any, Mapping, Optional, Sequence
 
-from rl.tasks.jsonl import BUNDLED, Records, read_jsonl
+from rl.tasks.jsonl import BUNDLED, Records, read_records
 from rl.verifiers import code as code_verifier
 
 FIELDS = ("prompt", "tests", "entry_point", "starter_code", "solution")
@@ -277,7 +277,7 @@ class CodeTask:
                        "file's field names")
     for name in ("train", "test"):
       path = getattr(self, f"{name}_path")
-      setattr(self, name, humaneval() if path == "humaneval" else read_jsonl(
+      setattr(self, name, humaneval() if path == "humaneval" else read_records(
           path, (fields["prompt"],), lambda raw, where: code_record(raw, fields, where)))
 
   def prompt(self, record: dict[str, Any]) -> str:

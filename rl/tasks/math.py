@@ -1,4 +1,5 @@
-"""Math word problems from JSONL scored by the math verifier (rl/verifiers/math.py).
+"""Math word problems from JSONL or Parquet, scored by the math verifier
+(rl/verifiers/math.py).
 
 Owns the prompt template, reading the shapes the field publishes its math data in, and the
 task protocol around the verifier. A record becomes {"problem", "answer", "solution"?}:
@@ -15,7 +16,7 @@ import dataclasses
 import re
 from typing import Any, Mapping, Optional
 
-from rl.tasks.jsonl import BUNDLED, Records, read_jsonl
+from rl.tasks.jsonl import BUNDLED, Records, read_records
 from rl.verifiers import math as math_verifier
 
 TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answer within "
@@ -74,7 +75,7 @@ class MathTask:
 
   @staticmethod
   def _read(path: str, fields: Mapping[str, str]) -> Records:
-    return read_jsonl(path, (fields["problem"],),
+    return read_records(path, (fields["problem"],),
                       lambda record, where: math_record(record, fields, where))
 
   def prompt(self, record: dict[str, Any]) -> str:
