@@ -45,6 +45,7 @@ from rl import losses
 from rl import metrics as metrics_lib
 from rl import monitors as monitors_lib
 from rl import rewards as rewards_lib
+from rl import rollout
 from rl import sampling as sampling_lib
 from rl import sft
 from rl import sources
@@ -434,6 +435,7 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
     kernel = dispatch.plan(cfg.attention, context, cfg.compute_dtype)
   except dispatch.KernelUnavailable as e:
     raise ConfigError(str(e)) from None
+  _check_room(task, tokenizer, rl)
   if rl.prompts_per_step > len(task.train):
     raise ConfigError(f"RLConfig.prompts_per_step={rl.prompts_per_step} exceeds the "
                       f"{len(task.train)} training prompts")
@@ -447,6 +449,24 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
                objective.reward or rewards_lib.named_chain(
                    {"correctness": rewards_lib.correctness()}),
                objective.sampler or sampling_lib.uniform(), objective)
+
+
+# A completion shorter than this is no chain of thought: a row leaving less is a mistake.
+_MIN_ROOM = 16
+
+
+def _check_room(task, tokenizer, rl: RLConfig, sample: int = 64) -> None:
+  """ConfigError when the first `sample` training prompts leave a packed row of seq_len
+  tokens too little room for a completion (a chat template and system prompt can take
+  hundreds of tokens); each completion would end after a few tokens, truncated."""
+  count = min(sample, len(task.train))
+  longest = max(len(rollout.prompt_ids(task, tokenizer, task.train[i])) for i in range(count))
+  room = rl.seq_len + 1 - longest
+  if room < min(rl.max_new_tokens, _MIN_ROOM):
+    raise ConfigError(f"a training prompt has {longest} tokens (under the chat template, if "
+                      f"any): a row of RLConfig.seq_len={rl.seq_len} leaves {max(room, 0)} for "
+                      f"its completion (max_new_tokens={rl.max_new_tokens}); raise seq_len to "
+                      f"at least {longest + rl.max_new_tokens - 1} or shorten the prompt")
 
 
 def _check_processes(mesh: Optional[Mesh], start, objective: Objective) -> None:

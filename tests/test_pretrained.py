@@ -287,3 +287,19 @@ def test_an_sft_stage_on_chat_demonstrations_before_rl(tmp_path):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
   finally:
     run.close()
+
+
+def test_prompts_that_leave_no_room_for_a_completion_are_refused(tmp_path):
+  """A chat template and system prompt can outgrow RLConfig.seq_len: said before anything
+  is built, not found as completions truncated after a token or two."""
+  from rl import trainer
+  from rl.config import RLConfig
+  checkpoint = tiny_checkpoint.make(str(tmp_path / "raw"), sft_steps=0, progress=False)
+  task = MathTask(train_path=f"{checkpoint}/data/train.jsonl",
+                  test_path=f"{checkpoint}/data/test.jsonl", fields={"problem": "question"})
+  with pytest.raises(ConfigError, match=r"a training prompt has \d+ tokens .* RLConfig.seq_len=48"
+                     r" leaves \d+ for its completion"):
+    trainer.build(str(tmp_path / "run"), task=task, model=HFCheckpoint(checkpoint),
+                  rl=RLConfig(seq_len=48, max_new_tokens=40, prompts_per_step=4),
+                  hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=16)))
+  assert not os.path.exists(tmp_path / "run")  # nothing written
