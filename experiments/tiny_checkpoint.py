@@ -58,11 +58,17 @@ QWEN2_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-# Qwen3's: no default system prompt, and with enable_thinking=false an empty think block
-# opens the answer.
+# Qwen3's, its message loop without tools: no default system prompt; the last assistant turn
+# opens with its thinking block (empty here: these demonstrations do not think), and with
+# enable_thinking=false the generation prompt opens an empty one.
 QWEN3_TEMPLATE = (
     "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content + "
+    "'<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"

@@ -921,7 +921,8 @@ def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,
 
 def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: str = "",
                  max_in_flight: int = 64, max_batch: int = 64, router: bool = False,
-                 cores: Sequence[int] = (), checkpoint: str = ""):
+                 cores: Sequence[int] = (), checkpoint: str = "",
+                 export_dtype: str | None = None):
   """The engine factory (train.engine) that serves the policy from `servers` subprocesses of this module
   on 127.0.0.1 and talks to them with the SGLang client (rollouts/sglang.py): the production
   path, minus the GPUs. Weights travel through `weights_dir` (default: a temporary
@@ -929,10 +930,12 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   sglang-router in front of them (rollouts/router.py), started and stopped with the engine.
   `cores`: the CPU cores the servers run on (e.g. apart from the trainer's). `checkpoint`: the
   Hugging Face directory the run starts from (rl.pretrained.HFCheckpoint's path): the servers
-  start from it as it is, and every weight export carries its tokenizer files."""
+  start from it as it is, and every weight export carries its tokenizer files.
+  `export_dtype`: the exported weights' dtype (SGLangEngine; e.g. 'bfloat16')."""
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
   os.makedirs(weights_dir, exist_ok=True)
-  start = checkpoint or hf.save(params, cfg, os.path.join(weights_dir, f"v{version:06d}"))
+  exported = cfg if export_dtype is None else dataclasses.replace(cfg, param_dtype=export_dtype)
+  start = checkpoint or hf.save(params, exported, os.path.join(weights_dir, f"v{version:06d}"))
   processes, urls = [], []
   try:
     for _ in range(servers):
@@ -951,7 +954,7 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   engine = sglang.SGLangEngine(
       sglang.SGLangClient(urls, router=router_url, max_in_flight=max_in_flight), cfg,
       weights_dir=weights_dir, copy_from=checkpoint or None, version=version,
-      weights_path=start, processes=processes)
+      weights_path=start, processes=processes, export_dtype=export_dtype)
   engine.client.check_health()
   return engine
 

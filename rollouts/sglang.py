@@ -456,11 +456,14 @@ class SGLangEngine:
   def __init__(self, client: SGLangClient, cfg, *, weights_dir: str,
                copy_from: str | None = None, version: int = 0, rid_prefix: str = "longrl",
                keep_versions: int = 2, weights_path: str | None = None,
-               processes: Sequence[subprocess.Popen] = ()):
+               processes: Sequence[subprocess.Popen] = (), export_dtype: str | None = None):
     """`weights_path`: the checkpoint the servers already hold as `version` (None: none yet,
     update_weights exports one); `processes`: servers this engine started, stopped by
-    close()."""
-    self.client, self.cfg = client, cfg
+    close(); `export_dtype`: the dtype of the exported weights (None: the params', e.g.
+    float32 master weights; 'bfloat16' halves every export and is what servers compute in)."""
+    self.client = client
+    self.cfg = cfg if export_dtype is None else dataclasses.replace(cfg,
+                                                                    param_dtype=export_dtype)
     self.weights_dir, self.copy_from = weights_dir, copy_from
     self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
     self._version = version
@@ -592,11 +595,13 @@ class SGLangEngine:
 def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
                   router: str | None = None, weights_dir: str = "", copy_from: str | None = None,
                   max_in_flight: int = 64, read_timeout: float = 3600.0,
-                  health_timeout: float = 30.0) -> SGLangEngine:
+                  health_timeout: float = 30.0, export_dtype: str | None = None
+                  ) -> SGLangEngine:
   """train.rollout_engine for running SGLang servers: checks /health (ServerError naming
   each server that does not answer 200 within `health_timeout` s), then loads the
   starting weights into every server (written under `weights_dir`, which the servers must
-  be able to read at the same path; `copy_from` supplies the tokenizer files)."""
+  be able to read at the same path; `copy_from` supplies the tokenizer files; `export_dtype`
+  e.g. 'bfloat16', see SGLangEngine)."""
   if not urls or not weights_dir:
     raise ValueError("remote_engine needs urls (the SGLang workers) and weights_dir (a "
                      "directory they share with the trainer)")
@@ -608,7 +613,7 @@ def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
     client.close()
     raise
   engine = SGLangEngine(client, cfg, weights_dir=weights_dir, copy_from=copy_from,
-                        version=version)
+                        version=version, export_dtype=export_dtype)
   engine.update_weights(params, version)
   return engine
 

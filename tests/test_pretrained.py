@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 from experiments import tiny_checkpoint
 from models import transformer
@@ -123,6 +124,7 @@ def test_rl_from_a_pretrained_qwen3_through_a_server_started_from_its_directory(
       checkpoint, run_dir, "--gin_param", "HFCheckpoint.template_args = "
       "{'enable_thinking': False}", "--gin_param", "train.engine = @local_engine",
       "--gin_param", "local_engine.checkpoint = %CHECKPOINT",
+      "--gin_param", "local_engine.export_dtype = 'bfloat16'",
       "--gin_param", "local_engine.weights_dir = " + repr(str(tmp_path / "weights"))),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -131,8 +133,10 @@ def test_rl_from_a_pretrained_qwen3_through_a_server_started_from_its_directory(
   # Every export the servers loaded carries the tokenizer files.
   versions = sorted(os.listdir(tmp_path / "weights"))
   assert versions, "no weights exported"
-  for version in versions:
+  for version in versions:  # in bf16, with the tokenizer files
     assert os.path.isfile(tmp_path / "weights" / version / "tokenizer_config.json"), version
+    with safe_open(str(tmp_path / "weights" / version / "model.safetensors"), "np") as f:
+      assert f.get_slice("model.norm.weight").get_dtype() == "BF16", version
 
   # Kimi k1.5's recipe for Qwen3 (thinking mode) on the same checkpoint: it runs.
   _runs_a_few_steps("k15_qwen3", checkpoint, str(tmp_path / "k15"))
