@@ -307,3 +307,14 @@ def test_prompts_that_leave_no_room_for_a_completion_are_refused(tmp_path):
                   rl=RLConfig(seq_len=48, max_new_tokens=40, prompts_per_step=4),
                   hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=16)))
   assert not os.path.exists(tmp_path / "run")  # nothing written
+
+
+def test_the_bundled_gsm8k_sample_reads_and_its_solutions_verify():
+  from rl.tasks.jsonl import BUNDLED
+  task = MathTask(train_path=str(BUNDLED / "gsm8k_train.jsonl"),
+                  test_path=str(BUNDLED / "gsm8k_test.jsonl"), fields={"problem": "question"})
+  assert len(task.train) == 40 and len(task.test) == 16
+  assert not {r["problem"] for r in task.train.records} & {r["problem"] for r in task.test.records}
+  for record in task.train.records + task.test.records:
+    assert task.verify(task.solution(record), record), record
+    assert "<<" not in task.solution(record)
