@@ -256,9 +256,11 @@ def test_a_conversation_trains_on_the_assistants_tokens_only(tmp_path):
     HFCheckpoint(str(tmp_path)).tokenizer().encode_conversation(messages)
 
 
-def test_an_sft_stage_on_chat_demonstrations_before_rl(tmp_path):
+def test_an_sft_stage_then_its_export_evaluated_and_a_run_from_its_params(tmp_path):
   """WarmStart over a pretrained checkpoint fine-tunes its params (not a random model) on
-  the demonstrations, and the result is the reference policy."""
+  the demonstrations, and the result is the reference policy; the run's export goes through
+  the sampled evaluation (pass@k, maj@k at two budgets) on GSM8K-shaped data; a new run
+  starts from its params (FromRun) on the same pretrained model."""
   checkpoint = tiny_checkpoint.make(str(tmp_path / "raw"), sft_steps=0, progress=False)
   run_dir = str(tmp_path / "run")
   result = subprocess.run(_command(
@@ -275,16 +277,38 @@ def test_an_sft_stage_on_chat_demonstrations_before_rl(tmp_path):
   assert "after SFT: held-out accuracy" in result.stdout
   assert os.path.isdir(os.path.join(run_dir, "sft"))  # the reference: the fine-tuned params
 
-  # With no SFT step, the params are the checkpoint's: the stage starts from them.
+  # Its export through the evaluation ledger: pass@k, maj@k and mean@k at two budgets.
+  from experiments.evaluation import evaluate_checkpoint
+  from rl.eval import SampledEval
+  task = MathTask(train_path=f"{checkpoint}/data/train.jsonl",
+                  test_path=f"{checkpoint}/data/test.jsonl", fields={"problem": "question"})
+  report, paths = evaluate_checkpoint(
+      str(tmp_path / "eval"), task=task, hf_checkpoint=os.path.join(run_dir, "hf"),
+      spec=SampledEval(samples=4, ks=(1, 4), budgets=(20, 40)), num_records=8)
+  for budget in (20, 40):
+    assert {"pass@1", "pass@4", "maj@4", "mean@4"} <= set(report["budgets"][budget])
+  assert paths and all(os.path.isfile(p) for p in paths)
+
+  # A new run from this one's params (init_from) on the same pretrained model.
   from models import hf
   from rl import trainer
   model = HFCheckpoint(checkpoint, dtype="float32")
-  run = trainer.build(str(tmp_path / "zero"), task=MathTask(
-      train_path=f"{checkpoint}/data/train.jsonl", test_path=f"{checkpoint}/data/test.jsonl",
-      fields={"problem": "question"}), model=model, start=trainer.WarmStart(
-          steps=0, demonstrations=f"{checkpoint}/data/sft.jsonl"),
-      hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=16), progress=False,
-                          tensorboard=False))
+  hooks = trainer.Hooks(evaluation=trainer.Evaluation(records=16), progress=False,
+                        tensorboard=False)
+  run = trainer.build(str(tmp_path / "from_run"), task=task, model=model,
+                      start=trainer.FromRun(run_dir), hooks=hooks)
+  try:
+    saved = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    want = saved.restore_params()
+    saved.close()
+    for got, expected in zip(jax.tree.leaves(run.state.train.params), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  finally:
+    run.close()
+
+  # With no SFT step, the params are the checkpoint's: the stage starts from them.
+  run = trainer.build(str(tmp_path / "zero"), task=task, model=model, start=trainer.WarmStart(
+      steps=0, demonstrations=f"{checkpoint}/data/sft.jsonl"), hooks=hooks)
   try:
     _, want = hf.load(checkpoint, model(0))
     for got, expected in zip(jax.tree.leaves(run.state.train.params), jax.tree.leaves(want)):
