@@ -122,7 +122,9 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
       carry, _ = jax.lax.scan(lambda c, mb: (accumulate(c, mb), None), carry, rest)
     grads, sums, diff_max = carry
     count = jnp.maximum(sums["loss"][1], 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
+    # In the params' dtype: a float32 count would promote bf16 gradients, and with them
+    # AdamW's first moment (optax keeps it in the gradients' dtype), to float32.
+    grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {k: total / jnp.maximum(n, 1.0) for k, (total, n) in sums.items()}
