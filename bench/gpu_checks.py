@@ -33,6 +33,7 @@ runs. --small shrinks every size (a dry run on CPU: its numbers mean nothing).
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -295,6 +296,7 @@ def part_pretrained(peak_tflops=None):
   from rl.config import RLConfig
   from rl.pretrained import HFCheckpoint
   from rl.tasks.math import MathTask
+  from rollouts.jax_engine import embedded_engine
   sys.path.insert(0, os.path.join(ROOT, "bench"))
   from memory import CONFIGS
   work = tempfile.mkdtemp(prefix="longrl-gpu-pretrained-")
@@ -312,11 +314,15 @@ def part_pretrained(peak_tflops=None):
                 micro_batches=1 if SMALL else 8)
   run_dir = os.path.join(work, "run")
   started = time.perf_counter()
+  # The engine as recipes/grpo_math.gin has it: bf16 copies of the weights, and a KV budget
+  # that splits the step's 256 rows of 256 + 1024 tokens (28 KiB a token) in four batches.
+  engine = functools.partial(embedded_engine, dtype="bfloat16",
+                             kv_cache_gib=0.5 if SMALL else 4)
   summary = trainer.train(
       run_dir, task=MathTask(train_path=f"{data}/train.jsonl", test_path=f"{data}/test.jsonl",
                              fields={"problem": "question"}),
       model=HFCheckpoint(work, dtype="bfloat16", param_dtype="float32", remat="full"),
-      rl=rl, objective=trainer.Objective(loss="grpo"),
+      engine=engine, rl=rl, objective=trainer.Objective(loss="grpo"),
       hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=8), progress=False,
                           tensorboard=False, checkpoint_every=100))
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -335,12 +341,37 @@ def part_pretrained(peak_tflops=None):
          "generated_tokens_per_step": generated, "generate_s": generate_s, "train_s": train_s,
          "generate_tokens_per_s": generated / generate_s, "train_tokens_per_s": trained / train_s,
          "weight_sync_s": statistics.median(r["weight_sync_s"] for r in warm),
-         "summary": {k: summary.get(k) for k in ("sft_accuracy", "rl_accuracy", "steps")}}
+         "summary": {k: summary.get(k) for k in ("sft_accuracy", "rl_accuracy", "steps")},
+         "peak_bytes_in_use": (jax.local_devices()[0].memory_stats() or {}).get(
+             "peak_bytes_in_use")}
+  row["engine_weights"] = _engine_weights(work, cfg, task, rl)
   if peak_tflops:
     row["train_mfu"] = 8 * params * trained / train_s / (peak_tflops * 1e12)
     row["generate_mfu"] = 2 * params * generated / generate_s / (peak_tflops * 1e12)
   print(row, flush=True)
   return [row]
+
+
+def _engine_weights(work: str, cfg, task, rl) -> list[dict]:
+  """Generation tokens/s of the embedded engine over the float32 master weights as they are
+  and over bf16 copies (embedded_engine.dtype), the same prompts and seed."""
+  from rl.pretrained import HFCheckpoint
+  from rollouts.engine import SamplingParams
+  from rollouts.jax_engine import JaxEngine
+  model = HFCheckpoint(work, dtype="bfloat16", param_dtype="float32")
+  params = model.load(model(0))
+  tokenizer = model.tokenizer()
+  prompts = [tokenizer.encode(task.prompt(task.train[i]), add_bos=True) for i in range(64)]
+  sampling = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=1.0)
+  rows = []
+  for dtype in (None, "bfloat16"):
+    engine = JaxEngine(model(0), params, dtype=dtype)
+    engine.generate(prompts, sampling, seed=0)  # compiles
+    start = time.perf_counter()
+    made = sum(len(c.token_ids) for c in engine.generate(prompts, sampling, seed=1))
+    rows.append({"weights": dtype or "float32", "sequences": len(prompts),
+                 "tokens_per_s": made / (time.perf_counter() - start)})
+  return rows
 
 
 PARTS = ("peak", "attention", "attention_speed", "train_step", "engine", "quickstart",

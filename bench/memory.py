@@ -1,12 +1,14 @@
 """Per-device memory of the RL train step at real model sizes, compiled and never run. Not a test.
 
   python bench/memory.py [--models qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b,qwen3-8b]
-      [--tokens 4096,16384,32768] [--fsdp 8] [--tensor 1] [--out bench/results]
+      [--tokens 4096,16384,32768] [--param_dtype float32|bfloat16] [--fsdp 8] [--tensor 1]
+      [--parts train,engine] [--out bench/results]
 
 For each model (the numbers of its config.json, below) and tokens per row, the GRPO train
 step of an RL run (rl.train_step.make_train_step: a k3 KL to the reference policy, whose
-log-probs the step computes; bf16 compute over float32 master weights and AdamW moments;
-every layer rematerialised; log-probs in chunks of 2048 tokens; the state donated) is lowered
+log-probs the step computes; bf16 compute over float32 master weights and AdamW moments, or
+with --param_dtype bfloat16 over bf16 ones (HFCheckpoint.param_dtype); every layer
+rematerialised; log-probs in chunks of 2048 tokens; the state donated) is lowered
 and compiled for a host mesh of fsdp x tensor simulated CPU devices with abstract inputs:
 no weight is ever materialised. Each data-parallel device trains one row per micro-batch.
 Attention is the blockwise kernel (linear memory, as the GPU and TPU kernels are; XLA sees
@@ -15,6 +17,10 @@ arguments, outputs, aliased (donated) bytes and temporaries: its peak is
 arguments + outputs - aliased + temporaries. Beside it, an analytic estimate (`analytic`).
 A configuration fits a chip when its peak is at most 90% of the chip's memory (the rest for
 the runtime, fragmentation and, on one GPU, nothing else: the rollout engine is not counted).
+
+`--parts engine`: the embedded engine's decode of one batch (rollouts.jax_engine.sample over
+bf16 weights, the KV cache in bf16) at the rows a recipe's `embedded_engine.kv_cache_gib`
+allows, on one device, beside the weights + KV cache it was sized by.
 
 The CPU compiler fuses and schedules differently from XLA:GPU and XLA:TPU, so the figures are
 an estimate of the same program's needs, not a measurement on the chip.
@@ -35,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from models import hf, sharding, transformer  # noqa: E402
+from rollouts import jax_engine  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from rl import loop, losses  # noqa: E402
 from rl.train_step import init_train_state, make_train_step  # noqa: E402
@@ -64,11 +71,12 @@ CONFIGS = {
 }
 CHIPS = {"80 GB GPU": 80e9, "141 GB GPU": 141e9, "16 GB TPU v5e": 16e9}
 FIT_FRACTION = 0.9
+GIB = 2**30
 LOGPROB_CHUNK = 2048
 
 
-def model_config(name: str) -> ModelConfig:
-  return hf.config_from_hf(CONFIGS[name], dtype="bfloat16", param_dtype="float32",
+def model_config(name: str, param_dtype: str = "float32") -> ModelConfig:
+  return hf.config_from_hf(CONFIGS[name], dtype="bfloat16", param_dtype=param_dtype,
                            attention="blockwise", remat="full")
 
 
@@ -78,21 +86,21 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def analytic(cfg: ModelConfig, tokens: int, mesh_shape: dict[str, int]) -> dict[str, float]:
-  """Bytes per device by hand: the sharded float32 state (params, AdamW's two moments), the
-  gradients and the reference params; the rematerialised layers' saved inputs (bf16, one per
-  layer); one layer's recomputation (q, k, v, attention output, the MLP's three
-  intermediates, bf16, split over tensor); and one chunk of log-probs' float32 logits with
-  their softmax and gradient."""
+  """Bytes per device by hand: the sharded state (params, AdamW's two moments), the
+  gradients and the reference params, all in the param dtype; the rematerialised layers'
+  saved inputs (bf16, one per layer); one layer's recomputation (q, k, v, attention output,
+  the MLP's three intermediates, bf16, split over tensor); and one chunk of log-probs'
+  float32 logits with their softmax and gradient."""
   shards = mesh_shape["fsdp"] * mesh_shape["tensor"]
-  p = param_count(cfg)
+  param_bytes = param_count(cfg) * jnp.dtype(cfg.param_dtype).itemsize
   q = cfg.num_heads * cfg.head_dim
   kv = cfg.num_kv_heads * cfg.head_dim
   per_token_layer = 2 * (cfg.hidden_size * 3 + q * 2 + kv * 2 +
                          3 * cfg.intermediate_size) / mesh_shape["tensor"]
   return {
-      "state": 12 * p / shards,
-      "gradients": 4 * p / shards,
-      "reference": 4 * p / shards,
+      "state": 3 * param_bytes / shards,
+      "gradients": param_bytes / shards,
+      "reference": param_bytes / shards,
       "saved_activations": 2 * tokens * cfg.hidden_size * cfg.num_layers,
       "layer_recompute": tokens * per_token_layer,
       "logits": 3 * 4 * LOGPROB_CHUNK * cfg.vocab_size / mesh_shape["tensor"],
@@ -124,6 +132,31 @@ def compile_step(cfg: ModelConfig, tokens: int, mesh) -> dict[str, int]:
                          donate_state=True)
   with jax.set_mesh(mesh):
     compiled = step.lower(state, batch, params).compile()
+  return _memory(compiled)
+
+
+# The embedded engine's decode of one batch of a recipe, at the rows its kv_cache_gib allows:
+# (model, rows, prompt bucket, max_new_tokens, the recipe).
+ENGINE_CASES = (("qwen2.5-1.5b", 256, 256, 3072, "grpo_math.gin: kv_cache_gib = 24"),
+                ("qwen3-8b", 16, 2048, 14336, "k15_qwen3.gin: kv_cache_gib = 40"))
+
+
+def compile_engine(cfg: ModelConfig, rows: int, prompt: int, max_new: int) -> dict[str, int]:
+  """XLA's memory analysis of the embedded engine's decode (rollouts.jax_engine.sample) of
+  `rows` prompts on one device, over bf16 weights (embedded_engine.dtype = 'bfloat16')."""
+  cfg = dataclasses.replace(cfg, param_dtype="bfloat16")
+  params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
+  shape = jax.ShapeDtypeStruct
+  compiled = jax_engine.sample.lower(
+      params, shape((rows, prompt), jnp.int32), shape((rows,), jnp.int32),
+      jax.random.PRNGKey(0), jnp.float32(1.0), jnp.float32(1.0), cfg=cfg, max_new=max_new,
+      stop_ids=(0,)).compile()
+  return _memory(compiled)
+
+
+def _memory(compiled) -> dict[str, int]:
+  """One device's bytes in a compiled executable: its peak is arguments + outputs - aliased
+  (donated) + temporaries."""
   m = compiled.memory_analysis()
   return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
           "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
@@ -142,23 +175,38 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default=",".join(CONFIGS))
   parser.add_argument("--tokens", default="4096,16384,32768")
+  parser.add_argument("--param_dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="master weights' and AdamW moments' dtype")
   parser.add_argument("--fsdp", type=int, default=8)
   parser.add_argument("--tensor", type=int, default=1)
+  parser.add_argument("--parts", default="train,engine",
+                      help="train: the train step's table; engine: the embedded engine's")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args()
   if args.fsdp * args.tensor != DEVICES:
     parser.error(f"--fsdp x --tensor must be {DEVICES} (the simulated devices)")
+  parts = args.parts.split(",")
+  results = train_table(args) if "train" in parts else []
+  engine = engine_table() if "engine" in parts else []
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "memory.json")
+  with open(path, "w") as f:
+    json.dump({"fit_fraction": FIT_FRACTION, "chips": CHIPS, "results": results,
+               "engine": engine}, f, indent=1, default=str)
+  print(f"wrote {path}")
+
+
+def train_table(args) -> list[dict]:
   mesh = sharding.make_mesh(fsdp=args.fsdp, tensor=args.tensor)
   mesh_shape = dict(mesh.shape)
-  gib = 2 ** 30
-  print(f"RL train step (GRPO, bf16 compute, f32 master weights + AdamW, remat full), mesh "
-        f"fsdp={args.fsdp} x tensor={args.tensor}, one row per data-parallel device; bytes "
-        "per device")
+  print(f"RL train step (GRPO, bf16 compute, {args.param_dtype} master weights + AdamW, remat "
+        f"full), mesh fsdp={args.fsdp} x tensor={args.tensor}, one row per data-parallel "
+        "device; bytes per device")
   print(f"{'model':>13} {'params':>7} {'tokens':>7} {'XLA peak':>10} {'temps':>9} "
         f"{'analytic':>10}  fits (peak <= {FIT_FRACTION:.0%} of the chip)")
   results = []
   for name in args.models.split(","):
-    cfg = model_config(name)
+    cfg = model_config(name, args.param_dtype)
     count = param_count(cfg)
     for tokens in (int(t) for t in args.tokens.split(",")):
       started = time.perf_counter()
@@ -169,15 +217,28 @@ def main():
              "analytic": estimate, "analytic_total": total, "fits": fits(xla["peak"]),
              "compile_s": time.perf_counter() - started, "config": dataclasses.asdict(cfg)}
       results.append(row)
-      print(f"{name:>13} {count / 1e9:6.2f}B {tokens:>7} {xla['peak'] / gib:8.1f}Gi "
-            f"{xla['temporaries'] / gib:7.1f}Gi {total / gib:8.1f}Gi  "
+      print(f"{name:>13} {count / 1e9:6.2f}B {tokens:>7} {xla['peak'] / GIB:8.1f}Gi "
+            f"{xla['temporaries'] / GIB:7.1f}Gi {total / GIB:8.1f}Gi  "
             f"{', '.join(row['fits']) or 'none'}", flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "memory.json")
-  with open(path, "w") as f:
-    json.dump({"fit_fraction": FIT_FRACTION, "chips": CHIPS, "results": results}, f, indent=1,
-              default=str)
-  print(f"wrote {path}")
+  return results
+
+
+def engine_table() -> list[dict]:
+  print("Embedded engine, one batch decoded on one device (bf16 weights and KV cache); "
+        "analytic: weights + KV cache")
+  print(f"{'model':>13} {'rows':>5} {'prompt':>7} {'new':>6} {'XLA peak':>10} {'KV cache':>9} "
+        f"{'analytic':>10}  recipe")
+  results = []
+  for name, rows, prompt, max_new, recipe in ENGINE_CASES:
+    cfg = model_config(name)
+    xla = compile_engine(cfg, rows, prompt, max_new)
+    cache = rows * (prompt + max_new) * jax_engine.cache_bytes_per_token(cfg)
+    weights = 2 * param_count(cfg)
+    results.append({"model": name, "rows": rows, "prompt": prompt, "max_new": max_new,
+                    **xla, "kv_cache": cache, "weights": weights, "recipe": recipe})
+    print(f"{name:>13} {rows:>5} {prompt:>7} {max_new:>6} {xla['peak'] / GIB:8.1f}Gi "
+          f"{cache / GIB:7.1f}Gi {(cache + weights) / GIB:8.1f}Gi  {recipe}", flush=True)
+  return results
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from rl.tasks import arithmetic
 from rl.tasks import code as code_task
 from rl.tasks import math as math_task
 from rl.tasks import mixture
+from rollouts import jax_engine
 from rollouts import server
 from rollouts import sglang
 
@@ -45,6 +46,7 @@ train = gin.external_configurable(trainer.train, module="rl")
 evaluate = gin.external_configurable(evaluation.evaluate_checkpoint, "evaluate", module="rl")
 long2short = gin.external_configurable(long2short_lib.run, "long2short", module="rl")
 load_model = gin.external_configurable(server.load_model, module="rollouts")
+embedded_engine = gin.external_configurable(jax_engine.embedded_engine, module="rollouts")
 local_engine = gin.external_configurable(server.local_engine, module="rollouts")
 remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts")
 # Several processes: `initialize.coordinator_address = 'host:port'`, `.num_processes`,

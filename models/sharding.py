@@ -146,6 +146,28 @@ def param_shardings(params, mesh: Mesh):
                       is_leaf=lambda x: isinstance(x, tuple))
 
 
+def serving_mesh(mesh: Mesh) -> Mesh:
+  """`mesh`'s devices for decoding: its context axis (a training-time sequence split) folded
+  into data, as more replicas that decode rows of their own."""
+  if mesh.shape.get("context", 1) == 1:
+    return mesh
+  devices = np.moveaxis(mesh.devices, AXES.index("context"), 1)  # data, context, fsdp, tensor
+  shape = (mesh.shape["data"] * mesh.shape["context"], mesh.shape["fsdp"], mesh.shape["tensor"], 1)
+  return Mesh(devices.reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def serving_shardings(params, mesh: Mesh):
+  """NamedSharding for every parameter of an engine that decodes on `mesh` (a serving_mesh):
+  split over `tensor` as in training, whole on each data / fsdp replica, which decodes rows
+  of its own (gathering fsdp shards at every decode step would move all the weights per
+  token)."""
+  def whole_over_fsdp(placed):
+    drop = lambda entry: (tuple(a for a in entry if a != "fsdp") or None
+                          if isinstance(entry, tuple) else None if entry == "fsdp" else entry)
+    return NamedSharding(mesh, P(*(drop(entry) for entry in placed.spec)))
+  return jax.tree.map(whole_over_fsdp, param_shardings(params, mesh))
+
+
 def state_shardings(state, optimizer: optax.GradientTransformation, mesh: Mesh):
   """Shardings for a TrainState: params by the rules, optimizer moments like their params,
   everything else (counts, the step) replicated."""

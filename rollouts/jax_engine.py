@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import logprobs as logprobs_lib
+from models import sharding
 from models import transformer
 from models.config import ModelConfig
 from rollouts.engine import Capabilities, Completion, SamplingParams
@@ -196,16 +197,82 @@ def score_continuations_top_k(params, cfg: ModelConfig, prompts: Sequence[Sequen
 
 # It keeps the arrays it is given, and a generate reads its weights once per call.
 CAPABILITIES = Capabilities(pause=True, keeps_weight_arrays=True)
+# Holding its weights in another dtype or placement, it keeps copies of its own.
+COPYING_CAPABILITIES = Capabilities(pause=True)
+
+
+def cache_bytes_per_token(cfg: ModelConfig) -> int:
+  """Bytes of KV cache one token slot takes: keys and values of every layer."""
+  return (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+          * jnp.dtype(cfg.compute_dtype).itemsize)
+
+
+def _mesh_of(params):
+  """The serving mesh of the devices `params` are placed on, when they are several, else
+  None."""
+  placed = getattr(jax.tree.leaves(params)[0], "sharding", None)
+  mesh = getattr(placed, "mesh", None)
+  if not isinstance(mesh, jax.sharding.Mesh) or mesh.size == 1:
+    return None
+  return sharding.serving_mesh(mesh)
+
+
+def _check_replica_fits(params, placed, dtype) -> None:
+  """ValueError when one device's share of the weights, held as `placed` in `dtype`, passes
+  its free memory (checked where the device reports it: GPUs and TPUs)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "bytes_limit" not in stats:
+    return
+  itemsize = lambda x: (dtype.itemsize if dtype is not None
+                        and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize)
+  need = sum(np.prod(where.shard_shape(x.shape)) * itemsize(x)
+             for x, where in zip(jax.tree.leaves(params), jax.tree.leaves(placed)))
+  free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  if need > free:
+    raise ValueError(
+        f"JaxEngine: a replica of the weights takes {need / 2**30:.1f} GiB of each device, "
+        f"{free / 2**30:.1f} GiB is free: set embedded_engine.layout = 'training' (weights "
+        "read from the trainer's shards), a lower embedded_engine.dtype, or a mesh with a "
+        "larger tensor axis")
+
+
+def _cache_shards(cfg: ModelConfig, mesh) -> int:
+  """Devices over which a batch's KV cache is split: its rows over data x fsdp, its KV heads
+  over tensor where that divides them."""
+  if mesh is None:
+    return 1
+  tensor = mesh.shape.get("tensor", 1)
+  return (mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+          * (tensor if cfg.num_kv_heads % tensor == 0 else 1))
 
 
 class JaxEngine:
-  """RolloutEngine over `rollouts.jax_engine.sample`; weights are held in memory."""
+  """RolloutEngine over `rollouts.jax_engine.sample`; weights are held in memory.
+
+  `dtype` (e.g. 'bfloat16'): the weights are held (and read at every decode step) in this
+  dtype, a copy made at each update, as an inference server holds them; None: the arrays
+  given, as they are. `layout` of weights sharded over a mesh of several devices:
+  'replicas' holds them split over its `tensor` axis only, whole on each data / fsdp replica,
+  which decodes rows of its own (refused when a replica does not fit a device's free
+  memory); 'training' reads them as the trainer places them (fsdp shards gathered at every
+  decode step: slow, but no copy). `kv_cache_gib`: the most KV cache one device holds;
+  prompts that need more are decoded in successive batches (None: all at once)."""
 
   def __init__(self, cfg: ModelConfig, params, *, version: int = 0, pad_id: int = 0,
-               min_batch: int = 8, min_prompt_len: int = 16):
+               min_batch: int = 8, min_prompt_len: int = 16, dtype: str | None = None,
+               kv_cache_gib: float | None = None, layout: str = "replicas"):
+    if kv_cache_gib is not None and kv_cache_gib <= 0:
+      raise ValueError(f"JaxEngine: kv_cache_gib must be > 0, got {kv_cache_gib}")
+    if layout not in ("replicas", "training"):
+      raise ValueError(f"JaxEngine: layout must be 'replicas' or 'training', got {layout!r}")
     self._cfg = cfg
-    self._weights = (params, version)  # one attribute: a generate on another thread reads both
-    self._pad_id = pad_id
+    self._dtype = None if dtype is None else jnp.dtype(dtype)
+    self._mesh = _mesh_of(params) if layout == "replicas" else None
+    self._cache_slots = (None if kv_cache_gib is None else
+                         int(kv_cache_gib * 2**30) * _cache_shards(cfg, self._mesh)
+                         // cache_bytes_per_token(cfg))
+    self._weights = (self._held(params), version)  # one attribute: a generate on another
+    self._pad_id = pad_id                          # thread reads both
     self._min_batch = min_batch
     self._min_prompt_len = min_prompt_len
 
@@ -219,12 +286,27 @@ class JaxEngine:
 
   @property
   def capabilities(self) -> Capabilities:
-    return CAPABILITIES
+    return CAPABILITIES if self._keeps_arrays() else COPYING_CAPABILITIES
 
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
     """A generate running meanwhile finishes on the weights it started with."""
-    self._weights = (params, version)
+    self._weights = (self._held(params), version)
     return 0.0  # in memory: nothing to export or send
+
+  def _keeps_arrays(self) -> bool:
+    return self._dtype is None and self._mesh is None
+
+  def _held(self, params):
+    """`params` as this engine reads them: in its dtype, on its serving shardings."""
+    if self._keeps_arrays():
+      return params
+    cast = lambda x: (x.astype(self._dtype) if self._dtype is not None
+                      and jnp.issubdtype(x.dtype, jnp.floating) else x)
+    placed = (None if self._mesh is None else
+              sharding.serving_shardings(params, self._mesh))
+    if placed is not None:
+      _check_replica_fits(params, placed, self._dtype)
+    return jax.jit(lambda p: jax.tree.map(cast, p), out_shardings=placed)(params)
 
   def close(self) -> None:
     pass
@@ -232,18 +314,20 @@ class JaxEngine:
   def score(self, prompts: Sequence[Sequence[int]],
             continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Teacher scoring: f32[len(continuation)] log-probs of each continuation's tokens."""
-    return score_continuations(self._weights[0], self._cfg, prompts, continuations,
-                               pad_id=self._pad_id, min_batch=self._min_batch,
-                               min_len=self._min_prompt_len)
+    with sharding.use(self._mesh):
+      return score_continuations(self._weights[0], self._cfg, prompts, continuations,
+                                 pad_id=self._pad_id, min_batch=self._min_batch,
+                                 min_len=self._min_prompt_len)
 
   def score_top_k(self, prompts: Sequence[Sequence[int]],
                   continuations: Sequence[Sequence[int]], k: int
                   ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Teacher scoring with top-k distillation's teacher side (score_continuations_top_k):
     per continuation its tokens' log-probs f32[n], and i32[n, k] / f32[n, k] top-k."""
-    return score_continuations_top_k(self._weights[0], self._cfg, prompts, continuations, k,
-                                     pad_id=self._pad_id, min_batch=self._min_batch,
-                                     min_len=self._min_prompt_len)
+    with sharding.use(self._mesh):
+      return score_continuations_top_k(self._weights[0], self._cfg, prompts, continuations,
+                                       k, pad_id=self._pad_id, min_batch=self._min_batch,
+                                       min_len=self._min_prompt_len)
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int, affinity: Sequence[int] | None = None,
@@ -289,21 +373,46 @@ class JaxEngine:
 
   def _sample(self, params, version: int, prompts: Sequence[Sequence[int]],
               sampling: SamplingParams, max_new: int, key) -> list[Completion]:
-    """`prompts` decoded together in one bucketed batch of up to `max_new` tokens each."""
-    n = len(prompts)
-    batch = bucket(n, self._min_batch)
+    """`prompts` decoded in bucketed batches of up to `max_new` tokens each: one batch, or
+    as many as the KV cache budget needs (each drawing a stream of its own)."""
     plen = bucket(max(len(p) for p in prompts), self._min_prompt_len)
+    rows = self._rows_per_batch(plen + max_new)
+    chunks = [prompts[start:start + rows] for start in range(0, len(prompts), rows)]
+    completions = []
+    for index, chunk in enumerate(chunks):
+      chunk_key = key if len(chunks) == 1 else jax.random.fold_in(key, index)
+      completions += self._sample_batch(params, version, chunk, plen, sampling, max_new,
+                                        chunk_key, min(bucket(len(chunk), self._min_batch),
+                                                       rows))
+    return completions
+
+  def _rows_per_batch(self, slots_per_row: int) -> int:
+    """The most rows (a power of two) whose KV cache fits the budget; unbounded without one."""
+    if self._cache_slots is None:
+      return 1 << 62
+    if self._cache_slots < slots_per_row:
+      raise ValueError(
+          f"JaxEngine: a KV cache of {self._cache_slots} token slots (kv_cache_gib) cannot "
+          f"hold one sequence of {slots_per_row} (prompt bucket + max_new_tokens); raise "
+          "kv_cache_gib or lower max_new_tokens")
+    return 1 << ((self._cache_slots // slots_per_row).bit_length() - 1)
+
+  def _sample_batch(self, params, version: int, prompts: Sequence[Sequence[int]], plen: int,
+                    sampling: SamplingParams, max_new: int, key, batch: int
+                    ) -> list[Completion]:
+    """`prompts` decoded together in one batch of `batch` rows (left-padded to `plen`)."""
     tokens = np.full((batch, plen), self._pad_id, np.int32)
     lens = np.ones((batch,), np.int32)
     for row, p in enumerate(prompts):
       tokens[row, plen - len(p):] = p
       lens[row] = len(p)
-    out = sample(params, jnp.asarray(tokens), jnp.asarray(lens), key,
-                 jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), cfg=self._cfg,
-                 max_new=max_new, stop_ids=tuple(sampling.stop_token_ids))
-    out_tokens, out_logp, lengths, stopped = jax.device_get(out)
+    with sharding.use(self._mesh):
+      out = sample(params, jnp.asarray(tokens), jnp.asarray(lens), key,
+                   jnp.float32(sampling.temperature), jnp.float32(sampling.top_p),
+                   cfg=self._cfg, max_new=max_new, stop_ids=tuple(sampling.stop_token_ids))
+      out_tokens, out_logp, lengths, stopped = jax.device_get(out)
     completions = []
-    for row in range(n):
+    for row in range(len(prompts)):
       k = int(lengths[row])
       completions.append(Completion(
           token_ids=out_tokens[row, :k].copy(), logprobs=out_logp[row, :k].copy(),
@@ -320,11 +429,15 @@ def _cut(completion: Completion, limit: int) -> Completion:
                     completion.versions[:limit])
 
 
-def embedded_engine(cfg: ModelConfig, params, version: int) -> JaxEngine:
+def embedded_engine(cfg: ModelConfig, params, version: int, *, dtype: str | None = None,
+                    kv_cache_gib: float | None = None, layout: str = "replicas") -> JaxEngine:
   """The engine factory of an in-process JaxEngine (a run's default): (cfg, params, version)
   -> an engine holding `params` as `version`, as rollouts.server.local_engine and
-  rollouts.sglang.remote_engine are for servers."""
-  return JaxEngine(cfg, params, version=version)
+  rollouts.sglang.remote_engine are for servers. `dtype`, `kv_cache_gib` and `layout` are
+  JaxEngine's (bindings: `train.engine = @embedded_engine`,
+  `embedded_engine.dtype = 'bfloat16'`)."""
+  return JaxEngine(cfg, params, version=version, dtype=dtype, kv_cache_gib=kv_cache_gib,
+                   layout=layout)
 
 
 embedded_engine.capabilities = CAPABILITIES  # known before it makes one (rl.sources.check)

@@ -87,6 +87,68 @@ def test_engine_limits_each_prompt_to_its_own_max_new_tokens(tiny_cfg, tiny_para
     engine.generate(prompts, greedy, seed=0, max_new_tokens=[13, 1, 1, 1])
 
 
+def test_a_kv_cache_budget_decodes_in_batches_with_the_same_tokens(tiny_cfg, tiny_params):
+  """kv_cache_gib bounds one batch's cache: 20 prompts of a 16-token bucket + 12 new tokens
+  (28 slots of 2 x 2 layers x 2 KV heads x 8 x 4 bytes = 256 B: 7 KiB a row) under a budget
+  of 5 rows' cache decode 4 rows at a time, greedy tokens as one batch makes them."""
+  from rollouts.jax_engine import cache_bytes_per_token
+  assert cache_bytes_per_token(tiny_cfg) == 2 * 2 * 2 * 8 * 4
+  prompts = [[1, 5 + i % 7, 9, 12 + i % 3][: 2 + i % 3] for i in range(20)]
+  greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+  whole = JaxEngine(tiny_cfg, tiny_params).generate(prompts, greedy, seed=0)
+  row = 28 * cache_bytes_per_token(tiny_cfg)
+  budgeted = JaxEngine(tiny_cfg, tiny_params, kv_cache_gib=5 * row / 2**30)
+  assert budgeted._rows_per_batch(28) == 4
+  for a, b in zip(whole, budgeted.generate(prompts, greedy, seed=0)):
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  with pytest.raises(ValueError, match="kv_cache_gib.*cannot hold one sequence of 28"):
+    JaxEngine(tiny_cfg, tiny_params, kv_cache_gib=row / 2 / 2**30).generate(
+        prompts, greedy, seed=0)
+
+
+def test_an_engine_in_bf16_holds_and_scores_with_bf16_copies(tiny_cfg, tiny_params):
+  """dtype='bfloat16': the engine reads bf16 copies of float32 weights (made at every update,
+  so it does not keep the arrays it is given); its scores are the float32 model's within
+  bf16's rounding."""
+  engine = JaxEngine(tiny_cfg, tiny_params, dtype="bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
+  assert not engine.capabilities.keeps_weight_arrays
+  engine.update_weights(tiny_params, version=1)
+  assert {x.dtype for x in jax.tree.leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for x in jax.tree.leaves(tiny_params)} == {jnp.dtype(jnp.float32)}
+  prompts, continuations = [[1, 5, 9], [1, 7]], [[3, 4, 5, 6], [8, 9]]
+  want = JaxEngine(tiny_cfg, tiny_params).score(prompts, continuations)
+  for got, expected in zip(engine.score(prompts, continuations), want):
+    assert np.abs(got - expected).max() < 0.05
+    assert not np.array_equal(got, expected)  # it did compute with other weights
+  out = engine.generate([[1, 4]] * 3, SamplingParams(max_new_tokens=5), seed=0)
+  assert [c.versions.tolist() for c in out] == [[1] * 5] * 3
+
+
+def test_an_engine_on_a_mesh_holds_weights_split_over_tensor_and_splits_rows(tiny_cfg,
+                                                                          tiny_params):
+  """Weights placed for training on fsdp=2 x tensor=2 are held whole over fsdp (split over
+  tensor only) and each fsdp replica decodes half the rows: greedy tokens as on one device.
+  (The check that a replica fits a device's free memory needs a device that reports it.)"""
+  from models import sharding
+  mesh = sharding.make_mesh(fsdp=2, tensor=2)
+  placed = jax.device_put(tiny_params, sharding.param_shardings(tiny_params, mesh))
+  engine = JaxEngine(tiny_cfg, placed)
+  q_proj = engine.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+  assert "fsdp" not in str(q_proj.sharding.spec) and "tensor" in str(q_proj.sharding.spec)
+  assert "fsdp" in str(placed["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding.spec)
+  prompts = [[1, 5, 9, 12], [1, 7], [1, 20, 21, 22, 23, 24, 25], [1, 3, 3]] * 2
+  greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+  want = JaxEngine(tiny_cfg, tiny_params).generate(prompts, greedy, seed=0)
+  for a, b in zip(want, engine.generate(prompts, greedy, seed=0)):
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  # layout='training': the trainer's arrays as they are (no copy).
+  as_placed = JaxEngine(tiny_cfg, placed, layout="training")
+  assert as_placed.params is placed and as_placed.capabilities.keeps_weight_arrays
+
+
 def test_categorical_draws_each_token_with_its_probability():
   """Inverse transform sampling: frequencies over 200,000 draws within 4 standard errors of
   softmax(logits), tokens of logit -inf (a nucleus cut) never drawn, rows independent."""
