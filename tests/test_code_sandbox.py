@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -201,6 +202,14 @@ def test_assert_tests_pass_for_a_correct_program_and_report_each_test(sandbox):
   looping = sandbox.run_assert_tests("def add(a, b):\n  while True:\n    pass", ADD_TESTS,
                                      entry_point="add")
   assert [r.status for r in looping] == ["timeout"] * 3
+  # A program that raises while it loads (a stray input() or raise at the top, common in
+  # model output) fails every test at once; it used to stall each job for the host's bound.
+  for top in ("input()", "raise ValueError('top')"):
+    started = time.monotonic()
+    loading = sandbox.run_assert_tests(top + "\ndef add(a, b):\n  return a + b", ADD_TESTS,
+                                       entry_point="add")
+    assert [r.status for r in loading] == ["runtime error"] * 3, loading
+    assert time.monotonic() - started < 10, top
   # Plain values of every kind survive the trip both ways.
   echo = sandbox.run_assert_tests(
       "def echo(x):\n  return x",

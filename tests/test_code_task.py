@@ -129,7 +129,17 @@ def test_returned_reads_tuples_as_lists_and_apps_wrapped_outputs():
   assert returned((1, 5), [1, 5]) and returned({"a": (1, 2)}, {"a": [1, 2]})
   assert returned(7, [7], wrapped=True) and returned((1, 5), [[1, 5]], wrapped=True)
   assert not returned(7, [7]) and not returned(7, [7, 8], wrapped=True)
-  assert not returned([1, 5], [5, 1]) and not returned({1: "a"}, {"1": "a"})
+  assert not returned([1, 5], [5, 1])
+
+
+def test_returned_dict_keys_compare_as_json_writes_them():
+  # A test's expected value went through JSON, which writes every dict key as text.
+  assert returned({1: "a", -2: (3,)}, {"1": "a", "-2": [3]})
+  assert returned({1: {2: 3}}, [{"1": {"2": 3}}], wrapped=True)
+  assert returned({True: 1, None: 2, 1.5: 3}, {"true": 1, "null": 2, "1.5": 3})
+  assert returned({"1": "a"}, {1: "a"})  # both sides alike, whichever holds the ints
+  assert not returned({1: "a"}, {"1": "b"}) and not returned({"01": "a"}, {"1": "a"})
+  assert not returned({(1, 2): "a"}, {"(1, 2)": "a"})  # a key JSON cannot write
 
 
 def _write(tmp_path, rows):
@@ -148,6 +158,49 @@ def test_apps_stdin_problems_and_lines_given_as_lists(tmp_path, pool):
   record = task.train.records[0]
   assert record["stdio_tests"][0] == {"stdin": "2\n3 4", "stdout": "7"}
   assert task.verify("input()\nprint(sum(map(int, input().split())))", record)
+
+
+def test_apps_call_arguments_get_back_the_int_keys_json_took(tmp_path, pool):
+  # APPS's grader gives a dict argument whose keys are all ints written as text its int
+  # keys back; other dicts ("07" is no int JSON writes, "b" none at all) stay as they are.
+  tests = {"fn_name": "key_types", "inputs": [[{"1": "x", "-2": "y"}], [{"1": "x", "b": "y"}],
+                                              [{"07": "x"}], [{}]],
+           "outputs": [[[["int", -2], ["int", 1]]], [[["str", "1"], ["str", "b"]]],
+                       [[["str", "07"]]], [[]]]}
+  path = _write(tmp_path, [{"question": "Name each key's type.",
+                            "input_output": json.dumps(tests)}])
+  task = CodeTask(train_path=path, test_path=path, sandbox=pool,
+                  fields={"prompt": "question", "tests": "input_output"})
+  record = task.train.records[0]
+  assert "candidate({1: 'x', -2: 'y'})" in record["assert_tests"][0]
+  answer = "def key_types(d):\n    return sorted((type(k).__name__, k) for k in d)\n"
+  statuses = [r.status for r in task.results(_fenced(answer), record)]
+  assert statuses == ["accepted"] * 4, statuses
+
+
+def test_stdout_is_compared_up_to_trailing_whitespace_and_trailing_blank_lines(tmp_path,
+                                                                                pool):
+  # The sandbox's rule (rl/verifiers/code.py): what the CodeContests and APPS graders ignore
+  # at the ends of lines and of the output; a space inside a line or a line's leading space
+  # still counts.
+  path = _write(tmp_path, [{"description": "Print 1 2, then 3.",
+                            "public_tests": {"input": [""], "output": ["1 2\n3\n"]}}])
+  task = CodeTask(train_path=path, test_path=path, sandbox=pool,
+                  fields={"prompt": "description", "tests": "public_tests"})
+  record = task.train.records[0]
+  assert task.verify(_fenced("print('1 2   ')\nprint('3\\t')\nprint()\nprint()\n"), record)
+  assert task.verify(_fenced("print('1 2\\n3', end='')\n"), record)
+  assert not task.verify(_fenced("print('1  2')\nprint(3)\n"), record)
+  assert not task.verify(_fenced("print(' 1 2')\nprint(3)\n"), record)
+  assert not task.verify(_fenced("print('1 2')\nprint()\nprint(3)\n"), record)
+
+
+def test_the_batch_verdicts_are_those_of_each_completion(pool):
+  task = _task("stdio", pool)
+  records = task.train.records
+  completions = [_fenced(task.solution(records[0])), _fenced(WRONG["stdio"]),
+                 _fenced(task.solution(records[2]))]
+  assert task.verify_batch(completions, records) == [True, False, True]
 
 
 def test_unreadable_or_ambiguous_records_are_named(tmp_path):

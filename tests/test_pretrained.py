@@ -30,11 +30,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "experiments/configs/recipes/tiny/grpo_math.gin")
 
 
-def _command(checkpoint: str, run_dir: str, *extra: str) -> list[str]:
+def _command(checkpoint: str, run_dir: str, *extra: str, train: str | None = None,
+             test: str | None = None) -> list[str]:
+  """The tiny GRPO recipe's command, on the checkpoint's data unless `train` / `test`."""
   return [sys.executable, os.path.join(ROOT, "experiments/run.py"), "--gin", RECIPE,
           "--gin_param", f"CHECKPOINT = {checkpoint!r}",
-          "--gin_param", f"TRAIN = '{checkpoint}/data/train.jsonl'",
-          "--gin_param", f"TEST = '{checkpoint}/data/test.jsonl'",
+          "--gin_param", f"TRAIN = {train or f'{checkpoint}/data/train.jsonl'!r}",
+          "--gin_param", f"TEST = {test or f'{checkpoint}/data/test.jsonl'!r}",
           "--gin_param", "Hooks.progress = False", "--run_dir", run_dir, *extra]
 
 
@@ -107,13 +109,62 @@ def test_rl_from_a_pretrained_qwen2_raises_accuracy_resumes_and_exports(tmp_path
   _runs_a_few_steps("dapo_math", checkpoint, str(tmp_path / "dapo"))
 
 
-def _runs_a_few_steps(recipe: str, checkpoint: str, run_dir: str, *extra: str) -> None:
+def _runs_a_few_steps(recipe: str, checkpoint: str, run_dir: str, *extra: str,
+                      records: int = 32, **data: str) -> dict:
+  """Three steps of tiny/`recipe` evaluated on `records` test records (`data`: `train` /
+  `test` files other than the checkpoint's); returns the run's summary."""
   command = _command(checkpoint, run_dir, "--gin_param", "RLConfig.num_steps = 3",
-                     "--gin_param", "Evaluation.records = 32", *extra)
+                     "--gin_param", f"Evaluation.records = {records}", *extra, **data)
   command[command.index(RECIPE)] = RECIPE.replace("grpo_math", recipe)
   result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert _summary(run_dir)["steps"] == 3
+  summary = _summary(run_dir)
+  assert summary["steps"] == 3
+  return summary
+
+
+def test_the_code_recipe_runs_in_the_sandbox_and_its_export_is_evaluated_on_code_and_math(
+    tmp_path):
+  """tiny/grpo_code.gin for three steps on the CodeContests sample: the warm-started tiny
+  model's programs end and the sandbox runs them against the tests (it writes no correct
+  one: the rewards are 0). Its export then goes through the evaluation ledger on that code
+  and on MATH-shaped problems (rl/tasks/data/math_test.jsonl)."""
+  from experiments.evaluation import evaluate_checkpoint
+  from rl.eval import SampledEval
+  from rl.tasks.code import CodeTask
+  from rl.tasks.jsonl import BUNDLED
+  checkpoint = tiny_checkpoint.make(str(tmp_path / "raw"), sft_steps=0, progress=False)
+  run_dir = str(tmp_path / "run")
+  sample = str(BUNDLED / "code_stdio_codecontests.jsonl")
+  fields = {"prompt": "description", "tests": ["public_tests", "private_tests",
+                                                "generated_tests"], "solution": "solutions"}
+  summary = _runs_a_few_steps("grpo_code", checkpoint, run_dir, "--gin_param",
+                              f"FIELDS = {fields!r}", records=3, train=sample, test=sample)
+  assert summary["sft_loss"] is not None  # the recipe's warm start on the sample's programs
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    steps = [m for m in map(json.loads, f) if "reward" in m]
+  assert [m["step"] for m in steps] == [1, 2, 3]
+  for m in steps:  # completions that ended were run in the sandbox and scored
+    assert m["truncated"] < 1 and m["verify_busy_s"] > 0 and 0 <= m["reward"] <= 1, m
+
+  # The export through the ledger: pass@k, maj@k and mean@k per budget, on code and math.
+  spec = SampledEval(samples=2, ks=(1, 2), budgets=(64, 128))
+  tasks = {"code": CodeTask(train_path=sample, test_path=sample, fields=fields),
+           "math": MathTask(train_path=str(BUNDLED / "math_train.jsonl"),
+                            test_path=str(BUNDLED / "math_test.jsonl"))}
+  for name, task in tasks.items():
+    report, paths = evaluate_checkpoint(str(tmp_path / f"eval_{name}"), task=task,
+                                        hf_checkpoint=os.path.join(run_dir, "hf"), spec=spec,
+                                        num_records=3)
+    assert report["prompts"] == 3 and report["samples"] == 2
+    for budget in (64, 128):
+      metrics = report["budgets"][budget]
+      assert set(metrics) == {"accuracy", "pass@1", "pass@2", "maj@1", "maj@2", "mean@1",
+                              "mean@2"}, (name, metrics)
+      assert all(0 <= value <= 1 for value in metrics.values()), (name, metrics)
+    assert paths and all(os.path.isfile(p) for p in paths), paths
+    with open(paths[0]) as f:
+      assert set(json.load(f)["budgets"]) == {"64", "128"}
 
 
 @pytest.mark.slow

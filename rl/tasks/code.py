@@ -15,7 +15,10 @@ The tests, JSON text decoded first, may be in any of these shapes:
   APPS/TACO's `input_output` {"inputs", "outputs"} without "fn_name" (a list of lines joins
   into one text), LiveCodeBench's tests with "testtype": "stdin";
 - calls: APPS/TACO's `input_output` with "fn_name" (each input a list of arguments, each
-  output the value, usually wrapped in a one-element list, which is also accepted),
+  output the value, usually wrapped in a one-element list, which is also accepted; JSON
+  wrote int dict keys as text, so an argument dict whose keys are all int text gets its int
+  keys back, as APPS's grader does, and a returned dict is compared with its keys as JSON
+  writes them),
   LiveCodeBench's "functional" tests (one JSON argument per input line; its private tests
   may be base64 of zlib of a pickled JSON string);
 - assert statements such as "assert f(2) == 4" (ours) with an "entry_point".
@@ -51,6 +54,7 @@ from rl.verifiers import code as code_verifier
 FIELDS = ("prompt", "tests", "entry_point", "starter_code", "solution")
 _FENCE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
 _SOLUTION_CLASS = re.compile(r"^class\s+Solution\b", re.MULTILINE)
+_INT_TEXT = re.compile(r"-?(?:0|[1-9][0-9]*)")
 _PYTHON3 = 3  # CodeContests' language enum
 # LiveCodeBench's prelude (lcb_runner/evaluation/testing_util.py): LeetCode's judge has these
 # names in scope, and starter code uses `List` without importing it. `from builtins import *`
@@ -73,19 +77,39 @@ def extract_code(completion: str) -> str:
 
 
 def returned(value: Any, expected: Any, *, wrapped: bool = False) -> bool:
-  """Whether a call's return value equals a test's JSON value, tuples read as lists (JSON
-  has none); `wrapped` (APPS, TACO) also accepts `expected` as [value]."""
-  value = _as_json(value)
+  """Whether a call's return value equals a test's JSON value, both read as JSON would
+  write them (`_as_json`); `wrapped` (APPS, TACO) also accepts `expected` as [value]."""
+  value, expected = _as_json(value), _as_json(expected)
   return value == expected or (wrapped and isinstance(expected, list) and len(expected) == 1
                                and value == expected[0])
 
 
 def _as_json(value: Any) -> Any:
+  """`value` as a JSON round trip leaves it: tuples as lists and dict keys as text ({1: x}
+  as {"1": x}, True as "true"), since a test's expected value went through JSON."""
   if isinstance(value, (list, tuple)):
     return [_as_json(v) for v in value]
   if isinstance(value, dict):
-    return {k: _as_json(v) for k, v in value.items()}
+    return {_json_key(k): _as_json(v) for k, v in value.items()}
   return value
+
+
+def _json_key(key: Any) -> Any:
+  """The text json.dumps writes for a dict key; a key JSON cannot write stays as it is
+  (and so never equals a decoded one)."""
+  if key is None or isinstance(key, (int, float)):  # bool is an int
+    return json.dumps(key)
+  return key
+
+
+def _int_keys(argument: Any) -> Any:
+  """A dict whose keys are all integers as JSON writes them ("7", "-2"; not "07"), with its
+  int keys back; any other argument as it is. APPS's grader (eval/testing_util.py) does this
+  for call inputs, so its problems' solutions expect it."""
+  if isinstance(argument, dict) and argument and all(
+      isinstance(k, str) and _INT_TEXT.fullmatch(k) for k in argument):
+    return {int(k): v for k, v in argument.items()}
+  return argument
 
 
 def job(record: dict[str, Any], completion: str) -> code_verifier.Job:
@@ -173,7 +197,7 @@ def _cases(value: Any, where: str) -> tuple[list[tuple], Optional[str]]:
       return [("stdio", _text(i), _text(o)) for i, o in pairs], None
     if not all(isinstance(i, list) for i, _ in pairs):
       raise ValueError(f"{where}: call-based inputs must each be a list of arguments")
-    return [("call", i, o, True) for i, o in pairs], fn_name
+    return [("call", [_int_keys(a) for a in i], o, True) for i, o in pairs], fn_name
   if isinstance(value, dict) and "input" in value and "output" in value:  # CodeContests
     return [("stdio", i, o) for i, o in _pairs(value["input"], value["output"], where)], None
   if isinstance(value, list) and all(isinstance(t, str) for t in value):  # ours
@@ -262,12 +286,14 @@ class CodeTask:
   "entry_point", "starter_code" and "solution" to the file's field names ("tests" to one
   name or a list of them; bindings for CodeContests, APPS/TACO and LiveCodeBench at the top
   of this module). `sandbox` runs the jobs (a CodeSandbox pool shared with other users, or
-  one made here on first use)."""
+  one made here on first use, of `workers` sandboxes: the loop verifies a step's completions
+  in one `verify_batch`, `workers` programs at a time)."""
 
   train_path: str = str(BUNDLED / "code_train.jsonl")
   test_path: str = str(BUNDLED / "code_test.jsonl")
   sandbox: code_verifier.CodeSandbox | None = None
   fields: Optional[Mapping[str, str | Sequence[str]]] = None
+  workers: int = 1
 
   def __post_init__(self):
     fields = {name: name for name in FIELDS} | dict(self.fields or {})
@@ -305,9 +331,17 @@ class CodeTask:
     return code or None
 
   def results(self, completion: str, record: dict[str, Any]) -> list[code_verifier.TestResult]:
-    if self.sandbox is None:
-      self.sandbox = code_verifier.CodeSandbox(workers=1)
-    return self.sandbox.run_batch([job(record, completion)])[0]
+    return self._sandbox().run_batch([job(record, completion)])[0]
 
   def verify(self, completion: str, record: dict[str, Any]) -> bool:
     return all(r.passed for r in self.results(completion, record))
+
+  def verify_batch(self, completions: Sequence[str],
+                   records: Sequence[dict[str, Any]]) -> list[bool]:
+    jobs = [job(record, completion) for completion, record in zip(completions, records)]
+    return [all(r.passed for r in results) for results in self._sandbox().run_batch(jobs)]
+
+  def _sandbox(self) -> code_verifier.CodeSandbox:
+    if self.sandbox is None:
+      self.sandbox = code_verifier.CodeSandbox(workers=self.workers)
+    return self.sandbox

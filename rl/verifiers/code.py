@@ -373,7 +373,7 @@ class Sandbox:
         results.append(TestResult("accepted"))
       except _CallFailed as e:
         results.append(TestResult(e.status, e.detail))
-        if e.status != "runtime error" or "exited" in e.detail:
+        if not self._running:  # the program ended (exited, raised, was killed): no more calls
           finished = TestResult(e.status, e.detail)
       except (AssertionError, TypeError, ValueError, KeyError, IndexError, AttributeError,
               ArithmeticError) as e:
