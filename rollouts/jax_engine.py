@@ -268,11 +268,14 @@ class JaxEngine:
     self._cfg = cfg
     self._dtype = None if dtype is None else jnp.dtype(dtype)
     self._mesh = _mesh_of(params) if layout == "replicas" else None
+    if self._mesh is not None:  # checked once: updates take the same room
+      _check_replica_fits(params, sharding.serving_shardings(params, self._mesh), self._dtype)
     self._cache_slots = (None if kv_cache_gib is None else
                          int(kv_cache_gib * 2**30) * _cache_shards(cfg, self._mesh)
                          // cache_bytes_per_token(cfg))
-    self._weights = (self._held(params), version)  # one attribute: a generate on another
-    self._pad_id = pad_id                          # thread reads both
+    # One attribute: a generate on another thread reads both at once.
+    self._weights = (self._held(params), version)
+    self._pad_id = pad_id
     self._min_batch = min_batch
     self._min_prompt_len = min_prompt_len
 
@@ -304,8 +307,6 @@ class JaxEngine:
                       and jnp.issubdtype(x.dtype, jnp.floating) else x)
     placed = (None if self._mesh is None else
               sharding.serving_shardings(params, self._mesh))
-    if placed is not None:
-      _check_replica_fits(params, placed, self._dtype)
     return jax.jit(lambda p: jax.tree.map(cast, p), out_shardings=placed)(params)
 
   def close(self) -> None:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite, slow tests included, on two pytest-xdist workers (most tests are
-# single-threaded Python and XLA compiles). Extra arguments go to pytest (e.g. -m "not slow"
+# single-threaded Python and XLA compiles; tests marked with one xdist_group share a worker,
+# and so a module fixture that is costly to make). Extra arguments go to pytest (e.g. -m "not slow"
 # to skip the slow ones locally, -n 0 for one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --durations=25 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=25 "$@"

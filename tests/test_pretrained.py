@@ -1,9 +1,11 @@
 """A run from a pretrained Hugging Face checkpoint (rl/pretrained.py): a tiny Qwen2 / Qwen3
 written by transformers, with a BPE tokenizer trained here and Qwen's chat template, made
 competent at column addition outside the RL loop (experiments/tiny_checkpoint.py); then the
-tiny GRPO recipe raises its held-out accuracy, resumes after being killed, and exports a
-Hugging Face directory that transformers loads with longrl's logits. Also the pieces: the
-math data shapes, the chat format's end of turn, and the errors for a bad directory."""
+tiny GRPO recipe raises each one's held-out accuracy on the embedded engine and again through
+a server process started from its directory, resumes after being killed, and exports a
+Hugging Face directory that transformers loads with longrl's logits; the other recipes' tiny
+variants run. Also the pieces: the math data shapes, the chat format's end of turn, and the
+errors for a bad directory."""
 
 import json
 import os
@@ -67,25 +69,49 @@ def _logits(params, cfg, tokens):
   return np.asarray(hidden @ transformer.output_projection(params, cfg))
 
 
-def test_rl_from_a_pretrained_qwen2_raises_accuracy_resumes_and_exports(tmp_path):
-  import torch
-  import transformers
-  checkpoint = tiny_checkpoint.make(str(tmp_path / "qwen2"), family="qwen2", progress=False)
-  run_dir = str(tmp_path / "run")
-  _kill_after_checkpoint(_command(checkpoint, run_dir), os.path.join(run_dir, "checkpoints"),
-                         10)
-  result = subprocess.run(_command(checkpoint, run_dir), cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+# Each family's checkpoint is made once per worker, and its tests run on one worker
+# (scripts/test.sh distributes by xdist_group), the lightest first (it makes the checkpoint):
+# making one takes longer than a run.
+QWEN2, QWEN3 = (pytest.mark.xdist_group(family) for family in ("qwen2", "qwen3"))
+# The tiny Qwen3 was made competent answering without thinking.
+NO_THINKING = ("--gin_param", "HFCheckpoint.template_args = {'enable_thinking': False}")
+
+
+@pytest.fixture(scope="session")
+def competent(tmp_path_factory):
+  """family -> the tiny checkpoint of that family made competent (tiny_checkpoint.make),
+  made on first use and kept for the session."""
+  made = {}
+
+  def get(family: str) -> str:
+    if family not in made:
+      made[family] = tiny_checkpoint.make(str(tmp_path_factory.mktemp(family)), family=family,
+                                          progress=False)
+    return made[family]
+
+  return get
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "resuming from" in result.stdout and "at RL step 10" in result.stdout, result.stdout
+  return result
+
+
+def _raised_accuracy(run_dir: str) -> dict:
   summary = _summary(run_dir)
-  assert summary["init_from"] == checkpoint and summary["sft_loss"] is None  # no SFT
+  assert summary["init_from"] is not None and summary["sft_loss"] is None  # no SFT
   assert summary["steps"] == 30
   assert summary["rl_accuracy"] >= summary["sft_accuracy"] + 0.15, summary
   assert not os.path.exists(os.path.join(run_dir, "sft"))  # the checkpoint is the reference
+  return summary
 
-  # The export is a complete Hugging Face directory: transformers loads the model and the
-  # tokenizer, and its logits are those of the run's last checkpoint.
+
+def _export_is_the_runs_in_transformers(run_dir: str, checkpoint: str) -> None:
+  """RUN_DIR/hf is a complete Hugging Face directory: transformers loads the model and the
+  tokenizer, and its logits are those of the run's last checkpoint."""
+  import torch
+  import transformers
   export = os.path.join(run_dir, "hf")
   for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json"):
@@ -105,8 +131,70 @@ def test_rl_from_a_pretrained_qwen2_raises_accuracy_resumes_and_exports(tmp_path
   np.testing.assert_allclose(_logits(params, cfg, jnp.asarray(tokens)), want, atol=1e-4,
                              rtol=0)
 
-  # The DAPO recipe's tiny variant on the same checkpoint (a few steps: it runs).
-  _runs_a_few_steps("dapo_math", checkpoint, str(tmp_path / "dapo"))
+
+def _raises_through_a_server(checkpoint: str, tmp_path, *extra: str) -> None:
+  """The rollouts from a server process started from the checkpoint directory, every
+  weight export it loads in bf16 with the tokenizer files: +0.15 as on the embedded
+  engine."""
+  run_dir = str(tmp_path / "run")
+  _run(_command(checkpoint, run_dir, *extra, "--gin_param", "train.engine = @local_engine",
+                "--gin_param", "local_engine.checkpoint = %CHECKPOINT",
+                "--gin_param", "local_engine.export_dtype = 'bfloat16'",
+                "--gin_param", "local_engine.weights_dir = " + repr(str(tmp_path / "weights"))))
+  _raised_accuracy(run_dir)
+  versions = sorted(os.listdir(tmp_path / "weights"))
+  assert versions, "no weights exported"
+  for version in versions:  # in bf16, with the tokenizer files
+    assert os.path.isfile(tmp_path / "weights" / version / "tokenizer_config.json"), version
+    with safe_open(str(tmp_path / "weights" / version / "model.safetensors"), "np") as f:
+      assert f.get_slice("model.norm.weight").get_dtype() == "BF16", version
+
+
+@QWEN2
+def test_the_dapo_recipe_runs_on_the_qwen2(competent, tmp_path):
+  _runs_a_few_steps("dapo_math", competent("qwen2"), str(tmp_path / "run"))
+
+
+@pytest.mark.slow
+@QWEN2
+def test_rl_from_a_pretrained_qwen2_through_a_server_started_from_its_directory(competent,
+                                                                                tmp_path):
+  _raises_through_a_server(competent("qwen2"), tmp_path)
+
+
+@QWEN2
+def test_rl_from_a_pretrained_qwen2_raises_accuracy_resumes_and_exports(competent, tmp_path):
+  """On the embedded engine: killed after its step-10 checkpoint, resumed by the same
+  command, +0.15 held-out accuracy in 30 steps, and an export transformers reads."""
+  checkpoint = competent("qwen2")
+  run_dir = str(tmp_path / "run")
+  _kill_after_checkpoint(_command(checkpoint, run_dir), os.path.join(run_dir, "checkpoints"),
+                         10)
+  result = _run(_command(checkpoint, run_dir))
+  assert "resuming from" in result.stdout and "at RL step 10" in result.stdout, result.stdout
+  assert _raised_accuracy(run_dir)["init_from"] == checkpoint
+  _export_is_the_runs_in_transformers(run_dir, checkpoint)
+
+
+@QWEN3
+def test_the_k15_recipe_runs_on_the_qwen3_in_thinking_mode(competent, tmp_path):
+  _runs_a_few_steps("k15_qwen3", competent("qwen3"), str(tmp_path / "run"))
+
+
+@pytest.mark.slow
+@QWEN3
+def test_rl_from_a_pretrained_qwen3_through_a_server_started_from_its_directory(competent,
+                                                                                tmp_path):
+  _raises_through_a_server(competent("qwen3"), tmp_path, *NO_THINKING)
+
+
+@QWEN3
+def test_rl_from_a_pretrained_qwen3_on_the_embedded_engine_and_its_export(competent, tmp_path):
+  checkpoint = competent("qwen3")
+  run_dir = str(tmp_path / "run")
+  _run(_command(checkpoint, run_dir, *NO_THINKING))
+  _raised_accuracy(run_dir)
+  _export_is_the_runs_in_transformers(run_dir, checkpoint)
 
 
 def _runs_a_few_steps(recipe: str, checkpoint: str, run_dir: str, *extra: str,
@@ -165,32 +253,6 @@ def test_the_code_recipe_runs_in_the_sandbox_and_its_export_is_evaluated_on_code
     assert paths and all(os.path.isfile(p) for p in paths), paths
     with open(paths[0]) as f:
       assert set(json.load(f)["budgets"]) == {"64", "128"}
-
-
-@pytest.mark.slow
-def test_rl_from_a_pretrained_qwen3_through_a_server_started_from_its_directory(tmp_path):
-  checkpoint = tiny_checkpoint.make(str(tmp_path / "qwen3"), family="qwen3", progress=False)
-  run_dir = str(tmp_path / "run")
-  result = subprocess.run(_command(
-      checkpoint, run_dir, "--gin_param", "HFCheckpoint.template_args = "
-      "{'enable_thinking': False}", "--gin_param", "train.engine = @local_engine",
-      "--gin_param", "local_engine.checkpoint = %CHECKPOINT",
-      "--gin_param", "local_engine.export_dtype = 'bfloat16'",
-      "--gin_param", "local_engine.weights_dir = " + repr(str(tmp_path / "weights"))),
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  summary = _summary(run_dir)
-  assert summary["rl_accuracy"] >= summary["sft_accuracy"] + 0.15, summary
-  # Every export the servers loaded carries the tokenizer files.
-  versions = sorted(os.listdir(tmp_path / "weights"))
-  assert versions, "no weights exported"
-  for version in versions:  # in bf16, with the tokenizer files
-    assert os.path.isfile(tmp_path / "weights" / version / "tokenizer_config.json"), version
-    with safe_open(str(tmp_path / "weights" / version / "model.safetensors"), "np") as f:
-      assert f.get_slice("model.norm.weight").get_dtype() == "BF16", version
-
-  # Kimi k1.5's recipe for Qwen3 (thinking mode) on the same checkpoint: it runs.
-  _runs_a_few_steps("k15_qwen3", checkpoint, str(tmp_path / "k15"))
 
 
 # ---- the pieces
