@@ -46,6 +46,7 @@ from rl import metrics as metrics_lib
 from rl import monitors as monitors_lib
 from rl import rewards as rewards_lib
 from rl import rollout
+from rl import run_lock
 from rl import sampling as sampling_lib
 from rl import sft
 from rl import sources
@@ -201,7 +202,7 @@ class Hooks:
 class Run:
   """A built run: its parts and state, and what its hooks read and write. `steps()` is the
   loop's generator from the current state; `close()` releases the engines, the teachers,
-  the checkpointer and the loggers."""
+  the checkpointer and the loggers, then the run directory (rl/run_lock.py)."""
   run_dir: str
   cfg: ModelConfig
   task: Any
@@ -217,6 +218,7 @@ class Run:
   evaluation_engine: Optional[RolloutEngine] = None
   hooks: list[Any] = dataclasses.field(default_factory=list)
   closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+  held: Optional[run_lock.Hold] = None  # the run directory (process 0)
   stopped: Optional[dict[str, Any]] = None
   label: str = ""
 
@@ -279,6 +281,9 @@ class Run:
     for close in self.closers:
       close()
     self.closers = []
+    if self.held is not None:  # the directory, last
+      self.held.release()
+      self.held = None
 
 
 def train(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=None,
@@ -346,30 +351,35 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   sources.check(rollouts, sources.Context(None, task, tokenizer, rl, plan.sampler,
                                           getattr(factory, "capabilities", None)))
   cfg = plan.cfg
-  # Teachers load before the warm start: a wrong path or shape fails before anything trains.
-  teachers = None if objective.teachers is None else objective.teachers(cfg)
-  say = print if distributed.is_primary() else lambda *args, **kwargs: None
-  say(f"train step: mesh {'one device' if mesh is None else dict(mesh.shape)}, attention "
-      f"{plan.kernel}" + (f", {jax.process_count()} processes"
-                             if jax.process_count() > 1 else ""))
-  optimizer = loop.rl_optimizer(rl.learning_rate)
-  # A pretrained model's params are where any start begins (a WarmStart fine-tunes them).
-  params, place = _initial_params(pretrained or start, cfg, mesh, seed, optimizer)
-  rollout_engine = _make_engine(factory, cfg, params, 0)
-  closers = [lambda: rollout_engine is not None and rollout_engine.close()]
-  if teachers is not None:
-    closers.append(teachers.close)
+  # Nothing is loaded, started or written before this run holds its directory (process 0
+  # holds it for all); it lets go last.
+  held = distributed.checked(
+      lambda: run_lock.hold(run_dir) if distributed.is_primary() else None)
+  closers = [lambda: held is not None and held.release()]
   run = None
   try:
+    # Teachers load before the warm start: a wrong path or shape fails before anything trains.
+    teachers = None if objective.teachers is None else objective.teachers(cfg)
+    if teachers is not None:
+      closers.insert(0, teachers.close)
+    say = print if distributed.is_primary() else lambda *args, **kwargs: None
+    say(f"train step: mesh {'one device' if mesh is None else dict(mesh.shape)}, attention "
+        f"{plan.kernel}" + (f", {jax.process_count()} processes"
+                               if jax.process_count() > 1 else ""))
+    optimizer = loop.rl_optimizer(rl.learning_rate)
+    # A pretrained model's params are where any start begins (a WarmStart fine-tunes them).
+    params, place = _initial_params(pretrained or start, cfg, mesh, seed, optimizer)
+    rollout_engine = _make_engine(factory, cfg, params, 0)
+    closers.insert(0, lambda: rollout_engine is not None and rollout_engine.close())
     context = sources.Context(rollout_engine, task, tokenizer, rl, plan.sampler)
     distributed.checked(lambda: sources.check(rollouts, context))
     run = _start(run_dir, context, rollouts, plan, params, place, optimizer,
                  start=start, mesh=mesh, hooks=hooks, seed=seed)
-    run.closers = closers + run.closers
+    run.closers, run.held = closers[:-1] + run.closers, held
     run.parts = _parts(run, plan, start, optimizer, mesh, teachers)
     run.evaluation_engine = _evaluation_engine(run, hooks.evaluation)
   except BaseException:
-    for close in (closers if run is None else run.closers):
+    for close in (closers if run is None else [run.close]):
       close()
     raise
   run.hooks = hooks_lib.standard(run, hooks, seed, pretrained and pretrained.export
