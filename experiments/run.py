@@ -28,6 +28,7 @@ from models.attention.dispatch import KernelUnavailable  # noqa: E402
 from models.distributed import CoordinatorUnreachable, ProcessFailed, is_primary  # noqa: E402
 from models.sharding import MeshUnavailable  # noqa: E402
 from rl import ConfigError  # noqa: E402
+from rl.checkpoint import CheckpointCorrupt  # noqa: E402
 from rl.run_lock import RunDirectoryBusy  # noqa: E402
 from rl.sources import RolloutsFailed  # noqa: E402
 from rollouts.sglang import ServerError  # noqa: E402
@@ -88,7 +89,8 @@ def main(argv=None):
     print(gin.config_str())
   try:
     summary = gin_externals.train()  # validates its configuration before any compile
-  except (ConfigError, KernelUnavailable, MeshUnavailable, RunDirectoryBusy) as e:
+  except (ConfigError, KernelUnavailable, MeshUnavailable, RunDirectoryBusy,
+          CheckpointCorrupt) as e:
     raise SystemExit(f"error: {e}") from None
   except (ServerError, ProcessFailed, RolloutsFailed) as e:  # a fault mid-run, and what next
     raise SystemExit(f"error: {e}\n{resume_hint(run_dir)}") from None

@@ -9,15 +9,41 @@ kill is never read). The loop's small process-local arrays (step, RNG, sampler a
 state: the same on every process) are saved as arrays replicated over all devices and come
 back process-local. A restore reshards to the `like` state's shardings, so a run can resume
 on another number of processes when its mesh fits them.
+
+Every save records what it wrote: process 0, once every process has written and before orbax
+commits the step, hashes each file of the step's item directory (arrays and tree metadata;
+all but orbax's commit marker, written after) into CHECKSUMS there,
+  checkpoints/STEP/default/checksums.json:
+    {"hash": "sha256", "files": {"d/4b89...": [size in bytes, hex digest], ...}}
+(paths relative to that directory), so a committed step has its checksums; a step saved
+before they existed has none and restores unchecked. A restore checks sizes, then hashes,
+before orbax reads anything. A step that fails, or that orbax fails to read, is named in one
+line ("checkpoint step 20 is corrupt: checkpoints/20/default/d/4b89...: 1234 bytes, expected
+5678"), and the state comes from the newest step that restores; the newer ones that did not
+are moved to checkpoints.corrupt/STEP (kept, out of orbax's sight, so the run saves those
+steps again). When no step restores, CheckpointCorrupt names each and nothing is moved: the
+same failure at every step is more likely a run that does not fit its checkpoints than a
+disk that lost them all.
 """
 
+import concurrent.futures
+import gc
+import hashlib
+import json
 import os
+import sys
+import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from models import distributed
+
+CHECKSUMS = "checksums.json"
+_CHUNK = 1 << 20  # bytes hashed at a time
+_THREADS = min(8, os.cpu_count() or 1)  # hashlib lets go of the GIL: files hash in parallel
+_SETTLE_S = 0.5  # for the reads in flight when one failed (see _newest_good)
 
 
 class Checkpointer:
@@ -27,20 +53,19 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         os.path.abspath(directory),
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-        item_handlers=ocp.StandardCheckpointHandler())
+        item_handlers=_ChecksummedHandler())
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
   def save(self, step: int, state) -> None:
     state = distributed.replicated(state, _all_devices())  # several processes only
-    self._manager.save(step, args=ocp.args.StandardSave(state))
+    self._manager.save(step, args=_Save(state))
 
   def restore(self, like, step: int | None = None):
-    """The state saved at `step` (default: the latest), with the structure of `like`."""
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+    """The state saved at `step`, with the structure of `like`; by default the newest
+    checkpoint that verifies and restores, newer ones that do not moved aside (see the module
+    docstring). Every process calls it."""
     multi = jax.process_count() > 1
     replicated = jax.sharding.NamedSharding(_all_devices(), jax.sharding.PartitionSpec())
     local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -56,17 +81,20 @@ class Checkpointer:
       dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
       return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=placed)
 
-    try:
-      restored = self._manager.restore(step, args=ocp.args.StandardRestore(
-          jax.tree.map(target, like)))
-    except ValueError as e:
-      if "tree structures do not match" not in str(e):
-        raise
-      raise CheckpointMismatch(self._mismatch(step, like)) from None
-    if not multi:
-      return restored
-    return jax.tree.map(lambda x, ref: x if distributed.is_global(ref)
-                        else distributed.process_local(x), restored, like)
+    def read(step: int):
+      try:
+        restored = self._manager.restore(step, args=_Restore(
+            jax.tree.map(target, like)))
+      except ValueError as e:
+        if "tree structures do not match" not in str(e):
+          raise
+        raise CheckpointMismatch(self._mismatch(step, like)) from None
+      if not multi:
+        return restored
+      return jax.tree.map(lambda x, ref: x if distributed.is_global(ref)
+                          else distributed.process_local(x), restored, like)
+
+    return self._newest_good(read, step, together=True)
 
   def _mismatch(self, step: int, like) -> str:
     saved = _names(self._manager.item_metadata(step).tree)
@@ -84,16 +112,118 @@ class Checkpointer:
             "train.start = @FromRun() with FromRun.path = '<that run directory>'.")
 
   def restore_params(self, step: int | None = None):
-    """Only the policy params of a saved loop state (for evaluation, no optimizer needed)."""
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+    """Only the policy params of a saved loop state (for evaluation, no optimizer needed):
+    of `step`, by default of the newest checkpoint that verifies and restores. The calling
+    process checks alone (it may be the only one reading) and moves nothing."""
     # Onto this process's first device, whatever mesh and processes saved it.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                            self._manager.item_metadata(step))
-    tree = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    return tree["train"]["params"]
+
+    def read(step: int):
+      abstract = jax.tree.map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+          self._manager.item_metadata(step))
+      tree = self._manager.restore(step, args=_Restore(abstract))
+      return tree["train"]["params"]
+
+    return self._newest_good(read, step, together=False)
+
+  def _newest_good(self, read, step: int | None, *, together: bool):
+    """read(step), or by default read(s) of the newest step s whose checksums hold and which
+    reads, the newer failing steps moved aside when `together` (every process calls this:
+    process 0 checks the files for all, and a step that fails to read on any process fails
+    on all). A step that does not restore, or none that does, raises CheckpointCorrupt."""
+    saved = sorted(self._manager.all_steps(), reverse=True)
+    if not saved:
+      raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+    if step is not None and step not in saved:
+      raise FileNotFoundError(f"no checkpoint of step {step} in {self._manager.directory} "
+                              f"(it holds steps {sorted(saved)})")
+    steps = saved if step is None else [step]
+    failed = []
+    for candidate in steps:
+      problem = self._problem(candidate, together)
+      value = None
+      if problem is None:
+        # When one of orbax's asyncio reads fails, the others' errors surface as "Exception
+        # ignored" tracebacks (hundreds of lines) while its event loop closes, as TensorStore
+        # finishes the reads in flight and as their coroutines are collected; the failure is
+        # said here in one line.
+        hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+        try:
+          value = read(candidate)
+        except CheckpointMismatch:
+          raise
+        except Exception as e:  # noqa: BLE001 - orbax and TensorStore raise many kinds
+          problem = f"is unreadable: {_one_line(_first_cause(e))}"
+        finally:
+          if problem is not None:  # the error and its frames are gone: collect what they held
+            time.sleep(_SETTLE_S)
+            gc.collect()
+          sys.unraisablehook = hook
+        if together:
+          problem = next((p for p in distributed.gather(problem) if p), None)
+      if problem is None:
+        break
+      failed.append((candidate, f"checkpoint step {candidate} {problem}"))
+    else:
+      if step is not None:
+        raise CheckpointCorrupt(failed[0][1])
+      raise CheckpointCorrupt(
+          f"no checkpoint in {self._manager.directory} restores, nothing was moved: "
+          + "; ".join(line for _, line in failed) + ". The same error at every step suggests "
+          "a config other than the one that wrote them; corrupt files leave a fresh start: "
+          "move that directory aside, or use another run directory.")
+    say = print if distributed.is_primary() else lambda *args: None
+    for _, line in failed:
+      say(line)
+    if failed and together:
+      moved = self._set_aside([s for s, _ in failed])
+      say(f"moved {', '.join(moved)}; restored step {candidate}, the newest checkpoint that "
+          "verifies")
+    elif failed:
+      say(f"restored step {candidate}, the newest checkpoint that verifies")
+    return value
+
+  def _problem(self, step: int, together: bool) -> str | None:
+    """What is wrong with `step`'s files (by its checksums), in words, or None."""
+    def check():
+      directory = os.path.join(self._manager.directory, str(step),
+                               ocp.checkpoint_manager.DEFAULT_ITEM_NAME)
+      try:
+        found = verify_checksums(directory)
+      except OSError as e:
+        return f"is unreadable: {_one_line(e)}"
+      if found is None:
+        return None
+      shown = os.path.relpath(os.path.join(directory, found[0]),
+                              os.path.dirname(self._manager.directory))
+      return f"is corrupt: {shown}: {found[1]}"
+    if not together:
+      return check()
+    return distributed.gather(check() if distributed.is_primary() else None)[0]
+
+  def _set_aside(self, steps: list[int]) -> list[str]:
+    """Move `steps` (process 0, for all) to checkpoints.corrupt/STEP (STEP.1, ... when that
+    is taken); where they went."""
+    root = str(self._manager.directory)
+
+    def move():
+      moved = []
+      for step in steps:
+        dest, n = os.path.join(root + ".corrupt", str(step)), 0
+        while os.path.exists(dest):
+          n += 1
+          dest = os.path.join(root + ".corrupt", f"{step}.{n}")
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.rename(os.path.join(root, str(step)), dest)
+        moved.append(f"{os.path.basename(root)}/{step} to "
+                     f"{os.path.relpath(dest, os.path.dirname(root))}")
+      return moved
+
+    # Every process waits for the moves before it reloads the list of steps.
+    moved = distributed.checked(lambda: move() if distributed.is_primary() else [])
+    self._manager.reload()
+    return moved
 
   def close(self) -> None:
     self._manager.wait_until_finished()
@@ -102,6 +232,98 @@ class Checkpointer:
 
 class CheckpointMismatch(ValueError):
   """A run directory's checkpoint does not have the layout of the state restoring it."""
+
+
+class CheckpointCorrupt(RuntimeError):
+  """A checkpoint whose files differ from its checksums, or that orbax cannot read."""
+
+
+class _ChecksummedHandler(ocp.StandardCheckpointHandler):
+  """orbax's handler, which also writes the checksums of what it saved. orbax calls finalize
+  on process 0 only, once every process has written, before it commits the step."""
+
+  def finalize(self, directory) -> None:
+    super().finalize(directory)
+    write_checksums(str(directory))
+
+
+# orbax finds an item's handler by the type of its arguments.
+@ocp.args.register_with_handler(_ChecksummedHandler, for_save=True)
+class _Save(ocp.args.StandardSave):
+  pass
+
+
+@ocp.args.register_with_handler(_ChecksummedHandler, for_restore=True)
+class _Restore(ocp.args.StandardRestore):
+  pass
+
+
+def write_checksums(directory: str) -> None:
+  """CHECKSUMS in `directory`: the size and sha256 of every other file below it."""
+  names = sorted(os.path.relpath(os.path.join(root, name), directory)
+                 for root, _, files in os.walk(directory) for name in files
+                 if name != CHECKSUMS)
+  with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
+    digests = list(pool.map(lambda name: _sha256(os.path.join(directory, name)), names))
+  path = os.path.join(directory, CHECKSUMS)
+  with open(path + ".tmp", "w") as f:
+    json.dump({"hash": "sha256", "files": dict(zip(names, digests))}, f)
+  os.replace(path + ".tmp", path)
+
+
+def verify_checksums(directory: str) -> tuple[str, str] | None:
+  """(a file of `directory`, what is wrong with it: "missing", "N bytes, expected M",
+  "sha256 differs") for the first file that differs from CHECKSUMS, or None when all match
+  or there are no checksums (a checkpoint saved before them)."""
+  path = os.path.join(directory, CHECKSUMS)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      files = json.load(f)["files"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    return CHECKSUMS, f"unreadable ({_one_line(e)})"
+  names = sorted(files)
+  for name in names:  # sizes first: a missing or truncated file is found without reading
+    full = os.path.join(directory, name)
+    if not os.path.isfile(full):
+      return name, "missing"
+    size = os.path.getsize(full)
+    if size != files[name][0]:
+      return name, f"{size} bytes, expected {files[name][0]}"
+  with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
+    digests = pool.map(lambda name: _sha256(os.path.join(directory, name)), names)
+    for name, (_, digest) in zip(names, digests):
+      if digest != files[name][1]:
+        return name, "sha256 differs"
+  return None
+
+
+def _sha256(path: str) -> tuple[int, str]:
+  """(size, hex sha256) of the file at `path`."""
+  digest, size = hashlib.sha256(), 0
+  buffer = bytearray(_CHUNK)
+  view = memoryview(buffer)
+  with open(path, "rb", buffering=0) as f:
+    while n := f.readinto(buffer):
+      digest.update(view[:n])
+      size += n
+  return size, digest.hexdigest()
+
+
+def _first_cause(error: BaseException) -> BaseException:
+  """The error `error` came from, through its chain (orbax wraps TensorStore's, which says
+  what it could not read)."""
+  while (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  return error
+
+
+def _one_line(error: BaseException) -> str:
+  """`error` as its type and the first line of its message, at most 400 characters."""
+  lines = str(error).strip().splitlines()
+  text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+  return text if len(text) <= 400 else text[:397] + "..."
 
 
 def _key_name(key) -> str:
