@@ -36,21 +36,31 @@ class RunDirectoryBusy(RuntimeError):
 
 @dataclasses.dataclass
 class Hold:
-  """A held run directory; `release()` lets it go (closing the file does too)."""
+  """A held run directory; `release()` lets it go (closing the file does too). A directory
+  the hold made, holding nothing else when it is let go (a run refused while it was built),
+  is removed: the refused run leaves nothing behind."""
   path: str
   file: Optional[object]
+  made_directory: bool = False
 
   def release(self) -> None:
-    if self.file is not None:
+    if self.file is None:
+      return
+    directory = os.path.dirname(self.path)
+    if self.made_directory and os.listdir(directory) == [LOCK_FILE]:
+      os.remove(self.path)  # while still held: nobody takes a lock on a file going away
+      os.rmdir(directory)
+    else:
       self.file.truncate(0)  # nobody holds it now
-      fcntl.flock(self.file, fcntl.LOCK_UN)
-      self.file.close()
-      self.file = None
+    fcntl.flock(self.file, fcntl.LOCK_UN)
+    self.file.close()
+    self.file = None
 
 
 def hold(run_dir: str) -> Hold:
   """Take `run_dir` for this run: RunDirectoryBusy when a live run holds it. On a filesystem
   without locks, a warning and a Hold that holds nothing."""
+  made_directory = not os.path.isdir(run_dir)
   os.makedirs(run_dir, exist_ok=True)
   path = os.path.join(run_dir, LOCK_FILE)
   file = open(path, "a+")
@@ -73,7 +83,7 @@ def hold(run_dir: str) -> Hold:
              "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
              "command": " ".join(sys.argv)}, file)
   file.flush()
-  return Hold(path, file)
+  return Hold(path, file, made_directory)
 
 
 def _holder(path: str) -> str:

@@ -24,6 +24,10 @@ def test_a_held_directory_is_refused_in_the_same_process_until_released(tmp_path
     run_lock.hold(str(tmp_path))
   first.release()
   run_lock.hold(str(tmp_path)).release()
+  assert os.path.isdir(tmp_path)  # it was there before: kept
+  # A directory the hold made is gone once let go, when nothing else was written there.
+  run_lock.hold(str(tmp_path / "new")).release()
+  assert not os.path.exists(tmp_path / "new")
 
 
 def _holder(run_dir: str) -> subprocess.Popen:
