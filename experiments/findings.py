@@ -194,6 +194,8 @@ def _arm_job(name: str, seed: int) -> seeds_lib.Job:
   bindings, after = [f"train.seed = {seed}", "Hooks.progress = False"], ()
   if name in WARM_STARTS:
     config, bindings = WARM_STARTS[name], [*bindings, "RLConfig.num_steps = 0"]
+    if tiny() and name != WARM_START:  # only finding h's long model needs the 300 SFT steps
+      bindings.append("WarmStart.steps = 20")
   else:
     spec = ARMS[name]
     config, start = spec.config, _arm_dir(spec.init_from, seed)
