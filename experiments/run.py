@@ -12,6 +12,10 @@ JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i set (or the `initialize.*` bindings), a
 
 A rollout server fleet or router that fails mid-run (every server down, the router gone)
 ends the run with the error and the checkpoint the same command resumes from.
+
+`--gin_param "train.deterministic = True"`: a reproducible run (rl.trainer.build), with XLA's
+deterministic GPU operations set here, before JAX starts its backend (the only time XLA reads
+XLA_FLAGS). scripts/check_determinism.py runs a config twice and names the first difference.
 """
 
 import argparse
@@ -31,6 +35,7 @@ from rl import ConfigError  # noqa: E402
 from rl.checkpoint import CheckpointCorrupt  # noqa: E402
 from rl.run_lock import RunDirectoryBusy  # noqa: E402
 from rl.sources import RolloutsFailed  # noqa: E402
+from rl.trainer import make_deterministic  # noqa: E402
 from rollouts.sglang import ServerError  # noqa: E402
 
 
@@ -64,6 +69,14 @@ def load_config(files, bindings, run_dir=None):
     raise SystemExit("error: no run directory; bind train.run_dir or pass --run_dir") from None
 
 
+def deterministic() -> bool:
+  """Whether the parsed config asks for a reproducible run (train.deterministic)."""
+  try:
+    return bool(gin.query_parameter("train.deterministic"))
+  except ValueError:  # not bound
+    return False
+
+
 def resume_hint(run_dir: str) -> str:
   """Where a run that stopped on a fault can resume from."""
   directory = os.path.join(run_dir, "checkpoints")
@@ -80,10 +93,12 @@ def main(argv=None):
   args = parse_args(argv if argv is not None else sys.argv[1:])
   run_dir = load_config(args.gin, args.gin_param, args.run_dir)
   try:
+    if deterministic():
+      make_deterministic()  # before JAX starts its backend, when XLA reads XLA_FLAGS
     # Before the mesh is built (train.mesh = @make_mesh()): JAX's backend must start knowing
     # every process.
     gin_externals.initialize()
-  except (ValueError, CoordinatorUnreachable) as e:
+  except (ValueError, CoordinatorUnreachable, ConfigError) as e:
     raise SystemExit(f"error: {e}") from None
   if is_primary():
     print(gin.config_str())

@@ -13,7 +13,7 @@ Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabu
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
 
   python -m rollouts.server --hf_checkpoint DIR [--host 127.0.0.1] [--port 0]
-                           [--max_batch 64] [--warmup_len TOKENS]
+                           [--max_batch 64] [--warmup_len TOKENS] [--deterministic]
   python -m experiments.serve --gin FILE [--gin_param B] [the options above]
 
 (the second serves a model bound in gin, e.g. `load_model.model = @tiny`: gin is the entry
@@ -23,6 +23,21 @@ prints "listening on http://HOST:PORT" once it serves. Batch shapes (rows, promp
 length) come from short ladders so that a server compiles few; --warmup_len compiles all of
 them for requests up to that many tokens before serving. `launch(...)` starts it as a
 subprocess and waits for /health. LONGRL_SERVER_DEBUG=1 logs each batch's size to stderr.
+
+--deterministic (SGLang's --enable-deterministic-inference; on by default when the environment
+has LONGRL_DETERMINISTIC=1, which rl.trainer.make_deterministic sets for the servers a
+reproducible run starts): a request's tokens and log-probs depend on the request alone (its
+input_ids, sampling params and sampling_seed), never on which requests share its batch or the
+order they arrived in. Every request is always sampled from its own sampling_seed (a random
+one when it has none); what else is in the batch changes the shapes a row is computed in (rows,
+prompt width, cache length), and with them the order of the sums in its matmuls and
+attention. Deterministic, a batch holds only requests of one prompt-width and one
+max_new_tokens bucket (so a row is laid out the same whatever the others are), always has
+max_batch rows, aborted requests' keys and values are not reused (a resumed request is
+prefilled like a fresh one), and each prompt scored (max_new_tokens 0) is scored alone. The
+price is in small batches, computed in max_batch rows: on a CPU, 8 requests take about twice
+as long on the quickstart's model; full ones, and a trainer's steps, nothing measurable
+(BUILD.md, "Reproducible runs").
 """
 
 import argparse
@@ -67,6 +82,7 @@ NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "json_schema": 
 GREEDY_BELOW = 1e-6
 GATHER_SECONDS = 0.01
 PREFIX_CACHE_ENTRIES = 1024
+DETERMINISTIC_ENV = "LONGRL_DETERMINISTIC"  # "1": --deterministic by default
 
 
 def shape_bucket(n: int, minimum: int) -> int:
@@ -255,19 +271,28 @@ class CachedPrefix:
   logits: np.ndarray
 
 
+def _layout(r: Request) -> tuple[int, int]:
+  """What fixes a row's shapes in a batch: its prompt-width bucket and max_new_tokens bucket
+  (with them the prompt width, the cache's length and when it grows)."""
+  return bucket(len(r.input_ids), 16), bucket(r.max_new_tokens, 16)
+
+
 class Scheduler:
   """Runs waiting requests in batches on a background thread, one token per step.
 
   Like SGLang's radix cache, but only for whole sequences: the KV of aborted requests is
   kept (at most PREFIX_CACHE_ENTRIES, least recently stored dropped first, all dropped when
   the weights change or on /flush_cache), so that partial rollouts resumed with prompt +
-  partial completion do not recompute it."""
+  partial completion do not recompute it.
+
+  `deterministic`: each request's output depends on it alone, not on the batch it joins (the
+  module docstring says how and what it costs)."""
 
   def __init__(self, cfg: ModelConfig, params, *, weight_version: str = "default",
-               model_path: str = "", max_batch: int = 64):
+               model_path: str = "", max_batch: int = 64, deterministic: bool = False):
     self.cfg, self.params = cfg, params
     self.weight_version, self.model_path = weight_version, model_path
-    self.max_batch = max_batch
+    self.max_batch, self.deterministic = max_batch, deterministic
     self.lock = threading.Condition()
     self.waiting: list[Request] = []
     self.running: list[Request] = []
@@ -286,25 +311,9 @@ class Scheduler:
     if scored:  # a prefill of the inputs (teacher scoring: max_new_tokens 0)
       with self.lock:
         params = self.params
-      starts = [max(1, min(r.logprob_start_len, len(r.input_ids))) for r in scored]
-      heads, tails = ([r.input_ids[:s] for r, s in zip(scored, starts)],
-                      [r.input_ids[s:] for r, s in zip(scored, starts)])
-      k = max(r.top_logprobs_num for r in scored)
-      if k:  # one prefill gives both
-        results = score_continuations_top_k(params, self.cfg, heads, tails, k)
-      else:
-        results = [(lp, None, None) for lp in score_continuations(params, self.cfg, heads,
-                                                                    tails)]
-      for r, tail, (lp, ids, top) in zip(scored, tails, results):
-        # SGLang's first entry, for the first input token, has no log-prob.
-        first = r.logprob_start_len == 0
-        r.input_logprobs = [[None, r.input_ids[0]]] * first + [
-            [float(v), t] for v, t in zip(lp, tail)]
-        if r.top_logprobs_num:
-          r.input_top_logprobs = [None] * first + [
-              [[float(v), int(t)] for v, t in zip(row_lp[:r.top_logprobs_num],
-                                                  row_ids[:r.top_logprobs_num])]
-              for row_lp, row_ids in zip(top, ids)]
+      # Deterministic, each alone: its shapes (and top-k or not) then depend on it only.
+      for group in ([[r] for r in scored] if self.deterministic else [scored]):
+        self._score(params, group)
     with self.lock:
       for r in requests:
         if r.max_new_tokens == 0:
@@ -312,6 +321,28 @@ class Scheduler:
         else:
           (self.held if self.updating else self.waiting).append(r)
       self.lock.notify_all()
+
+  def _score(self, params, scored: list[Request]) -> None:
+    """The input log-probs (and top-k, when asked) of `scored`, from one prefill."""
+    starts = [max(1, min(r.logprob_start_len, len(r.input_ids))) for r in scored]
+    heads, tails = ([r.input_ids[:s] for r, s in zip(scored, starts)],
+                    [r.input_ids[s:] for r, s in zip(scored, starts)])
+    k = max(r.top_logprobs_num for r in scored)
+    if k:  # one prefill gives both
+      results = score_continuations_top_k(params, self.cfg, heads, tails, k)
+    else:
+      results = [(lp, None, None) for lp in score_continuations(params, self.cfg, heads,
+                                                                  tails)]
+    for r, tail, (lp, ids, top) in zip(scored, tails, results):
+      # SGLang's first entry, for the first input token, has no log-prob.
+      first = r.logprob_start_len == 0
+      r.input_logprobs = [[None, r.input_ids[0]]] * first + [
+          [float(v), t] for v, t in zip(lp, tail)]
+      if r.top_logprobs_num:
+        r.input_top_logprobs = [None] * first + [
+            [[float(v), int(t)] for v, t in zip(row_lp[:r.top_logprobs_num],
+                                                row_ids[:r.top_logprobs_num])]
+            for row_lp, row_ids in zip(top, ids)]
 
   def abort(self, rid: str | None, message: str = "Aborted"):
     if os.environ.get("LONGRL_SERVER_DEBUG"):
@@ -385,7 +416,7 @@ class Scheduler:
     request in the batch for the compile (seconds on a CPU). Runs real batches of dummy
     requests through the scheduler's own path."""
     widths = bucket(max_len, 16)
-    for rows in sorted({shape_bucket(n, 8) for n in range(1, self.max_batch + 1)}):
+    for rows in sorted({self._rows(n) for n in range(1, self.max_batch + 1)}):
       dummy = lambda length, new: [Request(
           rid=f"warmup-{i}", input_ids=[0] * length, max_new_tokens=new, temperature=1.0,
           top_p=1.0, stop_token_ids=(), seed=i, return_logprob=False) for i in range(rows)]
@@ -417,7 +448,7 @@ class Scheduler:
           self.lock.wait(GATHER_SECONDS)
           if len(self.waiting) == count:
             break
-        batch, self.waiting = self.waiting[:self.max_batch], self.waiting[self.max_batch:]
+        batch = self._next_batch()
         if os.environ.get("LONGRL_SERVER_DEBUG"):
           print(f"batch of {len(batch)}, {len(self.waiting)} waiting at {time.time():.3f}, "
                 f"first arrived {min(r.started for r in batch):.3f}", file=sys.stderr)
@@ -437,8 +468,25 @@ class Scheduler:
         self.running = []
         self.lock.notify_all()
 
+  def _next_batch(self) -> list[Request]:
+    """The next batch, out of the waiting queue (call under the lock): its first max_batch
+    requests; deterministic, the first max_batch of those laid out as the oldest one is."""
+    if not self.deterministic:
+      batch, self.waiting = self.waiting[:self.max_batch], self.waiting[self.max_batch:]
+      return batch
+    layout = _layout(self.waiting[0])
+    batch = [r for r in self.waiting if _layout(r) == layout][:self.max_batch]
+    taken = {id(r) for r in batch}
+    self.waiting = [r for r in self.waiting if id(r) not in taken]
+    return batch
+
+  def _rows(self, requests: int) -> int:
+    """The rows of a batch of `requests`: fixed when deterministic (a matmul's kernel, and
+    with it a row's sums, may change with the row count)."""
+    return self.max_batch if self.deterministic else shape_bucket(requests, 8)
+
   def _run(self, batch: list[Request]):
-    rows = shape_bucket(len(batch), 8)
+    rows = self._rows(len(batch))
     plen = bucket(max(len(r.input_ids) for r in batch), 16)
     max_new = bucket(max(r.max_new_tokens for r in batch), 16)
     # The cache starts with room for 32 new tokens and grows to the next bucket when full:
@@ -456,7 +504,8 @@ class Scheduler:
     positions = np.maximum(slots[None, :] - (plen - lens)[:, None], 0)
     with self.lock:
       params = self.params
-      cached = {i: self._cached_prefix(tuple(r.input_ids)) for i, r in enumerate(batch)}
+      cached = {} if self.deterministic else {
+          i: self._cached_prefix(tuple(r.input_ids)) for i, r in enumerate(batch)}
     cached = {i: c for i, c in cached.items() if c is not None}
     for i in cached:
       batch[i].cached_tokens = len(batch[i].input_ids)
@@ -569,8 +618,9 @@ class Scheduler:
     return found
 
   def _keep_prefixes(self, batch, stopped_at, cache, plen, lens, version):
-    """Store the keys, values and next-token logits of the batch's aborted requests."""
-    if not stopped_at:
+    """Store the keys, values and next-token logits of the batch's aborted requests (not
+    when deterministic: a resumed request then computes them as a fresh one would)."""
+    if not stopped_at or self.deterministic:
       return
     k, v = np.stack(cache.k), np.stack(cache.v)
     with self.lock:
@@ -708,6 +758,7 @@ class Server(http.server.ThreadingHTTPServer):
     s = self.scheduler
     h._send(200, {"model_path": s.model_path, "max_running_requests": s.max_batch,
                   "skip_tokenizer_init": True, "weight_version": s.weight_version,
+                  "enable_deterministic_inference": s.deterministic,
                   "internal_states": [s.loads()], "version": "0.5.23 (longrl embedded)"})
 
   def v1_loads(self, h: Handler):
@@ -810,12 +861,12 @@ class Server(http.server.ThreadingHTTPServer):
 
 def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
           weight_version: str = "default", model_path: str = "", max_batch: int = 64,
-          warmup_len: int = 0) -> Server:
+          warmup_len: int = 0, deterministic: bool = False) -> Server:
   """A running server (on a background thread); `server.server_address` has the port.
   With warmup_len > 0, every batch shape for requests of up to that many tokens is compiled
   first (Scheduler.warmup)."""
   scheduler = Scheduler(cfg, params, weight_version=weight_version, model_path=model_path,
-                        max_batch=max_batch)
+                        max_batch=max_batch, deterministic=deterministic)
   if warmup_len > 0:
     scheduler.warmup(warmup_len)
   server = Server((host, port), scheduler)
@@ -851,6 +902,10 @@ def main(argv=None, *, load=None):
   parser.add_argument("--warmup_len", type=int, default=0, metavar="TOKENS",
                       help="before serving, compile every batch shape for requests of up to "
                       "TOKENS tokens (prompt + new); 0: compile shapes as they come")
+  parser.add_argument("--deterministic", action="store_true",
+                      default=os.environ.get(DETERMINISTIC_ENV) == "1",
+                      help="each request's output depends on it alone, not on its batch "
+                      f"(default: on when {DETERMINISTIC_ENV}=1)")
   parser.add_argument("--exit_with_parent", action="store_true",
                       help="stop when the process that started this one exits (launch sets it)")
   args = parser.parse_args(argv)
@@ -875,7 +930,7 @@ def main(argv=None, *, load=None):
   sys.setswitchinterval(0.0005)
   server = serve(cfg, params, host=args.host, port=args.port,
                  weight_version=args.weight_version, model_path=path, max_batch=args.max_batch,
-                 warmup_len=args.warmup_len)
+                 warmup_len=args.warmup_len, deterministic=args.deterministic)
   host, port = server.server_address[:2]
   print(f"listening on http://{host}:{port}", flush=True)
   try:
