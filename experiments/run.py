@@ -13,7 +13,7 @@ JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i set (or the `initialize.*` bindings), a
 A rollout server fleet or router that fails mid-run (every server down, the router gone)
 ends the run with the error and the checkpoint the same command resumes from.
 
-`--gin_param "train.deterministic = True"`: a reproducible run (rl.trainer.build), with XLA's
+`--gin_param "RLConfig.deterministic = True"`: a reproducible run (rl.config.RLConfig), with XLA's
 deterministic GPU operations set here, before JAX starts its backend (the only time XLA reads
 XLA_FLAGS). scripts/check_determinism.py runs a config twice and names the first difference.
 """
@@ -70,9 +70,9 @@ def load_config(files, bindings, run_dir=None):
 
 
 def deterministic() -> bool:
-  """Whether the parsed config asks for a reproducible run (train.deterministic)."""
+  """Whether the parsed config asks for a reproducible run (RLConfig.deterministic)."""
   try:
-    return bool(gin.query_parameter("train.deterministic"))
+    return bool(gin.query_parameter("RLConfig.deterministic"))
   except ValueError:  # not bound
     return False
 

@@ -24,6 +24,17 @@ class RLConfig:
   timing (rollouts ahead of the trainer, rl.sources.Ahead). A resumed run restarts the cycle
   at its checkpoint's step; evaluations then run on an engine of their own with the current
   weights.
+
+  deterministic: a reproducible run, which the same command repeats bit for bit (every
+  metrics.jsonl field but timings, every array of every checkpoint) on the same hardware and
+  software (scripts/check_determinism.py checks one): rl.trainer.make_deterministic() first
+  (XLA's deterministic GPU operations, deterministic batching in the servers the run
+  starts), and nothing that depends on timing (rollouts Ahead of the trainer, Partial
+  rollouts paused by aborting requests: refused by rl.sources). Everything else already is:
+  sampling is seeded (the embedded engine from each step's seed, servers from a
+  sampling_seed per request: start SGLang with --enable-deterministic-inference, or it
+  ignores them), and the loop reduces on the host in trajectory order, whatever order
+  completions arrive in.
   """
   num_steps: int = 100
   prompts_per_step: int = 32
@@ -37,6 +48,7 @@ class RLConfig:
   seq_len: int = 128
   row_multiple: int = 8
   weight_sync_every: int = 1
+  deterministic: bool = False
 
   def check(self) -> None:
     """ConfigError for sizes that cannot run (rl.trainer.build calls it before anything is

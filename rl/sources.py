@@ -276,6 +276,10 @@ class Partial(Source):
                  "(Capabilities.abort: e.g. train.engine = @local_engine or @remote_engine)")
     if jax.process_count() > 1:
       out.append("Partial rollouts: not supported with several JAX processes yet")
+    if context.config.deterministic and (context.can is None or context.can.abort):
+      out.append("RLConfig.deterministic: Partial rollouts on an engine that aborts requests "
+                 "pause at whichever completions arrive first (timing); multi-turn episodes "
+                 "on the embedded engine pause between waves")
     return out
 
   def init(self, context: Context) -> Any:
@@ -440,6 +444,10 @@ class Ahead(Source):
     if isinstance(self.inner, (Ahead, Partial)):
       out.append(f"Ahead over {type(self.inner).__name__}: not supported yet (rollouts ahead "
                  "of the trainer run over Lockstep or DynamicSampling)")
+    if context.config.deterministic:
+      out.append("RLConfig.deterministic: rollouts Ahead of the trainer start each step on "
+                 "whichever weights the engine holds by then (timing); use Lockstep, with "
+                 "RLConfig.weight_sync_every for staleness fixed by the schedule")
     return out + self.inner.refusals(context)
 
   def next(self, context: Context, state: RolloutState, step: int,

@@ -10,7 +10,7 @@ drives it directly. `train` is `build`, then the generator drained through the h
 rl/hooks.py (evaluation, monitors, metrics.jsonl and loggers, the progress bar, checkpoints,
 the summary), then the engines closed.
 
-A reproducible run (`deterministic=True`, `make_deterministic`) is one the same command repeats
+A reproducible run (`RLConfig.deterministic`, `make_deterministic`) is one the same command repeats
 bit for bit on the same hardware and software.
 
 Owns the run-level configuration (Objective, WarmStart / FromRun, Hooks, Evaluation) and the
@@ -297,7 +297,7 @@ DETERMINISTIC_XLA_FLAG = "--xla_gpu_deterministic_ops=true"
 
 
 def make_deterministic() -> None:
-  """Set what a reproducible run (train(deterministic=True)) needs of this process and of the
+  """Set what a reproducible run (RLConfig.deterministic) needs of this process and of the
   processes it starts, for the rest of its life: XLA's deterministic GPU operations
   (XLA_FLAGS) and deterministic batching in the rollout servers it launches (rollouts.server,
   LONGRL_DETERMINISTIC=1). experiments/run.py calls it before JAX starts; in a notebook, call
@@ -308,7 +308,7 @@ def make_deterministic() -> None:
   if DETERMINISTIC_XLA_FLAG not in flags.split():
     if xla_bridge.backends_are_initialized() and jax.default_backend() == "gpu":
       raise ConfigError(
-          f"train.deterministic: JAX started its GPU backend without {DETERMINISTIC_XLA_FLAG} "
+          f"RLConfig.deterministic: JAX started its GPU backend without {DETERMINISTIC_XLA_FLAG} "
           "in XLA_FLAGS, and XLA reads its flags only then; set os.environ['XLA_FLAGS'] (or "
           "call rl.trainer.make_deterministic()) before importing jax, or run "
           "experiments/run.py, which sets it")
@@ -320,8 +320,8 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
           rl: RLConfig = RLConfig(), objective: Objective = Objective(),
           rollouts: Optional[sources.Source] = None,
           start: Optional[Start] = None, engine: Optional[EngineFactory] = None,
-          mesh: Optional[Mesh] = None, hooks: Hooks = Hooks(), seed: int = 0,
-          deterministic: bool = False) -> dict[str, Any]:
+          mesh: Optional[Mesh] = None, hooks: Hooks = Hooks(), seed: int = 0
+          ) -> dict[str, Any]:
   """A whole run in `run_dir` (see `build` for the arguments): the start, held-out
   evaluation, rl.num_steps RL steps through the hooks, evaluation. Running it again on the
   same directory resumes from the last checkpoint (the step count goes on, metrics.jsonl is
@@ -329,8 +329,7 @@ def train(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   greedy evaluation after the start and after RL (for an agentic task with its episode
   metrics: sft_tool_calls_rate, rl_turns, ...)."""
   run = build(run_dir, task=task, model=model, tokenizer=tokenizer, rl=rl, objective=objective,
-              rollouts=rollouts, start=start, engine=engine, mesh=mesh, hooks=hooks, seed=seed,
-              deterministic=deterministic)
+              rollouts=rollouts, start=start, engine=engine, mesh=mesh, hooks=hooks, seed=seed)
   try:
     hooks_lib.drive(run)
   finally:  # servers end with the run, checkpoints are written, also on failure
@@ -342,8 +341,7 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
           rl: RLConfig = RLConfig(), objective: Objective = Objective(),
           rollouts: Optional[sources.Source] = None,
           start: Optional[Start] = None, engine: Optional[EngineFactory] = None,
-          mesh: Optional[Mesh] = None, hooks: Hooks = Hooks(), seed: int = 0,
-          deterministic: bool = False) -> Run:
+          mesh: Optional[Mesh] = None, hooks: Hooks = Hooks(), seed: int = 0) -> Run:
   """A run's parts, from `run_dir`'s last checkpoint when it has one.
 
   `model` is called with the tokenizer's vocabulary size (e.g. models.config.tiny), or is a
@@ -366,19 +364,11 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   driven by process 0 alone), process 0 alone writes metrics, summary, plots and logs, and
   all take part in every checkpoint. A run resumes on another number of processes when its
   mesh fits them (the state is resharded on restore).
-  `deterministic`: a reproducible run, which the same command repeats bit for bit (every
-  metrics.jsonl field but timings, every array of every checkpoint) on the same hardware and
-  software (scripts/check_determinism.py checks one): make_deterministic() first (XLA's
-  deterministic GPU operations, deterministic batching in the servers the run starts), and
-  nothing that depends on timing: rollouts Ahead of the trainer and Partial rollouts paused
-  by aborting requests are refused. Everything else already is: sampling is seeded (the
-  embedded engine from each step's seed, servers from a sampling_seed per request: start
-  SGLang with --enable-deterministic-inference, or it ignores them), and the loop reduces on
-  the host in trajectory order, whatever order completions arrive in.
+  A reproducible run: RLConfig.deterministic.
   Everything that can be wrong with the configuration raises ConfigError before anything is
   compiled or written.
   """
-  if deterministic:
+  if rl.deterministic:
     make_deterministic()
   distributed.initialize()  # several processes when the environment says so (JAX_* variables)
   pretrained = model if isinstance(model, HFCheckpoint) else None
@@ -393,13 +383,9 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   # Before anything is built, with what the factory says its engine can do; again once made.
   sources.check(rollouts, sources.Context(None, task, tokenizer, rl, plan.sampler,
                                           getattr(factory, "capabilities", None)))
-  if deterministic:
-    _check_deterministic(rollouts, getattr(factory, "capabilities", None))
   cfg = plan.cfg
-  # Nothing is loaded, started or written before this run holds its directory (process 0
-  # holds it for all); it lets go last.
-  held = distributed.checked(
-      lambda: run_lock.hold(run_dir) if distributed.is_primary() else None)
+  # Nothing is loaded, started or written before process 0 holds the directory; it lets go last.
+  held = distributed.checked(lambda: run_lock.hold(run_dir) if distributed.is_primary() else None)
   closers = [lambda: held is not None and held.release()]
   run = None
   try:
@@ -538,23 +524,6 @@ def _check_processes(mesh: Optional[Mesh], start, objective: Objective) -> None:
   if named:
     raise ConfigError(f"{', '.join(named)}: not supported with {count} JAX processes yet "
                       "(several processes generate whole steps)")
-
-
-def _check_deterministic(rollouts: sources.Source, can) -> None:
-  """ConfigError for a rollout source whose results depend on timing, which a reproducible run
-  rules out (`can`: the engine's capabilities, None when unknown)."""
-  source = rollouts
-  while source is not None:
-    if isinstance(source, sources.Ahead):
-      raise ConfigError("train.deterministic: rollouts Ahead of the trainer start each step on "
-                        "whichever weights the engine holds by then (timing); use Lockstep, "
-                        "with RLConfig.weight_sync_every for staleness fixed by the schedule")
-    if isinstance(source, sources.Partial) and (can is None or can.abort):
-      raise ConfigError("train.deterministic: Partial rollouts on an engine that aborts "
-                        "requests pause at whichever completions arrive first (timing); "
-                        "multi-turn episodes on the embedded engine pause between waves")
-    source = source.inner if isinstance(source, (sources.DynamicSampling, sources.Ahead)
-                                        ) else None
 
 
 def _initial_params(start: Start, cfg: ModelConfig, mesh: Optional[Mesh], seed: int,

@@ -1,5 +1,5 @@
 """Whether a configuration makes a reproducible run: run it twice for a few RL steps as a
-reproducible run (train.deterministic = True), each into a directory of its own, and compare
+reproducible run (RLConfig.deterministic = True), each into a directory of its own, and compare
 the two as scripts/same_run.py does (every metrics.jsonl record and summary.json field,
 timings aside, and every array of the last checkpoint bit for bit).
 
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
   runs = [os.path.join(base, "a"), os.path.join(base, "b")]
   if any(os.path.exists(r) for r in runs):
     raise SystemExit(f"error: {runs[0]} or {runs[1]} exists; a reproducible run starts afresh")
-  bindings = [*args.gin_param, "train.deterministic = True",
+  bindings = [*args.gin_param, "RLConfig.deterministic = True",
               f"RLConfig.num_steps = {args.steps}", "Hooks.progress = False"]
   try:
     for name, run_dir, extra in (("first", runs[0], []), ("second", runs[1], args.second)):

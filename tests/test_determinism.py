@@ -1,4 +1,4 @@
-"""Reproducible runs (train.deterministic): the quickstart run twice is the same run, on the
+"""Reproducible runs (RLConfig.deterministic): the quickstart run twice is the same run, on the
 embedded engine and through a server process (scripts/check_determinism.py, which compares as
 scripts/same_run.py does); the checker names the first difference when there is one; a
 deterministic server answers a request alike whatever shares its batch; and what depends on
@@ -90,14 +90,15 @@ def test_a_deterministic_server_answers_a_request_alike_in_any_batch(tokenizer):
 
 
 @pytest.mark.parametrize("configs,bindings,message", [
-    ([QUICKSTART], ["train.rollouts = @Ahead()"], "train.deterministic: rollouts Ahead"),
-    ([QUICKSTART, SERVER, PARTIAL], [], "train.deterministic: Partial rollouts on an engine"),
+    ([QUICKSTART], ["train.rollouts = @Ahead()"], "RLConfig.deterministic: rollouts Ahead"),
+    ([QUICKSTART, SERVER, PARTIAL], [], "RLConfig.deterministic: Partial rollouts on an engine"),
 ], ids=["ahead", "partial_on_a_server"])
 def test_a_reproducible_run_refuses_what_depends_on_timing(tmp_path, configs, bindings,
                                                            message):
   run_dir = str(tmp_path / "run")
   args = [arg for path in configs for arg in ("--gin", path)]
-  args += [arg for b in [*bindings, "train.deterministic = True"] for arg in ("--gin_param", b)]
+  bindings = [*bindings, "RLConfig.deterministic = True"]
+  args += [arg for b in bindings for arg in ("--gin_param", b)]
   result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/run.py"), *args,
                            "--run_dir", run_dir], capture_output=True, text=True, cwd=ROOT,
                           timeout=300, env=dict(os.environ, JAX_LOG_COMPILES="1"))
