@@ -114,9 +114,12 @@ def test_an_engine_in_bf16_holds_and_scores_with_bf16_copies(tiny_cfg, tiny_para
   engine = JaxEngine(tiny_cfg, tiny_params, dtype="bfloat16")
   assert {x.dtype for x in jax.tree.leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
   assert not engine.capabilities.keeps_weight_arrays
-  engine.update_weights(tiny_params, version=1)
+  moved = jax.tree.map(lambda x: x + 1, tiny_params)
+  engine.update_weights(moved, version=1)
   assert {x.dtype for x in jax.tree.leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for x in jax.tree.leaves(tiny_params)} == {jnp.dtype(jnp.float32)}
+  assert engine._hold._cache_size() == 1  # the copy compiled once, not at every update
+  engine.update_weights(tiny_params, version=1)
   prompts, continuations = [[1, 5, 9], [1, 7]], [[3, 4, 5, 6], [8, 9]]
   want = JaxEngine(tiny_cfg, tiny_params).score(prompts, continuations)
   for got, expected in zip(engine.score(prompts, continuations), want):

@@ -242,24 +242,16 @@ def _wait_for_tokens(url, at_least, thread):
   return False
 
 
-def _busy_server(urls, at_least, thread) -> int | None:
-  """The index of the first of `urls` seen holding at least `at_least` tokens of running
-  requests while `thread` (the client's) runs; None when the thread ends first."""
+def _holding_server(urls) -> int:
+  """The index of the first of `urls` holding a request (running or waiting)."""
   deadline = time.monotonic() + 120
-  clients = [httpx.Client(base_url=url) for url in urls]
-  try:
-    while thread.is_alive() and time.monotonic() < deadline:
-      for i, http in enumerate(clients):
-        loads = http.get("/v1/loads").json()["loads"][0]
-        if loads["num_running_reqs"] and loads["num_used_tokens"] >= at_least:
-          return i
-      time.sleep(0.001)
-  finally:
-    for http in clients:
-      http.close()
-  if thread.is_alive():
-    raise TimeoutError(f"no server of {urls} generated anything in 120 s")
-  return None
+  while time.monotonic() < deadline:
+    for i, url in enumerate(urls):
+      loads = httpx.get(url + "/v1/loads").json()["loads"][0]
+      if loads["num_running_reqs"] or loads["num_waiting_reqs"]:
+        return i
+    time.sleep(0.01)
+  raise TimeoutError(f"no server of {urls} was sent a request in 120 s")
 
 
 def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, servers):
@@ -859,19 +851,17 @@ def test_fleet_behind_the_router_survives_a_dead_server_and_takes_it_back(model)
       np.testing.assert_array_equal(a.token_ids, b.token_ids)
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
     # A server killed mid-iteration: the router re-sends its requests (same rid) elsewhere.
-    for attempt in range(5):  # on a busy machine an iteration may end before a poll sees it
-      requests = [Request(f"f-{attempt}.{i}", (7, i % 40 + 3), 60, affinity=i)
-                  for i in range(12)]
-      thread, out = _generate_in_background(client, requests, greedy(60))
-      busy = _busy_server(urls, 20, thread)  # the router picks the workers: kill a busy one
-      if busy is not None:
-        break
-      thread.join()
-    else:
-      raise AssertionError(f"no server of {urls} was seen generating in 5 iterations")
+    # Both are paused in place first, so the one killed surely holds requests (a poll for a
+    # busy one raced the iteration, and lost on a loaded machine).
+    for url in urls:
+      assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}).json() == PAUSED
+    requests = [Request(f"f-k.{i}", (7, i % 40 + 3), 60, affinity=i) for i in range(12)]
+    thread, out = _generate_in_background(client, requests, greedy(60))
+    busy = _holding_server(urls)
     started[0], started[busy] = started[busy], started[0]
     urls[0], urls[busy] = urls[busy], urls[0]
     started[0][0].kill()
+    assert httpx.post(urls[1] + "/continue_generation", json={}).json() == CONTINUED
     reference.close()
     reference = SGLangClient(urls[1:], retries=0)  # the live one
     thread.join(timeout=120)
