@@ -32,7 +32,7 @@ from models import hf
 hf.save(*reversed(start_model()), sys.argv[1])" "$WORK/start"
 
 "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$WORK/start" --skip-tokenizer-init \
-  --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype float32 \
+  --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype bfloat16 \
   --mem-fraction-static "$SERVER_MEM" --enable-memory-saver > "$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT

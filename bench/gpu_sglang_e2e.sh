@@ -17,19 +17,21 @@ bash scripts/setup.sh
 source bench/sglang_python.sh
 API_TYPES=$("$SGLANG_PYTHON" -c "import sglang, os; print(os.path.join(os.path.dirname(sglang.__file__), 'api', 'v1', 'api_types.py'))")
 
-# Two tiny random Qwen2 checkpoints (v0 served first, v1 for the refit).
+# Two tiny random Qwen2 checkpoints in bf16 (v0 served first, v1 for the refit): what a run
+# exports, and what SGLang's default attention on Hopper (FA3) takes (not float32).
 .venv/bin/python - "$WORK" <<'PY'
-import sys, jax
+import dataclasses, sys, jax
 from models import config, hf, transformer
 cfg = config.tiny(512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   intermediate_size=128)
+cfg = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
 for version in (0, 1):
     params = transformer.init_params(cfg, jax.random.PRNGKey(version))
     hf.save(params, cfg, f"{sys.argv[1]}/v{version:06d}")
 PY
 
 "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$WORK/v000000" --skip-tokenizer-init \
-  --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype float32 \
+  --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype bfloat16 \
   --mem-fraction-static 0.2 --disable-cuda-graph > "$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT

@@ -129,7 +129,7 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
   else:
     rollouts = remote_engine(cfg, params, 0, urls=[os.environ["LONGRL_SGLANG_URL"]],
                              weights_dir=os.environ["LONGRL_SGLANG_WEIGHTS"],
-                             health_timeout=600)
+                             health_timeout=600, export_dtype="bfloat16")  # --dtype bfloat16
   loss = losses.bind("grpo", {"clip_eps": p["clip_eps"], "kl_coef": 0.0})
   parts = loop.Parts(
       sources.Context(rollouts, task, tokenizer, rl, sampling.uniform()),

@@ -107,7 +107,8 @@ def main():
   cfg, params = trained_model(tokenizer)
   weights = tempfile.mkdtemp(prefix="bench-partial-")
   process, url = launch(["--hf_checkpoint", hf.save(params, cfg, os.path.join(weights, "v0")),
-                         "--max_batch", "96", "--warmup_len", str(LONG + 16)])
+                         "--max_batch", "96", "--warmup_len", str(LONG + 16),
+                         "--dtype", "float32"])
   # One core each for the server and this process (the client), every thread of both: on a
   # 2-core machine they otherwise trade cores with XLA's thread pools, and the timings scatter.
   if len(os.sched_getaffinity(0)) >= 2:

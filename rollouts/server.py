@@ -3,17 +3,23 @@
 Owns a step-wise scheduler (requests are decoded one token at a time in batches, so abort,
 pause and weight updates take effect between tokens) and the subset of SGLang's endpoints a
 trainer uses, with SGLang's request checks and response shapes (../shared/reference/sglang.md
-sections 1-2): /generate (single and batch, n, stream, return_logprob), /abort_request (rid
-prefix or all, partial output), /pause_generation (abort, retract, in_place),
+sections 1-2): /generate (single and batch, n, stream, return_logprob), /abort_request (a
+live rid, or all; partial output), /pause_generation (abort, retract, in_place),
 /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache,
 /model_info, /server_info, /health, /health_generate, /ready, /v1/loads. It lets the SGLang
-client (rollouts/sglang.py) run for real in CI, where SGLang itself cannot.
+client (rollouts/sglang.py) run for real in CI, where SGLang itself cannot, and behaves as
+SGLang where a client can go wrong (docs/sglang.md, section 3): an unknown rid's abort does
+nothing, a live rid is refused, the entry at logprob_start_len is null, /health generates (so
+it blocks while paused or updating), requests arriving while paused or updating wait outside
+the scheduler, sampling_seed counts only with --deterministic, --dtype auto serves float32 in
+float16, and requests stop at the checkpoint's eos ids.
 
 Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabulary
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
 
   python -m rollouts.server --hf_checkpoint DIR [--host 127.0.0.1] [--port 0]
                            [--max_batch 64] [--warmup_len TOKENS] [--deterministic]
+                           [--dtype auto|float32|bfloat16|float16]
   python -m experiments.serve --gin FILE [--gin_param B] [the options above]
 
 (the second serves a model bound in gin, e.g. `load_model.model = @tiny`: gin is the entry
@@ -28,8 +34,8 @@ subprocess and waits for /health. LONGRL_SERVER_DEBUG=1 logs each batch's size t
 has LONGRL_DETERMINISTIC=1, which rl.trainer.make_deterministic sets for the servers a
 reproducible run starts): a request's tokens and log-probs depend on the request alone (its
 input_ids, sampling params and sampling_seed), never on which requests share its batch or the
-order they arrived in. Every request is always sampled from its own sampling_seed (a random
-one when it has none); what else is in the batch changes the shapes a row is computed in (rows,
+order they arrived in. Every request is sampled from its own sampling_seed (42 when it has
+none, as SGLang's); what else is in the batch changes the shapes a row is computed in (rows,
 prompt width, cache length), and with them the order of the sums in its matmuls and
 attention. Deterministic, a batch holds only requests of one prompt-width and one
 max_new_tokens bucket (so a row is laid out the same whatever the others are), always has
@@ -82,7 +88,7 @@ NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "json_schema": 
 GREEDY_BELOW = 1e-6
 GATHER_SECONDS = 0.01
 PREFIX_CACHE_ENTRIES = 1024
-DETERMINISTIC_ENV = "LONGRL_DETERMINISTIC"  # "1": --deterministic by default
+DETERMINISTIC_ENV = sglang.DETERMINISTIC_ENV  # "1": --deterministic by default
 
 
 def shape_bucket(n: int, minimum: int) -> int:
@@ -94,7 +100,13 @@ def shape_bucket(n: int, minimum: int) -> int:
 
 
 class BadRequest(ValueError):
-  """Answered with HTTP 400 and {"error": message}."""
+  """Answered with HTTP 400 and {"error": message} (SGLang's contract gate, http_server.py
+  L937-939)."""
+
+
+class RequestError(ValueError):
+  """Answered with HTTP 400 and {"error": {"message": message}}: a request the contract let
+  through refused later (http_server.py L988-990, `_create_error_response` L2246)."""
 
 
 @dataclasses.dataclass
@@ -116,6 +128,7 @@ class Request:
   versions: list[str] = dataclasses.field(default_factory=list)
   finish_reason: dict | None = None
   aborted: str | None = None  # the abort message once aborted
+  abort_sent: bool = False  # an abort by its rid came (SGLang passes on only the first)
   cached_tokens: int = 0  # input tokens whose keys and values came from the prefix cache
   started: float = dataclasses.field(default_factory=time.time)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -141,9 +154,43 @@ def _parse_sampling(params: dict) -> dict:
   return params
 
 
-def expand_request(body: dict) -> tuple[list[Request], bool]:
+def checkpoint_eos_ids(path: str) -> tuple[int, ...]:
+  """The eos_token_id(s) of config.json and generation_config.json in checkpoint `path` (none
+  for ""): SGLang stops every request at them too, besides its stop_token_ids, unless
+  ignore_eos (configs/model_config.py L2190-2208, managers/schedule_batch.py L1856-1871)."""
+  ids = set()
+  for name in ("config.json", "generation_config.json"):
+    file = os.path.join(path, name)
+    if path and os.path.isfile(file):
+      with open(file) as f:
+        found = json.load(f).get("eos_token_id")
+      ids |= {found} if isinstance(found, int) else set(found or ())
+  return tuple(sorted(ids))
+
+
+def _rids(rid, count: int, batched: bool) -> list[str]:
+  """The rid of each of `count` prompts: as given, `rid_i` for a batch under one rid, or
+  fresh uuids (io_struct.py L563-564)."""
+  if batched and isinstance(rid, list):
+    if len(rid) != count:
+      raise BadRequest("rid list length must match the batch size")
+    rids = rid
+  elif batched:
+    rids = [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(count)]
+  else:
+    rids = [rid or uuid.uuid4().hex]
+  if len(set(rids)) != len(rids):
+    raise BadRequest("duplicate rids in one request")
+  return rids
+
+
+def expand_request(body: dict, deterministic: bool = False, eos_ids: Sequence[int] = ()
+                   ) -> tuple[list[Request], bool]:
   """The Requests of a /generate body (a batch and n > 1 expanded, prompt-major) and
-  whether the response is a list."""
+  whether the response is a list. `sampling_seed` is honoured only `deterministic`, and a
+  request without one then samples from seed 42, as SGLang does (its sampler gets seeds only
+  with --enable-deterministic-inference: sampling/sampling_batch_info.py L157-172). Requests
+  stop at the model's `eos_ids` too (checkpoint_eos_ids)."""
   if "text" in body or "input_embeds" in body:
     raise BadRequest("this server is token-in, token-out: send input_ids (it runs as with "
                      "--skip-tokenizer-init)")
@@ -163,17 +210,7 @@ def expand_request(body: dict) -> tuple[list[Request], bool]:
   n = per_item[0].get("n", 1) or 1
   if any((s.get("n", 1) or 1) != n for s in per_item):
     raise BadRequest("n must be the same in every sampling_params")
-  rid = body.get("rid")
-  if batched and isinstance(rid, list):
-    if len(rid) != len(prompts):
-      raise BadRequest("rid list length must match the batch size")
-    rids = rid
-  elif batched:
-    rids = [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(len(prompts))]
-  else:
-    rids = [rid or uuid.uuid4().hex]
-  if len(set(rids)) != len(rids):
-    raise BadRequest("duplicate rids in one request")
+  rids = _rids(body.get("rid"), len(prompts), batched)
   return_logprob = body.get("return_logprob", False)
   if isinstance(return_logprob, list):
     if n > 1:
@@ -205,15 +242,17 @@ def expand_request(body: dict) -> tuple[list[Request], bool]:
                        "(max_new_tokens 0, return_logprob, logprob_start_len >= 0)")
     for _ in range(n):
       temperature = float(params.get("temperature", 1.0))
-      seed = params.get("sampling_seed")
+      seed = params.get("sampling_seed") if deterministic else None
+      seed = 42 if deterministic and seed is None else seed
       requests.append(Request(
           rid=item_rid if n == 1 else uuid.uuid4().hex, input_ids=list(prompt),
           max_new_tokens=int(params.get("max_new_tokens", 128)),
           temperature=0.0 if temperature < GREEDY_BELOW else temperature,
           top_p=float(params.get("top_p", 1.0)),
           stop_token_ids=() if params.get("ignore_eos") else tuple(
-              params.get("stop_token_ids") or ()),
-          seed=int(seed) if seed is not None else int.from_bytes(os.urandom(4), "little"),
+              params.get("stop_token_ids") or ()) + tuple(eos_ids),
+          seed=(int(seed) % 2**32 if seed is not None
+                else int.from_bytes(os.urandom(4), "little")),
           return_logprob=bool(want_logprob), logprob_start_len=start,
           top_logprobs_num=top))
   return requests, batched or n > 1
@@ -293,23 +332,42 @@ class Scheduler:
     self.cfg, self.params = cfg, params
     self.weight_version, self.model_path = weight_version, model_path
     self.max_batch, self.deterministic = max_batch, deterministic
+    self.eos_ids = checkpoint_eos_ids(model_path)  # read at start, as SGLang does
     self.lock = threading.Condition()
     self.waiting: list[Request] = []
     self.running: list[Request] = []
-    self.held: list[Request] = []  # arrived during a weight update: they wait for it
+    # Arrived while paused or during a weight update: they wait outside the scheduler, as
+    # SGLang's wait in its tokenizer manager (tokenizer_manager.py L938-942), not counted in
+    # /v1/loads.
+    self.held: list[Request] = []
     self.updating = 0  # weight updates waiting for the requests in flight
     self.paused: str | None = None  # None, "in_place" or "retract" (abort unpauses nothing)
     self.stopped = False
     self.prefixes: dict[tuple[int, ...], CachedPrefix] = {}  # insertion order = age
+    self.last_output = 0.0  # time.time() of the last token or finished request (/health)
     self.thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
     self.thread.start()
 
   # --- control, from HTTP threads
 
   def submit(self, requests: list[Request]):
+    """Queue `requests`; RequestError when a rid is one still alive here (SGLang refuses it,
+    tokenizer_manager.py L3833-3836) or a logprob_start_len is past the input (scheduler.py
+    L3275-3280)."""
+    with self.lock:
+      alive = {r.rid for r in self.waiting + self.running + self.held}
+    for r in requests:
+      if r.rid in alive:
+        raise RequestError(f"Duplicate request ID detected: {r.rid}")
+      if r.return_logprob and r.logprob_start_len > len(r.input_ids):
+        raise RequestError(f"req.logprob_start_len={r.logprob_start_len} is higher than the "
+                           f"number of input tokens len(req.origin_input_ids)="
+                           f"{len(r.input_ids)}. Please use a smaller logprob_start_len.")
     scored = [r for r in requests if r.return_logprob and 0 <= r.logprob_start_len]
     if scored:  # a prefill of the inputs (teacher scoring: max_new_tokens 0)
-      with self.lock:
+      with self.lock:  # not while paused or updating, like any request
+        while (self.paused or self.updating) and not self.stopped:
+          self.lock.wait()
         params = self.params
       # Deterministic, each alone: its shapes (and top-k or not) then depend on it only.
       for group in ([[r] for r in scored] if self.deterministic else [scored]):
@@ -319,40 +377,85 @@ class Scheduler:
         if r.max_new_tokens == 0:
           self._finish(r, {"type": "length", "length": 0})
         else:
-          (self.held if self.updating else self.waiting).append(r)
+          (self.held if self.updating or self.paused else self.waiting).append(r)
       self.lock.notify_all()
 
   def _score(self, params, scored: list[Request]) -> None:
-    """The input log-probs (and top-k, when asked) of `scored`, from one prefill."""
-    starts = [max(1, min(r.logprob_start_len, len(r.input_ids))) for r in scored]
-    heads, tails = ([r.input_ids[:s] for r, s in zip(scored, starts)],
-                    [r.input_ids[s:] for r, s in zip(scored, starts)])
+    """The input log-probs (and top-k, when asked) of `scored`, from one prefill. As SGLang's,
+    they cover input_ids[logprob_start_len:], and the entry at logprob_start_len (and its
+    top-k row) is null: to score token s, ask from s - 1 (logprob_result_processor.py L33-38,
+    L66-81)."""
+    scored = [r for r in scored if r.logprob_start_len < len(r.input_ids)]
+    for r in scored:
+      if r.logprob_start_len == len(r.input_ids) - 1:  # the null entry alone
+        r.input_logprobs = [[None, r.input_ids[-1] if r.input_ids[-1] < self.cfg.vocab_size - 1
+                             else 0]]
+        r.input_top_logprobs = [None] if r.top_logprobs_num else []
+    scored = [r for r in scored if r.logprob_start_len < len(r.input_ids) - 1]
+    if not scored:
+      return
+    heads, tails = ([r.input_ids[:r.logprob_start_len + 1] for r in scored],
+                    [r.input_ids[r.logprob_start_len + 1:] for r in scored])
     k = max(r.top_logprobs_num for r in scored)
     if k:  # one prefill gives both
       results = score_continuations_top_k(params, self.cfg, heads, tails, k)
     else:
       results = [(lp, None, None) for lp in score_continuations(params, self.cfg, heads,
                                                                   tails)]
+    # SGLang reports an input token id >= vocab_size - 1 as 0 (logprob_result_processor.py
+    # L53-56).
+    shown = lambda t: t if t < self.cfg.vocab_size - 1 else 0
     for r, tail, (lp, ids, top) in zip(scored, tails, results):
-      # SGLang's first entry, for the first input token, has no log-prob.
-      first = r.logprob_start_len == 0
-      r.input_logprobs = [[None, r.input_ids[0]]] * first + [
-          [float(v), t] for v, t in zip(lp, tail)]
+      r.input_logprobs = [[None, shown(r.input_ids[r.logprob_start_len])]] + [
+          [float(v), shown(t)] for v, t in zip(lp, tail)]
       if r.top_logprobs_num:
-        r.input_top_logprobs = [None] * first + [
+        r.input_top_logprobs = [None] + [
             [[float(v), int(t)] for v, t in zip(row_lp[:r.top_logprobs_num],
                                                 row_ids[:r.top_logprobs_num])]
             for row_lp, row_ids in zip(top, ids)]
 
+  def abort_by_rid(self, rid: str) -> None:
+    """/abort_request with a rid, as SGLang's tokenizer manager passes it on
+    (tokenizer_manager.py L2241-2253): an unknown or empty rid, or one aborted before, does
+    nothing; a held request's abort is lost (it runs once let through: L926-951)."""
+    with self.lock:
+      found = [r for r in self.held + self.waiting + self.running if r.rid == rid]
+      if not rid or not found or found[0].abort_sent:
+        return
+      found[0].abort_sent = True
+      if found[0] in self.held:
+        return
+    self.abort(rid)
+
+  def generates_within(self, timeout: float) -> bool:
+    """SGLang's health check (http_server.py L721-800): a one-token greedy request of
+    input_ids [0] is sent the usual way, and the server is healthy once anything (a token, a
+    finished request) comes out within `timeout` s. So it blocks while paused or loading
+    weights. (SGLang looks once a second; this looks as soon as something comes out.)"""
+    tic = time.time()
+    probe = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0], max_new_tokens=1,
+                    temperature=0.0, top_p=1.0, stop_token_ids=(), seed=42,
+                    return_logprob=False)
+    self.submit([probe])
+    with self.lock:
+      while self.last_output <= tic and time.time() < tic + timeout:
+        self.lock.wait(max(0.0, min(0.05, tic + timeout - time.time())))
+      healthy = self.last_output > tic
+    self.abort(probe.rid)  # gone from the queue if it waits there
+    return healthy
+
   def abort(self, rid: str | None, message: str = "Aborted"):
+    """Abort every queued and running request when `rid` is None, else those whose rid starts
+    with it (SGLang's scheduler matches so, scheduler.py L5677-5744; its HTTP endpoint lets
+    only a live rid through, Server.abort_request). Held requests (arrived while paused or
+    updating) are not in the scheduler yet, as in SGLang, and are not aborted."""
     if os.environ.get("LONGRL_SERVER_DEBUG"):
       print(f"abort {rid!r} at {time.time():.3f}", file=sys.stderr)
     with self.lock:
-      for queue in (self.waiting, self.held):
-        for r in list(queue):
-          if rid is None or r.rid.startswith(rid):
-            queue.remove(r)
-            self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
+      for r in list(self.waiting):
+        if rid is None or r.rid.startswith(rid):
+          self.waiting.remove(r)
+          self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
       for r in self.running:
         if rid is None or r.rid.startswith(rid):
           r.aborted = message
@@ -372,7 +475,15 @@ class Scheduler:
   def resume(self):
     with self.lock:
       self.paused = None
-      self.lock.notify_all()
+      self._release_held()
+
+  def _release_held(self):
+    """Requests held while paused or updating join the queue once neither is (under the
+    lock)."""
+    if not self.updating and not self.paused:
+      self.waiting.extend(self.held)
+      self.held.clear()
+    self.lock.notify_all()
 
   def update_weights(self, params, version: str | None, model_path: str | None) -> None:
     with self.lock:
@@ -391,10 +502,7 @@ class Scheduler:
           self.model_path = model_path
       finally:
         self.updating -= 1
-        if not self.updating:
-          self.waiting.extend(self.held)
-          self.held.clear()
-          self.lock.notify_all()
+        self._release_held()
 
   def flush_cache(self) -> bool:
     """Drop the cached prefixes; refused (False) while requests run or wait, unpaused."""
@@ -406,7 +514,7 @@ class Scheduler:
 
   def loads(self) -> dict:
     with self.lock:
-      return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting) + len(self.held),
+      return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
               "num_used_tokens": sum(len(r.input_ids) + len(r.tokens) for r in self.running)}
 
   def warmup(self, max_len: int):
@@ -432,6 +540,7 @@ class Scheduler:
 
   def _finish(self, r: Request, reason: dict):
     r.finish_reason = reason
+    self.last_output = time.time()
     r.done.set()
 
   def _loop(self):
@@ -563,6 +672,7 @@ class Scheduler:
         if not active[row]:
           continue
         r.tokens.append(int(token[row]))
+        self.last_output = time.time()
         r.logprobs.append(float(logp[row]))
         r.versions.append(version)
         if token[row] in r.stop_token_ids:
@@ -642,6 +752,8 @@ def response(r: Request, weight_version: str) -> dict:
     if i == len(r.versions) or r.versions[i] != r.versions[start]:
       spans.append({"version": r.versions[start], "start": start, "end": i})
       start = i
+  # No tokens: one empty span at the version it started on (utils/weight_versions.py L95-106).
+  spans = spans or [{"version": weight_version, "start": 0, "end": 0}]
   meta = {"id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.input_ids),
           "completion_tokens": len(r.tokens), "cached_tokens": r.cached_tokens,
           "reasoning_tokens": 0,
@@ -717,6 +829,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
       routes[path](self)
     except BadRequest as e:
       self._send(400, {"error": str(e)})
+    except RequestError as e:
+      self._send(400, {"error": {"message": str(e)}})
     except (BrokenPipeError, ConnectionResetError):
       pass
 
@@ -731,8 +845,17 @@ class Server(http.server.ThreadingHTTPServer):
     self.scheduler = scheduler
     self.served_model_name = served_model_name
 
+  def handle_error(self, request, client_address):
+    """A client that went away (a router's health check that timed out while /health waited
+    on a pause, a killed trainer) is no error here; anything else is one line on stderr
+    (which is the trainer's log), not a traceback."""
+    error = sys.exc_info()[1]
+    if not isinstance(error, (ConnectionError, TimeoutError)):
+      print(f"rollouts.server: a request from {client_address[0]}:{client_address[1]} failed: "
+            f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+
   def routes(self, method: str):
-    get = {"/health": self.health, "/health_generate": self.health, "/ready": self.health,
+    get = {"/health": self.health, "/health_generate": self.health, "/ready": self.ready,
            "/model_info": self.model_info, "/get_model_info": self.model_info,
            "/server_info": self.server_info, "/get_server_info": self.server_info,
            "/v1/loads": self.v1_loads, "/flush_cache": self.flush_cache}
@@ -745,7 +868,25 @@ class Server(http.server.ThreadingHTTPServer):
     return get if method == "GET" else post
 
   def health(self, h: Handler):
-    h._send(200 if self.scheduler.thread.is_alive() else 503, text="")
+    """/health and /health_generate generate a token first (Scheduler.generates_within), as
+    SGLang's do, within SGLANG_HEALTH_CHECK_TIMEOUT s (20); /health answers at once with
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (environ.py L344)."""
+    s = self.scheduler
+    if not s.thread.is_alive():
+      h._send(503, text="")
+      return
+    if h.path.split("?", 1)[0] == "/health" and os.environ.get(
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("0", "false", "no",
+                                                                        "n"):
+      h._send(200, text="")
+      return
+    timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+    h._send(200 if s.generates_within(timeout) else 503, text="")
+
+  def ready(self, h: Handler):
+    """503 while paused, as SGLang's is_ready (tokenizer_manager.py L732-734)."""
+    ok = self.scheduler.thread.is_alive() and not self.scheduler.paused
+    h._send(200 if ok else 503, text="")
 
   def model_info(self, h: Handler):
     s = self.scheduler
@@ -758,7 +899,7 @@ class Server(http.server.ThreadingHTTPServer):
     s = self.scheduler
     h._send(200, {"model_path": s.model_path, "max_running_requests": s.max_batch,
                   "skip_tokenizer_init": True, "weight_version": s.weight_version,
-                  "enable_deterministic_inference": s.deterministic,
+                  "enable_deterministic_inference": s.deterministic, "dtype": s.cfg.dtype,
                   "internal_states": [s.loads()], "version": "0.5.23 (longrl embedded)"})
 
   def v1_loads(self, h: Handler):
@@ -773,7 +914,8 @@ class Server(http.server.ThreadingHTTPServer):
 
   def generate(self, h: Handler):
     body = h._body()
-    requests, as_list = expand_request(body)
+    requests, as_list = expand_request(body, self.scheduler.deterministic,
+                                       self.scheduler.eos_ids)
     self.scheduler.submit(requests)
     if body.get("stream"):
       self._stream(h, requests, as_list)
@@ -813,11 +955,14 @@ class Server(http.server.ThreadingHTTPServer):
     h.wfile.flush()
 
   def abort_request(self, h: Handler):
+    """abort_all, or the rid of a live request (Scheduler.abort_by_rid): a bare prefix aborts
+    nothing. (A live rid also aborts the requests whose rids it begins, as SGLang's scheduler
+    does.)"""
     body = h._body()
     if body.get("abort_all"):
       self.scheduler.abort(None)
-    elif body.get("rid"):
-      self.scheduler.abort(str(body["rid"]))
+    else:
+      self.scheduler.abort_by_rid(str(body.get("rid") or ""))
     h._send(200, text="")
 
   def pause_generation(self, h: Handler):
@@ -874,18 +1019,34 @@ def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
   return server
 
 
-def load_model(*, model=None, hf_checkpoint: str | None = None, seed: int = 0
-               ) -> tuple[ModelConfig, Any, str]:
-  """(cfg, params, model_path) to serve: a Hugging Face checkpoint directory, or `model` (a
-  config factory such as models.config.tiny, called with the character tokenizer's
-  vocabulary) with random weights from `seed`."""
+def served_dtype(config: dict, dtype: str) -> str:
+  """The dtype a server started with `--dtype dtype` computes and holds weights in, by
+  SGLang's rule (configs/model_config.py L2284-2324): 'auto' is config.json's dtype
+  (torch_dtype), and float32 (or none) becomes float16. A float32 export served with
+  --dtype auto computes in float16."""
+  if dtype != "auto":
+    return dtype
+  found = config.get("dtype") or config.get("torch_dtype") or "float32"
+  return "float16" if found in ("float32", "float") else found
+
+
+def load_model(*, model=None, hf_checkpoint: str | None = None, seed: int = 0,
+               dtype: str = "auto") -> tuple[ModelConfig, Any, str]:
+  """(cfg, params, model_path) to serve: a Hugging Face checkpoint directory, in `dtype`
+  (served_dtype), or `model` (a config factory such as models.config.tiny, called with the
+  character tokenizer's vocabulary) with random weights from `seed`, in its own dtype unless
+  `dtype` names one."""
   if hf_checkpoint:
-    cfg, params = hf.load(hf_checkpoint)
+    with open(os.path.join(hf_checkpoint, "config.json")) as f:
+      held = served_dtype(json.load(f), dtype)
+    cfg, params = hf.load(hf_checkpoint, dtype=held, param_dtype=held)
     return cfg, params, hf_checkpoint
   if model is None:
     raise ValueError("load_model: give hf_checkpoint or model")
   from models.tokenizer import CharTokenizer
   cfg = model(CharTokenizer().vocab_size)
+  if dtype != "auto":
+    cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
   return cfg, transformer.init_params(cfg, jax.random.PRNGKey(seed)), ""
 
 
@@ -902,10 +1063,16 @@ def main(argv=None, *, load=None):
   parser.add_argument("--warmup_len", type=int, default=0, metavar="TOKENS",
                       help="before serving, compile every batch shape for requests of up to "
                       "TOKENS tokens (prompt + new); 0: compile shapes as they come")
-  parser.add_argument("--deterministic", action="store_true",
+  parser.add_argument("--dtype", default="auto",
+                      choices=("auto", "float32", "bfloat16", "float16", "half", "float"),
+                      help="what the weights are held and computed in; auto: config.json's "
+                      "dtype, float32 becoming float16 (SGLang's --dtype, served_dtype)")
+  parser.add_argument("--deterministic", "--enable-deterministic-inference",
+                      action="store_true",
                       default=os.environ.get(DETERMINISTIC_ENV) == "1",
-                      help="each request's output depends on it alone, not on its batch "
-                      f"(default: on when {DETERMINISTIC_ENV}=1)")
+                      help="each request's output depends on it alone, not on its batch, "
+                      "and sampling_seed is honoured (SGLang's --enable-deterministic-"
+                      f"inference; default: on when {DETERMINISTIC_ENV}=1)")
   parser.add_argument("--exit_with_parent", action="store_true",
                       help="stop when the process that started this one exits (launch sets it)")
   args = parser.parse_args(argv)
@@ -918,10 +1085,11 @@ def main(argv=None, *, load=None):
       os._exit(0)
 
     threading.Thread(target=watch, daemon=True).start()
+  dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
   if args.hf_checkpoint:
-    cfg, params, path = load_model(hf_checkpoint=args.hf_checkpoint)
+    cfg, params, path = load_model(hf_checkpoint=args.hf_checkpoint, dtype=dtype)
   elif load is not None:
-    cfg, params, path = load()
+    cfg, params, path = load(dtype=dtype)
   else:
     parser.error("give --hf_checkpoint DIR (a model bound in gin: python -m experiments.serve "
                  "--gin FILE)")
@@ -986,16 +1154,19 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   `cores`: the CPU cores the servers run on (e.g. apart from the trainer's). `checkpoint`: the
   Hugging Face directory the run starts from (rl.pretrained.HFCheckpoint's path): the servers
   start from it as it is, and every weight export carries its tokenizer files.
-  `export_dtype`: the exported weights' dtype (SGLangEngine; e.g. 'bfloat16')."""
+  `export_dtype`: the exported weights' dtype (SGLangEngine; default the model's compute
+  dtype), which the servers are started with (--dtype)."""
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
   os.makedirs(weights_dir, exist_ok=True)
-  exported = cfg if export_dtype is None else dataclasses.replace(cfg, param_dtype=export_dtype)
+  export_dtype = export_dtype or cfg.dtype
+  exported = dataclasses.replace(cfg, param_dtype=export_dtype)
   start = checkpoint or hf.save(params, exported, os.path.join(weights_dir, f"v{version:06d}"))
   processes, urls = [], []
   try:
     for _ in range(servers):
       process, url = launch(["--hf_checkpoint", start, "--weight_version", str(version),
-                             "--max_batch", str(max_batch)], cores=cores)
+                             "--max_batch", str(max_batch), "--dtype", export_dtype],
+                            cores=cores)
       processes.append(process)
       urls.append(url)
     router_url = None

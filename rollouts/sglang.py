@@ -1,14 +1,18 @@
 """Rollouts from external SGLang servers over plain HTTP (never `import sglang`).
 
-Owns the client side of SGLang's native protocol (sglang 0.5.23; ../shared/reference/
-sglang.md): token-in/token-out /generate with our own rids and n=1 per request (groups are
-fanned out here), tokens and log-probs from meta_info.output_token_logprobs, finish reasons,
-a bounded number of requests in flight per server, trajectory-to-server affinity (prefix-cache
-reuse) or one sglang-router URL, long read timeouts, bounded retries with the same rid, and
-weight sync from disk with the version checked through /model_info. `SGLangEngine` puts it
-behind the RolloutEngine protocol, aborting a call's requests when its `stop_when` says so. It
-does not own when rollouts pause (rl/envs/driver.py, rl/sources.py) or the server (an SGLang
-deployment, or rollouts/server.py in tests).
+Owns the client side of SGLang's native protocol (sglang 0.5.23; every field it sends and
+reads, with the line of SGLang that defines it, is in docs/sglang.md): token-in/token-out
+/generate with our own rids and n=1 per request (groups are fanned out here), tokens and
+log-probs from meta_info.output_token_logprobs, finish reasons, a bounded number of requests
+in flight per server, trajectory-to-server affinity (prefix-cache reuse) or one sglang-router
+URL, long read timeouts, bounded retries (each attempt under a rid of its own: SGLang refuses
+a rid still alive), aborts by the exact rids in flight (SGLang drops a rid it does not know),
+prompt scoring from the position before the first scored token (SGLang's entry there is
+null), and weight sync from disk with the version checked through /model_info, the worker
+always resumed. Every call has a deadline. `SGLangEngine` puts it behind the RolloutEngine
+protocol, aborting a call's requests when its `stop_when` says so. It does not own when
+rollouts pause (rl/envs/driver.py, rl/sources.py) or the server (an SGLang deployment, or
+rollouts/server.py in tests).
 
 Log-probs are SGLang's: log_softmax(logits / temperature) over the whole vocabulary, before
 top-p; at temperature 1 that is what the trainer recomputes.
@@ -32,6 +36,8 @@ from rollouts import router as router_lib
 from rollouts.engine import Capabilities, Completion, SamplingParams
 
 FINISH_TYPES = ("stop", "length", "abort")
+# "1" in a reproducible run (rl.trainer.make_deterministic): servers must then honour seeds.
+DETERMINISTIC_ENV = "LONGRL_DETERMINISTIC"
 
 
 class ServerError(RuntimeError):
@@ -107,15 +113,20 @@ def parse_response(server: str, body: Any) -> Completion:
 
 def parse_scores(server: str, body: Any, tokens: Sequence[int], top_k: int = 0
                  ) -> tuple[np.ndarray, int] | tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-  """(log-probs of `tokens`, weight version) from a prompt-scoring /generate response; with
-  top_k > 0 also the top-k token ids and log-probs at each of their positions, i32 / f32[n, k]
+  """(log-probs of tokens[1:], weight version) from a prompt-scoring /generate response asked
+  from the position of tokens[0] (logprob_start_len): SGLang's entry for that position, and
+  its top-k row, are null (logprob_result_processor.py L33-38, L66-81) and are dropped. With
+  top_k > 0 also the top-k token ids and log-probs at each scored position, i32 / f32[n, k]
   (meta_info.input_top_logprobs)."""
   entries = body.get("meta_info", {}).get("input_token_logprobs") if isinstance(body, dict) \
       else None
-  if not isinstance(entries, list) or [e[1] if isinstance(e, list) and len(e) == 3 else None
-                                       for e in entries] != list(tokens):
+  # SGLang reports an input token id >= vocab_size - 1 as 0 (logprob_result_processor.py
+  # L53-56): 0 stands for any id there.
+  if not isinstance(entries, list) or len(entries) != len(tokens) or not all(
+      isinstance(e, list) and len(e) == 3 and e[1] in (t, 0) for e, t in zip(entries, tokens)):
     raise ServerError(f"{server}/generate: input_token_logprobs do not cover the "
-                      f"{len(tokens)} scored tokens: {str(body)[:300]}")
+                      f"{len(tokens)} tokens asked for: {str(body)[:300]}")
+  entries = entries[1:]
   if any(e[0] is None for e in entries):
     raise ServerError(f"{server}/generate: a scored token has no log-prob")
   scores = (np.array([e[0] for e in entries], np.float32),
@@ -123,6 +134,7 @@ def parse_scores(server: str, body: Any, tokens: Sequence[int], top_k: int = 0
   if not top_k:
     return scores
   rows = body["meta_info"].get("input_top_logprobs")
+  rows = rows[1:] if isinstance(rows, list) and len(rows) == len(entries) + 1 else None
   if not isinstance(rows, list) or len(rows) != len(entries) or not all(
       isinstance(row, list) and len(row) == top_k and all(
           isinstance(e, list) and len(e) >= 2 and e[0] is not None for e in row)
@@ -133,27 +145,46 @@ def parse_scores(server: str, body: Any, tokens: Sequence[int], top_k: int = 0
           np.array([[e[0] for e in row] for row in rows], np.float32).reshape(-1, top_k))
 
 
+class _Retry(Exception):
+  """An attempt that failed in a way worth another: no connection, a timeout, or a 5xx
+  (`status`)."""
+
+  def __init__(self, why: str, status: int | None = None):
+    super().__init__(why)
+    self.status = status
+
+
 class SGLangClient:
   """Talks to SGLang workers `urls` (each a base URL such as http://10.0.0.5:30000).
 
   /generate goes to `router` when given (an sglang-router / Model Gateway URL), else to the
   worker chosen by the request's affinity key; control calls (health, pause, weight updates,
   aborts) always go to every worker. A worker that cannot be reached, or that answers a 5xx,
-  is retried `retries` times with the same rid, then marked down and its requests move to
-  the next live worker; results already received are kept.
+  is retried `retries` times (a request under a fresh rid each time), then marked down and
+  its requests move to the next live worker; results already received are kept. The router
+  answering 503 (no healthy worker: SGLang's /health blocks while a worker loads weights) is
+  waited out for up to `unavailable_wait` s.
+
+  Deadlines: a /generate call may take `read_timeout` s between bytes (a long chain of
+  thought); every control call (pause, update, continue, abort, /model_info, ...) answers
+  within `control_timeout` s or is retried, then fails naming the server and the call.
   """
 
   def __init__(self, urls: Sequence[str], *, router: str | None = None,
                max_in_flight: int = 64, read_timeout: float = 3600.0,
                connect_timeout: float = 10.0, retries: int = 2, retry_backoff: float = 0.5,
-               api_key: str | None = None):
+               api_key: str | None = None, control_timeout: float = 600.0,
+               unavailable_wait: float = 300.0):
     if not urls:
       raise ValueError("SGLangClient needs at least one server URL")
     self.urls = [u.rstrip("/") for u in urls]
     self.router = router.rstrip("/") if router else None
     self.max_in_flight, self.retries, self.retry_backoff = max_in_flight, retries, retry_backoff
+    self.unavailable_wait = unavailable_wait
     self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                          sock_read=read_timeout)
+    self.control_timeout = aiohttp.ClientTimeout(total=control_timeout,
+                                                 sock_connect=connect_timeout)
     self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     self.down: set[str] = set()
     # One event loop on a thread of its own, with one connection pool: connections are kept
@@ -181,31 +212,41 @@ class SGLangClient:
 
   # --- plumbing
 
+  async def _attempt(self, http: aiohttp.ClientSession, server: str, method: str, path: str,
+                     body: dict | None = None, headers: dict | None = None,
+                     timeout: aiohttp.ClientTimeout | None = None) -> Any:
+    """JSON (or None for an empty body) of one call; _Retry on no connection, a timeout
+    (`timeout`; by default control calls' control_timeout, /generate's read_timeout) or a
+    5xx; ServerError on a 4xx."""
+    timeout = timeout or (self.control_timeout if http is self._control else None)
+    try:
+      async with http.request(method, server + path, json=body, timeout=timeout,
+                              headers={**self.headers, **(headers or {})}) as reply:
+        status, text = reply.status, await reply.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+      raise _Retry(f"{type(e).__name__}: {e}") from None
+    if status >= 500:
+      raise _Retry(f"HTTP {status}: {text[:300]}", status)
+    if status >= 400:
+      raise ServerError(f"{server}{path} answered HTTP {status}: {text[:300]}")
+    if not text:
+      return None
+    try:
+      return json.loads(text)
+    except ValueError:
+      return text
+
   async def _call(self, http: aiohttp.ClientSession, server: str, method: str, path: str,
-                  body: dict | None = None, headers: dict | None = None) -> Any:
-    """JSON (or None for an empty body) of a call, retried on connection errors and 5xx."""
-    last = ""
+                  body: dict | None = None, headers: dict | None = None,
+                  timeout: aiohttp.ClientTimeout | None = None) -> Any:
+    """_attempt, retried `retries` times; ConnectionError naming the call after the last."""
     for attempt in range(self.retries + 1):
       if attempt:
         await asyncio.sleep(self.retry_backoff * 2 ** (attempt - 1))
       try:
-        async with http.request(method, server + path, json=body,
-                                headers={**self.headers, **(headers or {})}) as reply:
-          status, text = reply.status, await reply.text()
-      except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        last = f"{type(e).__name__}: {e}"
-        continue
-      if status >= 500:
-        last = f"HTTP {status}: {text[:300]}"
-        continue
-      if status >= 400:
-        raise ServerError(f"{server}{path} answered HTTP {status}: {text[:300]}")
-      if not text:
-        return None
-      try:
-        return json.loads(text)
-      except ValueError:
-        return text
+        return await self._attempt(http, server, method, path, body, headers, timeout)
+      except _Retry as e:
+        last = str(e)
     raise ConnectionError(f"{server}{path} failed after {self.retries + 1} attempts: {last}")
 
   def _live(self) -> list[str]:
@@ -214,10 +255,15 @@ class SGLangClient:
   # --- generation
 
   async def _post_generate(self, body: dict, affinity: int, limits: dict, results: dict,
-                           total: int, cancelled: Callable[[], bool] = lambda: False):
+                           total: int, in_flight: dict[str, str],
+                           cancelled: Callable[[], bool] = lambda: False):
     """(server, JSON reply) of one /generate call: through the router, else on the live
-    worker `affinity` picks, the same rid moving to the next live worker when one fails;
-    None once `cancelled()` before it was sent. Errors carry the `results` received."""
+    worker `affinity` picks, moving to the next live worker when one fails `retries` + 1
+    times; None once `cancelled()` before it was sent. Attempt k goes as rid `rid#k`
+    (SGLang refuses a rid it still holds, tokenizer_manager.py L3833-3836, and a timed-out
+    attempt may still run there), recorded in `in_flight` (rid -> server) while it runs.
+    Errors carry the `results` received."""
+    attempts, failures, unavailable_since = itertools.count(), 0, None
     while True:
       if cancelled():
         return None
@@ -234,14 +280,32 @@ class SGLangClient:
       # Behind the router (--policy manual) the key pins the request to one worker, as
       # `affinity` does here without one.
       headers = {"X-SMG-Routing-Key": str(affinity)} if self.router else None
+      rid = f"{body['rid']}#{next(attempts)}"
       async with limit:
+        if cancelled():  # the call stopped while this one waited for room
+          return None
+        in_flight[rid] = server
         try:
-          return server, await self._call(self._http, server, "POST", "/generate", body,
-                                          headers=headers)
-        except ConnectionError as e:
-          if self.router:
-            raise ServerError(f"router {server} failed: {e}", completed=results) from None
-          self.down.add(server)
+          return server, await self._attempt(self._http, server, "POST", "/generate",
+                                             {**body, "rid": rid}, headers)
+        except _Retry as e:
+          failed = e
+        finally:
+          in_flight.pop(rid, None)
+      if self.router and failed.status == 503:
+        unavailable_since = unavailable_since or time.monotonic()
+        if time.monotonic() - unavailable_since < self.unavailable_wait:
+          await asyncio.sleep(min(self.retry_backoff * 2, 2.0))
+          continue  # no healthy worker yet (e.g. all loading weights)
+      failures += 1
+      if failures <= self.retries:
+        await asyncio.sleep(self.retry_backoff * 2 ** (failures - 1))
+        continue
+      if self.router:
+        raise ServerError(f"router {server} failed: {server}/generate failed after {failures}"
+                          f" attempts: {failed}", completed=results)
+      self.down.add(server)
+      failures = 0
 
   def _limits(self) -> dict:
     """In-flight limits per worker, and for the router (key None)."""
@@ -249,7 +313,8 @@ class SGLangClient:
     limits[None] = asyncio.Semaphore(self.max_in_flight * len(self.urls))
     return limits
 
-  async def _gather(self, calls, results: dict, total: int) -> list:
+  async def _gather(self, calls, results: dict, total: int, helpers: Sequence = ()) -> list:
+    """Run `calls`; `helpers` (tasks such as an aborter) are cancelled once they end."""
     tasks = [asyncio.create_task(c) for c in calls]
     try:
       await asyncio.gather(*tasks)
@@ -258,19 +323,37 @@ class SGLangClient:
         t.cancel()
       e.completed = results
       raise
+    finally:
+      for helper in helpers:
+        helper.cancel()
     return [results[i] for i in range(total)]
 
+  async def _abort_until_returned(self, in_flight: dict[str, str]) -> None:
+    """Abort each rid in `in_flight` (rid -> server) by its exact rid, on its worker (every
+    worker when it went through the router), again every half second until none is left: a
+    request not yet registered on its worker when its abort arrived is not aborted (SGLang
+    drops an unknown rid, tokenizer_manager.py L2246-2253)."""
+    while in_flight:
+      calls = [self._call(self._control, worker, "POST", "/abort_request", {"rid": rid})
+               for rid, server in list(in_flight.items())
+               for worker in (self._live() if server == self.router else [server])]
+      await asyncio.gather(*calls, return_exceptions=True)  # a dead worker aborts nothing
+      await asyncio.sleep(0.5)
+
   async def _generate(self, requests: Sequence[Request], sampling: SamplingParams,
-                      stop_when: Callable[[int, Completion], bool] | None, abort_prefix: str,
+                      stop_when: Callable[[int, Completion], bool] | None,
                       on_ready: Callable[[dict[int, Completion]], None] | None):
     results: dict[int, Completion] = {}
+    in_flight: dict[str, str] = {}
     stopping = False
     limits = self._limits()
+    aborter = []
 
     async def one(index: int, request: Request):
       nonlocal stopping
       sent = await self._post_generate(request_body(request, sampling), request.affinity,
-                                       limits, results, len(requests), lambda: stopping)
+                                       limits, results, len(requests), in_flight,
+                                       lambda: stopping)
       if sent is None:  # the iteration ended before this request was sent
         completion = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort",
                                 np.zeros(0, np.int32))
@@ -283,23 +366,25 @@ class SGLangClient:
         return
       if stop_when is not None and not stopping and stop_when(index, completion):
         stopping = True  # the rest come back aborted, with what they generated so far
-        await self._each_async(self._control, "POST", "/abort_request", {"rid": abort_prefix})
+        aborter.append(asyncio.create_task(self._abort_until_returned(in_flight)))
 
     return await self._gather([one(i, r) for i, r in enumerate(requests)], results,
-                              len(requests))
+                              len(requests), aborter)
 
   async def _score(self, requests: Sequence[Request], starts: Sequence[int], top_k: int):
     results: dict[int, tuple] = {}
     limits = self._limits()
 
     async def one(index: int, request: Request, start: int):
+      # From the token before the first scored one: SGLang's entry at logprob_start_len is
+      # null (parse_scores).
       body = {"rid": request.rid, "input_ids": list(request.input_ids),
               "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "n": 1},
-              "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": top_k,
-              "return_text_in_logprobs": False, "stream": False}
+              "return_logprob": True, "logprob_start_len": start - 1,
+              "top_logprobs_num": top_k, "return_text_in_logprobs": False, "stream": False}
       server, reply = await self._post_generate(body, request.affinity, limits, results,
-                                                len(requests))
-      results[index] = parse_scores(server, reply, request.input_ids[start:], top_k)
+                                                len(requests), {})
+      results[index] = parse_scores(server, reply, request.input_ids[start - 1:], top_k)
 
     return await self._gather([one(i, r, s) for i, (r, s) in enumerate(zip(requests, starts))],
                               results, len(requests))
@@ -307,7 +392,8 @@ class SGLangClient:
   def score(self, requests: Sequence[Request], starts: Sequence[int], *, top_k: int = 0
             ) -> list[tuple]:
     """(log-probs f32[len(input_ids) - start], weight version) per request: SGLang's prompt
-    scoring, a /generate with max_new_tokens 0 and logprob_start_len = start (>= 1). With
+    scoring, a /generate with max_new_tokens 0 and logprob_start_len = start - 1 (start >= 1).
+    With
     top_k > 0 (top_logprobs_num) each tuple also holds the top-k ids and log-probs at those
     positions, i32 / f32[len(input_ids) - start, top_k]."""
     if any(s < 1 for s in starts):
@@ -317,17 +403,14 @@ class SGLangClient:
 
   def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
                stop_when: Callable[[int, Completion], bool] | None = None,
-               abort_prefix: str = "",
                on_ready: Callable[[dict[int, Completion]], None] | None = None
                ) -> list[Completion]:
     """Completions in request order. `on_ready({index: completion})` is called (on the
     client's event-loop thread) as each one arrives. `stop_when(index, completion)` is
     asked as each one arrives; once it says True, requests not yet sent are not sent and
-    those whose rid starts with `abort_prefix` are aborted on every worker: they return
-    "abort" with the tokens generated so far (partial rollouts)."""
-    if stop_when is not None and not abort_prefix:
-      raise ValueError("SGLangClient.generate: stop_when needs the abort_prefix of the rids")
-    return self._run(self._generate(requests, sampling, stop_when, abort_prefix, on_ready))
+    those in flight are aborted by their rids: they return "abort" with the tokens generated
+    so far (partial rollouts)."""
+    return self._run(self._generate(requests, sampling, stop_when, on_ready))
 
   # --- control, sent to every worker
 
@@ -364,11 +447,22 @@ class SGLangClient:
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
       return f"{type(e).__name__}: {e}"
 
-  def abort(self, rid: str | None = None) -> None:
-    """Abort requests whose rid starts with `rid` (all when None); they return partial
-    output to their callers."""
-    self._run(self._each("POST", "/abort_request", {"abort_all": True} if rid is None
-                         else {"rid": rid}))
+  def abort_all(self) -> None:
+    """Abort every request on every worker (also other callers'); they return partial output
+    to their callers. (A call's own requests are aborted by their rids: generate's
+    stop_when.)"""
+    self._run(self._each("POST", "/abort_request", {"abort_all": True}))
+
+  def check_deterministic(self) -> None:
+    """ServerError naming each worker not started with --enable-deterministic-inference
+    (/server_info): without it SGLang ignores sampling_seed (sampling/sampling_batch_info.py
+    L157-172) and a batch's makeup changes a request's numbers."""
+    info = self._run(self._each("GET", "/server_info"))
+    loose = [u for u, i in info.items()
+             if not (isinstance(i, dict) and i.get("enable_deterministic_inference"))]
+    if loose:
+      raise ServerError(f"a reproducible run needs servers started with "
+                        f"--enable-deterministic-inference; {', '.join(loose)} were not")
 
   def model_info(self) -> dict[str, dict]:
     return self._run(self._each("GET", "/model_info"))
@@ -403,8 +497,25 @@ class SGLangClient:
       if not self._live():
         raise ServerError(f"weight sync to version {version}: no server could be reached "
                           f"({'; '.join(f'{u}: {r}' for u, r in zip(targets, results))})")
+      if self.router:
+        await self._wait_routed(self._live())
     self._run(sync())
     return time.perf_counter() - started
+
+  async def _wait_routed(self, urls: Sequence[str]) -> None:
+    """Until the router lists `urls` healthy again, at most unavailable_wait s (ServerError
+    naming the rest): SGLang's /health blocks while a worker loads weights (http_server.py
+    L721-800), so the router may have marked it unhealthy meanwhile."""
+    deadline = time.monotonic() + self.unavailable_wait
+    while True:
+      listed = await asyncio.to_thread(router_lib.workers, self.router)
+      missing = set(urls) - {w.get("url") for w in listed if w.get("is_healthy")}
+      if not missing:
+        return
+      if time.monotonic() > deadline:
+        raise ServerError(f"router {self.router} does not list {sorted(missing)} as healthy "
+                          f"{self.unavailable_wait:.0f} s after their weight update")
+      await asyncio.sleep(0.2)
 
   async def _sync_one(self, url: str, model_path: str, version: int,
                       in_flight: str = "abort") -> None:
@@ -415,12 +526,17 @@ class SGLangClient:
     http = self._control
     if in_flight == "abort":
       await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
-    reply = await self._call(http, url, "POST", "/update_weights_from_disk",
-                             {"model_path": model_path, "weight_version": str(version),
-                              "flush_cache": True, "abort_all_requests": False})
-    if not isinstance(reply, dict) or not reply.get("success"):
-      raise ServerError(f"{url}/update_weights_from_disk failed: {reply}")
-    await self._call(http, url, "POST", "/continue_generation", {})
+    try:
+      # Unpaused, SGLang's update first waits for the requests in flight to finish
+      # (tokenizer_manager.py L2302-2309): as long as a generation may take.
+      reply = await self._call(http, url, "POST", "/update_weights_from_disk",
+                               {"model_path": model_path, "weight_version": str(version),
+                                "flush_cache": True, "abort_all_requests": False},
+                               timeout=self.timeout if in_flight == "finish" else None)
+      if not isinstance(reply, dict) or not reply.get("success"):
+        raise ServerError(f"{url}/update_weights_from_disk failed: {reply}")
+    finally:  # also after a failed update: a paused worker makes every later request wait
+      await self._call(http, url, "POST", "/continue_generation", {})
     info = await self._call(http, url, "GET", "/model_info")
     if not isinstance(info, dict) or info.get("weight_version") != str(version):
       raise ServerError(f"{url} reports weight_version "
@@ -459,11 +575,11 @@ class SGLangEngine:
                processes: Sequence[subprocess.Popen] = (), export_dtype: str | None = None):
     """`weights_path`: the checkpoint the servers already hold as `version` (None: none yet,
     update_weights exports one); `processes`: servers this engine started, stopped by
-    close(); `export_dtype`: the dtype of the exported weights (None: the params', e.g.
-    float32 master weights; 'bfloat16' halves every export and is what servers compute in)."""
+    close(); `export_dtype`: the dtype of the exported weights (None: the model's compute
+    dtype, bfloat16 for a pretrained model: half the bytes of float32 master weights; start
+    the servers with the same --dtype: SGLang's `auto` serves a float32 export in float16)."""
     self.client = client
-    self.cfg = cfg if export_dtype is None else dataclasses.replace(cfg,
-                                                                    param_dtype=export_dtype)
+    self.cfg = dataclasses.replace(cfg, param_dtype=export_dtype or cfg.dtype)
     self.weights_dir, self.copy_from = weights_dir, copy_from
     self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
     self._version = version
@@ -485,17 +601,16 @@ class SGLangEngine:
     return f"{self.rid_prefix}-{kind}{next(self._calls)}-"
 
   def requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-               seed: int, *, prefix: str | None = None,
-               affinity: Sequence[int] | None = None) -> list[Request]:
-    """Requests with rids `prefix` + index (default: a new call's prefix), `max_new_tokens`
-    each (or one per prompt); each goes to the server its affinity key picks (default: its
-    prompt's hash, so the samples of a group share a server and its prefix cache)."""
+               seed: int, *, affinity: Sequence[int] | None = None) -> list[Request]:
+    """Requests with rids a new call's prefix + index, `max_new_tokens` each (or one per
+    prompt); each goes to the server its affinity key picks (default: its prompt's hash, so
+    the samples of a group share a server and its prefix cache)."""
     if isinstance(max_new_tokens, int):
       max_new_tokens = [max_new_tokens] * len(prompts)
     for name, values in (("affinity keys", affinity), ("max_new_tokens", max_new_tokens)):
       if values is not None and len(values) != len(prompts):
         raise ValueError(f"SGLangEngine: {len(values)} {name} for {len(prompts)} prompts")
-    prefix = self._call_prefix("g") if prefix is None else prefix
+    prefix = self._call_prefix("g")
     keys = affinity if affinity is not None else [hash(tuple(p)) & 0x7FFFFFFF for p in prompts]
     return [Request(rid=f"{prefix}{i}", input_ids=tuple(p), max_new_tokens=int(n),
                     affinity=int(key), sampling_seed=(seed * 1_000_003 + i) % 2**31)
@@ -507,16 +622,14 @@ class SGLangEngine:
                on_ready: Callable[[dict[int, Completion]], None] | None = None,
                stop_when: Callable[[int, Completion], bool] | None = None
                ) -> list[Completion]:
-    """Once `stop_when` says stop, this call's requests still running are aborted on every
-    server (/abort_request by their rid prefix) and the ones not yet sent are not sent."""
+    """Once `stop_when` says stop, this call's requests still running are aborted (by their
+    rids) and the ones not yet sent are not sent. `seed` seeds the requests' sampling_seed,
+    which SGLang honours only with --enable-deterministic-inference."""
     if not prompts:
       return []
-    prefix = self._call_prefix("g")
     limits = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
-    return self.client.generate(
-        self.requests(prompts, limits, seed, prefix=prefix, affinity=affinity), sampling,
-        on_ready=on_ready, stop_when=stop_when,
-        abort_prefix=prefix if stop_when is not None else "")
+    return self.client.generate(self.requests(prompts, limits, seed, affinity=affinity),
+                                sampling, on_ready=on_ready, stop_when=stop_when)
 
   def score(self, prompts: Sequence[Sequence[int]],
             continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -609,6 +722,8 @@ def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
                         read_timeout=read_timeout)
   try:
     client.check_health(health_timeout)
+    if os.environ.get(DETERMINISTIC_ENV) == "1":
+      client.check_deterministic()
   except ServerError:
     client.close()
     raise

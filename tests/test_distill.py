@@ -54,29 +54,31 @@ def test_teacher_scoring_equals_the_trainers_logprobs(tiny_cfg, tiny_params):
 
 
 def test_the_server_answers_sglangs_input_logprobs(tiny_cfg, tiny_params):
-  """logprob_start_len 0 has SGLang's null first entry; a stale weight version is refused."""
+  """As SGLang's, the entry at logprob_start_len (and its top-k row) is null, also past the
+  first token: to score token s, ask from s - 1; a stale weight version is refused."""
   prompts, continuations = _pairs(tiny_cfg.vocab_size, seed=1)
   engine = local_engine(tiny_cfg, tiny_params, 0)
+  post = lambda body: engine.client._run(engine.client._post_generate(
+      {"rid": "s", **body}, 0, engine.client._limits(), {}, 1, {}))
   try:
     ids = prompts[0] + continuations[0]
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True, "logprob_start_len": 0}
-    _, reply = engine.client._run(engine.client._post_generate(
-        body, 0, engine.client._limits(), {}, 1))
-    entries = reply["meta_info"]["input_token_logprobs"]
-    assert [e[1] for e in entries] == ids and entries[0][0] is None
-    want = _trainer_logprobs(tiny_params, tiny_cfg, [ids[:1]], [ids[1:]])[0]
-    np.testing.assert_allclose([e[0] for e in entries[1:]], want, atol=1e-4)
+    for start in (0, len(prompts[0]) - 1):
+      _, reply = post({**body, "logprob_start_len": start})
+      entries = reply["meta_info"]["input_token_logprobs"]
+      assert [e[1] for e in entries] == ids[start:] and entries[0][0] is None
+      want = _trainer_logprobs(tiny_params, tiny_cfg, [ids[:start + 1]], [ids[start + 1:]])[0]
+      np.testing.assert_allclose([e[0] for e in entries[1:]], want, atol=1e-4)
     assert reply["output_ids"] == [] and reply["meta_info"]["finish_reason"]["type"] == "length"
-    _, reply = engine.client._run(engine.client._post_generate(
-        {**body, "top_logprobs_num": 2}, 0, engine.client._limits(), {}, 1))
+    _, reply = post({**body, "top_logprobs_num": 2})
     top = reply["meta_info"]["input_top_logprobs"]
     assert len(top) == len(ids) and top[0] is None  # as the first input token's log-prob
     assert all(len(row) == 2 and row[0][0] >= row[1][0] for row in top[1:])
+    with pytest.raises(Exception, match="is higher than the number of input tokens"):
+      post({**body, "logprob_start_len": len(ids) + 1})
     with pytest.raises(Exception, match="top_logprobs_num > 0 is served for prompt scoring"):
-      engine.client._run(engine.client._post_generate(
-          {**body, "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4}}, 0,
-          engine.client._limits(), {}, 1))
+      post({**body, "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4}})
     engine._version = 5  # the servers still hold version 0
     with pytest.raises(Exception, match=r"weight version\(s\) \[0\], not 5"):
       engine.score(prompts, continuations)

@@ -614,7 +614,8 @@ def test_an_episode_on_the_embedded_engine_and_on_the_server_is_the_same(tokeniz
   from rollouts.server import launch
   from rollouts.sglang import SGLangClient, SGLangEngine
   path = hf.save(tiny_params, tiny_cfg, str(tmp_path / "v0"))
-  process, url = launch(["--hf_checkpoint", path, "--weight_version", "0"])
+  process, url = launch(["--hf_checkpoint", path, "--weight_version", "0",
+                          "--dtype", "float32"])
   try:
     remote = SGLangEngine(SGLangClient([url]), tiny_cfg, weights_dir=str(tmp_path))
     env = ScriptedEnvironment([(30, 31), (32,), ()], [None] * 3, stop_strings=("5",),

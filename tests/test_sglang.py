@@ -55,6 +55,8 @@ REFERENCE_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "m
                            "stop_token_ids", "skip_special_tokens", "no_stop_trim", "n"}
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
+# The checkpoints are float32, which a server (as SGLang) serves in float16 unless told.
+F32 = ("--dtype", "float32")
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +95,8 @@ def model(tokenizer, tmp_path_factory):
 def servers(model):
   """Two server processes serving v0."""
   _, _, paths, _ = model
-  started = [launch(["--hf_checkpoint", paths[0], "--weight_version", "0"]) for _ in range(2)]
+  started = [launch(["--hf_checkpoint", paths[0], "--weight_version", "0", *F32])
+             for _ in range(2)]
   yield [url for _, url in started], [process for process, _ in started]
   for process, _ in started:
     process.kill()
@@ -242,16 +245,28 @@ def _wait_for_tokens(url, at_least, thread):
   return False
 
 
-def _holding_server(urls) -> int:
-  """The index of the first of `urls` holding a request (running or waiting)."""
+def _freeze_a_busy_server(urls, thread) -> int | None:
+  """The index of one of `urls` seen running requests while `thread` (the client's) runs,
+  then paused in place with requests still running (frozen, as SGLang's in_place pause
+  keeps them); None when the thread ends first."""
   deadline = time.monotonic() + 120
-  while time.monotonic() < deadline:
-    for i, url in enumerate(urls):
-      loads = httpx.get(url + "/v1/loads").json()["loads"][0]
-      if loads["num_running_reqs"] or loads["num_waiting_reqs"]:
-        return i
-    time.sleep(0.01)
-  raise TimeoutError(f"no server of {urls} was sent a request in 120 s")
+  clients = [httpx.Client(base_url=url) for url in urls]
+  running = lambda http: http.get("/v1/loads").json()["loads"][0]["num_running_reqs"]
+  try:
+    while thread.is_alive() and time.monotonic() < deadline:
+      for i, http in enumerate(clients):
+        if running(http):
+          http.post("/pause_generation", json={"mode": "in_place"})
+          if running(http):
+            return i
+          http.post("/continue_generation", json={})  # it finished them first
+      time.sleep(0.001)
+  finally:
+    for http in clients:
+      http.close()
+  if thread.is_alive():
+    raise TimeoutError(f"no server of {urls} ran anything in 120 s")
+  return None
 
 
 def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, servers):
@@ -264,7 +279,7 @@ def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, ser
     thread, out = _generate_in_background(client, [Request(f"cut-1.{attempt}", prompt, 160)],
                                           sampling)
     if _wait_for_tokens(urls[0], len(prompt) + 10, thread):
-      client.abort("cut-")
+      client.abort_all()
     thread.join()
     first = out["result"][0]
     if first.finish_reason == "abort":
@@ -455,7 +470,7 @@ def test_warmup_compiles_every_batch_shape_served_after_it(model):
 
 def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
   _, _, paths, _ = model
-  started = [launch(["--hf_checkpoint", paths[0], "--max_batch", "4"]) for _ in range(2)]
+  started = [launch(["--hf_checkpoint", paths[0], "--max_batch", "4", *F32]) for _ in range(2)]
   urls = [url for _, url in started]
   try:
     client = SGLangClient(urls, max_in_flight=2, retries=1, retry_backoff=0.05)
@@ -819,7 +834,7 @@ def test_server_from_a_gin_file(tmp_path):
 
 
 def _server_at(path: str, port: int):
-  return launch(["--hf_checkpoint", path, "--port", str(port), "--max_batch", "4"])
+  return launch(["--hf_checkpoint", path, "--port", str(port), "--max_batch", "4", *F32])
 
 
 def _wait_until_routed(router_url: str, urls) -> None:
@@ -835,7 +850,7 @@ def test_fleet_behind_the_router_survives_a_dead_server_and_takes_it_back(model)
   from rollouts import router
 
   _, _, paths, _ = model
-  started = [launch(["--hf_checkpoint", paths[0], "--max_batch", "4"]) for _ in range(2)]
+  started = [launch(["--hf_checkpoint", paths[0], "--max_batch", "4", *F32]) for _ in range(2)]
   urls = [url for _, url in started]
   router_process, router_url = router.launch(urls)
   processes = [p for p, _ in started] + [router_process]
@@ -851,17 +866,20 @@ def test_fleet_behind_the_router_survives_a_dead_server_and_takes_it_back(model)
       np.testing.assert_array_equal(a.token_ids, b.token_ids)
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
     # A server killed mid-iteration: the router re-sends its requests (same rid) elsewhere.
-    # Both are paused in place first, so the one killed surely holds requests (a poll for a
-    # busy one raced the iteration, and lost on a loaded machine).
-    for url in urls:
-      assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}).json() == PAUSED
-    requests = [Request(f"f-k.{i}", (7, i % 40 + 3), 60, affinity=i) for i in range(12)]
-    thread, out = _generate_in_background(client, requests, greedy(60))
-    busy = _holding_server(urls)
+    # The one killed is frozen first with requests running, so it surely holds some.
+    for attempt in range(5):  # on a busy machine an iteration may end before a poll sees it
+      requests = [Request(f"f-{attempt}.{i}", (7, i % 40 + 3), 60, affinity=i)
+                  for i in range(12)]
+      thread, out = _generate_in_background(client, requests, greedy(60))
+      busy = _freeze_a_busy_server(urls, thread)
+      if busy is not None:
+        break
+      thread.join()
+    else:
+      raise AssertionError(f"no server of {urls} was seen generating in 5 iterations")
     started[0], started[busy] = started[busy], started[0]
     urls[0], urls[busy] = urls[busy], urls[0]
     started[0][0].kill()
-    assert httpx.post(urls[1] + "/continue_generation", json={}).json() == CONTINUED
     reference.close()
     reference = SGLangClient(urls[1:], retries=0)  # the live one
     thread.join(timeout=120)
@@ -885,7 +903,7 @@ def test_fleet_behind_the_router_survives_a_dead_server_and_takes_it_back(model)
     assert {int(v) for c in again for v in c.versions} == {2}
     # A new server, started on the old weights, loads the current ones before it joins: the
     # router lists it, and whatever it is sent comes from version 2.
-    started.append(launch(["--hf_checkpoint", paths[0], "--max_batch", "4"]))
+    started.append(launch(["--hf_checkpoint", paths[0], "--max_batch", "4", *F32]))
     processes.append(started[-1][0])
     client.add_worker(started[-1][1], paths[1], 2)
     assert client.model_info()[started[-1][1]]["weight_version"] == "2"
