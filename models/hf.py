@@ -16,6 +16,7 @@ config.json's RoPE scaling (`rope_scaling`, transformers 4's spelling, which rep
 yarn or llama3, with transformers' defaults filled in; any other rope type is a CheckpointError.
 """
 
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -294,15 +295,22 @@ def _place(value: np.ndarray, dtype, sharding) -> jax.Array:
 
 # ---- export ----
 
+def _cast(x, dtype: np.dtype):
+  """x in `dtype`, cast on its device when it is a JAX array."""
+  return x.astype(dtype) if isinstance(x, jax.Array) else x
+
+
 def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
-         copy_from: str | None = None) -> str:
+         copy_from: str | None = None, workers: int = 1) -> str:
   """Write `params` as a Hugging Face checkpoint directory; returns out_dir.
 
   Files: config.json, model-0000k-of-0000n.safetensors and model.safetensors.index.json (a
   single model.safetensors when everything fits one shard), plus the tokenizer and generation
-  files found in `copy_from`. Shards are planned from the shapes, then written one at a time,
-  so host memory holds at most one shard. Tensors are written in cfg.param_dtype. The same
-  params always give the same bytes.
+  files found in `copy_from`. Shards are planned from the shapes, then written `workers` at a
+  time (threads: the copies off the device and the writes leave the GIL), so host memory holds
+  at most `workers` shards. Tensors are cast to cfg.param_dtype where they are (a bf16 export
+  of float32 weights moves half the bytes off the device). The same params always give the
+  same bytes.
   """
   os.makedirs(out_dir, exist_ok=True)
   dtype = np.dtype(_DTYPES[cfg.param_dtype])
@@ -318,13 +326,15 @@ def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2
     total += nbytes
   names = ([SINGLE] if len(plan) == 1 else
            [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))])
-  weight_map = {}
-  for fname, tensors in zip(names, plan):
-    shard = {t.hf_name: np.ascontiguousarray(
-        t.to_hf(np.asarray(jax.device_get(_get(params, t.path)))).astype(dtype)) for t in tensors}
+  def write(fname: str, tensors: list[_Tensor]) -> list[str]:
+    shard = {t.hf_name: np.ascontiguousarray(t.to_hf(np.asarray(jax.device_get(
+        _cast(_get(params, t.path), dtype)))).astype(dtype)) for t in tensors}
     save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-    weight_map.update({name: fname for name in shard})
-    del shard
+    return list(shard)
+
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    written = pool.map(write, names, plan)
+    weight_map = {name: fname for fname, shard in zip(names, written) for name in shard}
   if len(plan) > 1:
     with open(os.path.join(out_dir, INDEX), "w") as f:
       json.dump({"metadata": {"total_size": total},

@@ -504,6 +504,17 @@ class Scheduler:
         self.updating -= 1
         self._release_held()
 
+  def drop_weights_if_paused(self) -> bool:
+    """Paused with nothing running, drop the weights before an update loads the new ones:
+    SGLang loads them over the old (one copy at a time), and a second copy of a 1.5B model
+    is 3 GiB a server. Only when they can be read back (from model_path) if the load fails;
+    True when dropped."""
+    with self.lock:
+      if self.paused and not self.running and self.model_path:
+        self.params = None
+        return True
+      return False
+
   def flush_cache(self) -> bool:
     """Drop the cached prefixes; refused (False) while requests run or wait, unpaused."""
     with self.lock:
@@ -982,14 +993,17 @@ class Server(http.server.ThreadingHTTPServer):
     if not isinstance(path, str):
       raise BadRequest("model_path (a checkpoint directory) is required")
     s = self.scheduler
+    if body.get("abort_all_requests"):  # first, as SGLang (tokenizer_manager.py L2299-2300)
+      s.abort(None)
+    dropped = s.drop_weights_if_paused()
     try:
       _, params = hf.load(path, s.cfg)
     except (hf.CheckpointError, FileNotFoundError, OSError, ValueError) as e:
+      if dropped:  # back to the weights it had
+        s.params = hf.load(s.model_path, s.cfg)[1]
       h._send(400, {"success": False, "message": f"Failed to update weights: {e}",
                     "num_paused_requests": 0})
       return
-    if body.get("abort_all_requests"):
-      s.abort(None)
     s.update_weights(params, body.get("weight_version"), path)  # the cache goes with the weights
     h._send(200, {"success": True, "message": "Succeeded to update model weights.",
                   "num_paused_requests": 0})

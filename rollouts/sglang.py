@@ -38,6 +38,10 @@ from rollouts.engine import Capabilities, Completion, SamplingParams
 FINISH_TYPES = ("stop", "length", "abort")
 # "1" in a reproducible run (rl.trainer.make_deterministic): servers must then honour seeds.
 DETERMINISTIC_ENV = "LONGRL_DETERMINISTIC"
+# Weight exports for the servers: shards this size, EXPORT_WORKERS written at once (a 1.5B
+# model's 3 GiB of bf16 as 12 files, 4 at a time: bench/refit.py).
+EXPORT_SHARD_BYTES = 256 * 2**20
+EXPORT_WORKERS = 4
 
 
 class ServerError(RuntimeError):
@@ -671,7 +675,8 @@ class SGLangEngine:
     from models import hf
     name = f"v{version:06d}"
     path = os.path.join(self.weights_dir, name)
-    hf.save(params, self.cfg, path, copy_from=self.copy_from)
+    hf.save(params, self.cfg, path, copy_from=self.copy_from,
+            max_shard_bytes=EXPORT_SHARD_BYTES, workers=EXPORT_WORKERS)
     # Kept: this version and the keep_versions - 1 below it (a server may still be loading
     # one). Versions above it come from a run that died after them (this one resumed from an
     # earlier checkpoint, or another run used the directory): nothing will read them.

@@ -2,16 +2,19 @@
 written with save_pretrained, loaded by models/hf.py, and must give transformers' logits and
 greedy generations; our exports must load back into transformers and re-export byte for byte."""
 
+import dataclasses
 import filecmp
 import json
 import os
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch  # the test extra pins the CPU wheel
 import transformers
+from safetensors import safe_open
 
 from models import hf, transformer
 from rollouts.engine import SamplingParams
@@ -110,7 +113,8 @@ def test_export_import_export_is_byte_identical_and_loads_in_transformers(checkp
   assert len(set(shards)) > 1
   cfg2, params2 = hf.load(first)
   assert cfg2 == cfg
-  second = hf.save(params2, cfg2, str(tmp_path / "second"), max_shard_bytes=40_000)
+  # Written 3 shards at a time, a bf16 export's tensors cast on the device: the same bytes.
+  second = hf.save(params2, cfg2, str(tmp_path / "second"), max_shard_bytes=40_000, workers=3)
   files = sorted(os.listdir(first))
   assert files == sorted(os.listdir(second))
   match, mismatch, errors = filecmp.cmpfiles(first, second, files, shallow=False)
@@ -120,6 +124,20 @@ def test_export_import_export_is_byte_identical_and_loads_in_transformers(checkp
   tokens = np.random.default_rng(3).integers(0, VOCAB, (2, 16))
   np.testing.assert_allclose(_hf_logits(reloaded, tokens), _hf_logits(model, tokens),
                              atol=1e-6, rtol=0)
+
+
+def test_a_bf16_export_of_float32_params_is_cast_as_numpy_casts(checkpoint, tmp_path):
+  """Cast on the device before the copy (half the bytes): the bits of a host cast (round to
+  nearest even)."""
+  _, path, _ = checkpoint
+  cfg, params = hf.load(path)
+  out = hf.save(params, dataclasses.replace(cfg, param_dtype="bfloat16"), str(tmp_path / "b"),
+                workers=2)
+  with safe_open(os.path.join(out, hf.SINGLE), "np") as f:
+    embed = f.get_tensor("model.embed_tokens.weight")
+  want = np.asarray(params["embed_tokens"]["embedding"]).astype(ml_dtypes.bfloat16)
+  assert embed.dtype == ml_dtypes.bfloat16 and np.array_equal(embed.view(np.uint16),
+                                                               want.view(np.uint16))
 
 
 def test_bfloat16_parameters_and_compute(checkpoint, tmp_path):
