@@ -99,11 +99,14 @@ def main(url, weights_dir, api_types_path):
   started = time.perf_counter()
   scored = engine.score(PROMPTS, continuations)
   seconds = time.perf_counter() - started
-  batch, _ = trajectory_batch(PROMPTS, continuations, [np.zeros(len(c)) for c in continuations],
-                              [0.0] * 3, [True] * 3, 128)
+  batch, placements = trajectory_batch(PROMPTS, continuations,
+                                       [np.zeros(len(c)) for c in continuations],
+                                       [0.0] * 3, [True] * 3, 128)
   trainer = np.asarray(jax.jit(policy_logprobs, static_argnums=1)(
       params1, cfg, jax.tree.map(jnp.asarray, batch))[0])
-  want = trainer[batch.loss_mask > 0]
+  # Position t of a row holds the log-prob of the token at t + 1 (tests/test_distill.py).
+  want = np.concatenate([trainer[row, start + len(p) - 1:start + len(p) - 1 + len(c)]
+                         for (row, start), p, c in zip(placements, PROMPTS, continuations)])
   got = np.concatenate(scored)
   check("teacher scoring equals the trainer's log-probs",
         got.shape == want.shape and np.abs(got - want).max() < LOGPROB_ATOL,

@@ -100,8 +100,9 @@ def _template_environment() -> jinja2.Environment:
 class HFTokenizer:
   """The tokenizer of a Hugging Face checkpoint directory (no network access).
 
-  Reads tokenizer.json (required), tokenizer_config.json (special tokens, chat template) and
-  generation_config.json (eos_token_id: the stop tokens) when present.
+  Reads tokenizer.json (required), tokenizer_config.json (special tokens, chat template),
+  and the eos_token_id of generation_config.json and config.json (the stop tokens: SGLang
+  stops at all of them, configs/model_config.py L2190-2208) when present.
   """
 
   def __init__(self, ckpt_dir: str):
@@ -111,6 +112,7 @@ class HFTokenizer:
     self._tok = tokenizers.Tokenizer.from_file(path)
     self._config = self._read_json(ckpt_dir, "tokenizer_config.json")
     generation = self._read_json(ckpt_dir, "generation_config.json")
+    model = self._read_json(ckpt_dir, "config.json")
     self.special_tokens_map = {
         key: _special_token(self._config.get(key))
         for key in ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -119,11 +121,10 @@ class HFTokenizer:
     self.chat_template = self._config.get("chat_template")
     if isinstance(self.chat_template, list):  # named templates: use the default one
       self.chat_template = {t["name"]: t["template"] for t in self.chat_template}.get("default")
-    stops = generation.get("eos_token_id")
-    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
-    if self.eos_id is not None and self.eos_id not in stops:
-      stops.append(self.eos_id)
-    self.stop_token_ids = tuple(stops)
+    stops = []
+    for found in (generation.get("eos_token_id"), model.get("eos_token_id"), self.eos_id):
+      stops += [] if found is None else [found] if isinstance(found, int) else list(found)
+    self.stop_token_ids = tuple(dict.fromkeys(stops))
 
   @staticmethod
   def _read_json(ckpt_dir, name) -> dict[str, Any]:
@@ -200,6 +201,8 @@ class ChatPrompts:
     if self.eos_id is None:
       raise ValueError("the checkpoint's tokenizer has no eos_token and no chat template to "
                        "end a turn: generation would never stop")
+    # The end of a turn first, then the checkpoint's own stop tokens.
+    self.stop_token_ids = tuple(dict.fromkeys((self.eos_id, *tokenizer.stop_token_ids)))
     self.vocab_size = tokenizer.vocab_size
 
   def messages(self, text: str) -> list[dict[str, str]]:
@@ -262,3 +265,10 @@ def _end_of_turn(tokenizer: HFTokenizer) -> int | None:
   ids = tokenizer.encode(after)
   special = tokenizer.special_ids()
   return ids[0] if ids and ids[0] in special else tokenizer.eos_id
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+  """The tokens generation stops at: a checkpoint's set where the tokenizer has one
+  (ChatPrompts and HFTokenizer: the end of a turn and the eos ids of generation_config.json and
+  config.json, which SGLang servers stop at too), else its eos_id."""
+  return tuple(getattr(tokenizer, "stop_token_ids", None) or (tokenizer.eos_id,))

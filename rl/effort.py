@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from models.tokenizer import stop_ids
 from rl import ConfigError
 from rl import eval as eval_lib
 from rl import rewards
@@ -112,7 +113,7 @@ def estimate_budgets(engine: RolloutEngine, task: EffortTask, tokenizer, *, samp
   records = range(len(task.train)) if records is None else records
   levels = level_ids(task)
   sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                            stop_token_ids=(tokenizer.eos_id,))
+                            stop_token_ids=stop_ids(tokenizer))
   budgets = np.full(len(task.train), np.nan, np.float32)
   records = [int(i) for i in records]
   for start in range(0, len(records), batch_size):

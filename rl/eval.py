@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from models import distributed
+from models.tokenizer import stop_ids
 from rl import rollout
 from rl import tasks
 from rl.envs.base import environment_of, episode_metrics, multi_turn
@@ -44,7 +45,7 @@ def greedy_eval(engine: RolloutEngine | None, task, tokenizer, *, num_records: i
     raise ValueError(f"greedy_eval: {num_records} records asked, the {split} split has "
                      f"{len(source)}")
   sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                            stop_token_ids=(tokenizer.eos_id,))
+                            stop_token_ids=stop_ids(tokenizer))
   trajectories = []
   for start in range(0, num_records, batch_size):
     records = _share(engine, source, range(start, min(start + batch_size, num_records)))
@@ -119,7 +120,7 @@ def sampled_eval(engine: RolloutEngine, task, tokenizer, records: Sequence[dict]
   {"correct", "incorrect"} (tokens, at the largest budget), "samples", "prompts"}."""
   max_budget = max(spec.budgets)
   sampling = SamplingParams(max_new_tokens=max_budget, temperature=spec.temperature,
-                            top_p=spec.top_p, stop_token_ids=(tokenizer.eos_id,))
+                            top_p=spec.top_p, stop_token_ids=stop_ids(tokenizer))
   trajectories = rollout.generate(engine, task, tokenizer, records, sampling,
                                   samples=spec.samples, seed=seed)
   n = spec.samples

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from models import transformer
 from models.config import ModelConfig
-from models.tokenizer import CharTokenizer
+from models.tokenizer import CharTokenizer, stop_ids
 from rl import checkpoint, eval as eval_lib, losses, rollout, sft
 from rl.packing import pair_batch
 from rl.train_step import init_train_state, make_train_step
@@ -70,7 +70,7 @@ def sample(engine, task, tokenizer, records: Sequence[dict], *, samples: int = 8
            ) -> list[Trajectory]:
   """`samples` verified completions per record from `engine` (the long model)."""
   sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                            stop_token_ids=(tokenizer.eos_id,))
+                            stop_token_ids=stop_ids(tokenizer))
   return rollout.generate(engine, task, tokenizer, records, sampling, samples=samples,
                           seed=seed)
 

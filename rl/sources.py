@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import distributed
+from models.tokenizer import stop_ids
 from rl import ConfigError
 from rl import rollout
 from rl import sampling as sampling_lib
@@ -81,7 +82,7 @@ class Context:
   def sampling(self) -> SamplingParams:
     return SamplingParams(max_new_tokens=self.config.max_new_tokens,
                           temperature=self.config.temperature, top_p=self.config.top_p,
-                          stop_token_ids=(self.tokenizer.eos_id,))
+                          stop_token_ids=stop_ids(self.tokenizer))
 
 
 @dataclasses.dataclass

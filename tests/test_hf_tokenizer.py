@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 import transformers
 
-from models.tokenizer import HFTokenizer
+from models.tokenizer import ChatPrompts, CharTokenizer, HFTokenizer, stop_ids
 
 # The shape of Qwen2.5's template: default system prompt, roles, generation prompt.
 CHAT_TEMPLATE = (
@@ -100,3 +100,17 @@ def test_template_cannot_escape_the_sandbox(tmp_path, ckpt):
 def test_missing_files_fail_clearly(tmp_path):
   with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
     HFTokenizer(str(tmp_path))
+
+
+def test_generation_stops_where_an_sglang_server_would(tmp_path, ckpt):
+  """SGLang stops every request at the eos ids of config.json and generation_config.json
+  besides the ones it is sent: the trainer sends them all (the end of a turn first)."""
+  import shutil
+  tok = HFTokenizer(ckpt)
+  im_end, end_of_text = tok.eos_id, tok.pad_id
+  assert stop_ids(ChatPrompts(tok)) == (im_end, end_of_text)
+  assert stop_ids(CharTokenizer()) == (CharTokenizer().eos_id,)
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    shutil.copy(f"{ckpt}/{name}", tmp_path / name)
+  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+  assert set(stop_ids(ChatPrompts(HFTokenizer(str(tmp_path))))) == {im_end, end_of_text, 7}

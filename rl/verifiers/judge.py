@@ -18,6 +18,7 @@ import dataclasses
 import re
 from typing import Any, Literal, Sequence
 
+from models.tokenizer import stop_ids
 from rollouts.engine import RolloutEngine, SamplingParams
 
 _VERDICT = re.compile(r"verdict\s*[:=]\s*\**\s*(correct|incorrect|yes|no|true|false|pass|fail)\b",
@@ -72,7 +73,7 @@ class Judge:
                                      add_bos=True)
                for p, r, a in zip(problems, responses, answers)]
     sampling = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              stop_token_ids=(self.tokenizer.eos_id,))
+                              stop_token_ids=stop_ids(self.tokenizer))
     future = self._pool.submit(self.engine.generate, prompts, sampling, seed=0)
     try:
       completions = future.result(timeout=self.timeout)
