@@ -1,6 +1,7 @@
 """What only a GPU shows, in one short run (not tests; bench/gpu_checks.sh runs it there):
 
-  python bench/gpu_checks.py [--parts peak,attention,attention_speed,train_step,engine,quickstart]
+  python bench/gpu_checks.py [--parts peak,attention,attention_speed,train_step,engine,quickstart,
+                                      pretrained,hybrid]
                              [--out bench/results] [--small]
 
 peak             the bf16 matrix product's TFLOP/s on this GPU (8192^3, median of 5 warm
@@ -25,6 +26,9 @@ quickstart       experiments/configs/quickstart.gin for 50 RL steps on the GPU: 
 pretrained       RL from a Qwen2.5-1.5B-shaped Hugging Face checkpoint (random weights) in
                  bf16 with f32 master weights on the embedded engine: generation and training
                  tokens/s and MFU against `peak` (rl.pretrained.HFCheckpoint).
+hybrid           a 12 GiB train state moved to pinned host memory and back (RLConfig.hybrid):
+                 seconds each way, and the device memory the driver sees given back, under
+                 JAX's default allocator and under XLA_PYTHON_CLIENT_ALLOCATOR=platform.
 
 Each part's rows are printed and written to OUT/gpu_checks.json as soon as the part ends (a
 run cut short keeps what it measured); a part that raises records its error and the next one
@@ -374,8 +378,53 @@ def _engine_weights(work: str, cfg, task, rl) -> list[dict]:
   return rows
 
 
+# A hybrid deployment's trainer side, in a process of its own (the allocator is chosen before
+# JAX starts): a train state (params and AdamW's moments, float32) of GIB GiB moved to pinned
+# host memory and back (rl.loop with RLConfig.hybrid), the device memory in use as the driver
+# sees it (nvidia-smi) at each point: what an SGLang server beside it could have.
+_HYBRID = """
+import json, subprocess, sys, time
+import jax, jax.numpy as jnp, optax
+from models import sharding
+used = lambda: int(subprocess.check_output(["nvidia-smi", "--query-gpu=memory.used",
+                                             "--format=csv,noheader,nounits"]).split()[0])
+gib = float(sys.argv[1])
+params = {f"w{i}": jnp.ones((1024, 1024 * 16), jnp.float32)  # 64 MiB each: a third of it
+          for i in range(max(1, int(gib * 16 / 3)))}
+state = (params, optax.adamw(1e-6).init(params))
+state = jax.block_until_ready(state)
+row = {"allocator": sys.argv[2], "used_mib_before": used(),
+       "state_gib": sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30}
+t = time.perf_counter(); state = sharding.in_memory(state, "pinned_host")
+row.update(offload_s=time.perf_counter() - t, used_mib_offloaded=used())
+t = time.perf_counter(); state = sharding.in_memory(state, "device")
+row.update(reload_s=time.perf_counter() - t, used_mib_reloaded=used())
+row["given_back_gib"] = (row["used_mib_before"] - row["used_mib_offloaded"]) / 1024
+print(json.dumps(row))
+"""
+
+
+def part_hybrid():
+  """The train state to pinned host memory and back, under JAX's default (BFC) allocator and
+  under XLA_PYTHON_CLIENT_ALLOCATOR=platform (the one that frees device memory for other
+  processes): seconds each way and the GiB the driver sees given back."""
+  rows = []
+  for allocator in ("bfc", "platform"):
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if allocator == "platform":
+      env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+    done = subprocess.run([sys.executable, "-c", _HYBRID, "0.1" if SMALL else "12",
+                           allocator], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    row = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else
+           {"allocator": allocator, "error": done.stderr[-1500:]})
+    rows.append(row)
+    print(row, flush=True)
+  return rows
+
+
 PARTS = ("peak", "attention", "attention_speed", "train_step", "engine", "quickstart",
-         "pretrained")
+         "pretrained", "hybrid")
 
 
 def main():

@@ -6,13 +6,15 @@ WEIGHTS_DIR holds v000000 (what the server was started with) and v000001 (other 
 both tiny random Qwen2 checkpoints in bf16 written by the script (the server runs --dtype
 bfloat16). Checks, each timed: the contract, sampled and greedy log-probs against the trainer's,
 teacher scoring (SGLang's null entry at logprob_start_len), a partial rollout whose token
-budget holds through aborts by exact rid, a refit, and the same through the real sglang-router
-(from .venv's test extra). Prints one line per check and exits non-zero if any fails.
+budget holds through aborts by exact rid, a refit, a hybrid release and resume (the server
+runs --enable-memory-saver; nvidia-smi's memory in use at each point), and the same through
+the real sglang-router (from .venv's test extra). Prints one line per check and exits non-zero if any fails.
 """
 
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -35,6 +37,12 @@ from rollouts.sglang import Request, SGLangClient, SGLangEngine, request_body  #
 # weights are bf16 on both sides.
 LOGPROB_ATOL = 5e-2
 PROMPTS = [[11, 12, 13, 14], [200, 201], [7] * 9]
+
+
+def _gpu_mib(field: str) -> int:
+  """nvidia-smi's `field` (memory.used, memory.total) of GPU 0 in MiB: what the driver sees."""
+  return int(subprocess.check_output(["nvidia-smi", f"--query-gpu={field}",
+                                      "--format=csv,noheader,nounits"]).split()[0])
 
 
 def main(url, weights_dir, api_types_path):
@@ -128,6 +136,23 @@ def main(url, weights_dir, api_types_path):
                          SamplingParams(4000))[0]
   check("a resumed partial rollout runs to its budget",
         rest.finish_reason == "length" and lengths[1] + len(rest.token_ids) == 4000)
+
+  # Hybrid deployment (the server runs --enable-memory-saver): paused and released, the GPU
+  # memory in use falls by most of the KV cache pool (--mem-fraction-static 0.2 of the GPU);
+  # the next sync takes weights and cache back around its load, and the greedy tokens are
+  # v1's again.
+  total, before = _gpu_mib("memory.total"), _gpu_mib("memory.used")
+  release_s = engine.release_memory()
+  released = _gpu_mib("memory.used")
+  resume_s = client.sync_weights(v1, 1)
+  resumed = _gpu_mib("memory.used")
+  again = client.generate([Request(f"hybrid-{i}", tuple(p), 32) for i, p in
+                           enumerate(PROMPTS)], greedy)
+  check("hybrid: a release frees the server's memory and a sync takes it back",
+        before - released > 0.1 * total and abs(resumed - before) < 0.05 * total and
+        [a.token_ids.tolist() for a in again] == [a.token_ids.tolist() for a in after],
+        f"used {before} -> {released} -> {resumed} MiB of {total}, release {release_s:.2f} s, "
+        f"resume + load {resume_s:.2f} s")
 
   # Behind the real sglang-router (rollouts/router.py, the flags the trainer uses): the same
   # greedy tokens as straight from the server; a weight sync still reaches the worker.

@@ -2,8 +2,10 @@
 # End-to-end checks of the SGLang path on a GPU machine (not part of CI):
 #   bash bench/gpu_sglang_e2e.sh
 # Writes a tiny random Qwen2 checkpoint, starts a real SGLang server on it, and runs the
-# contract, log-prob parity, refit and abort/resume checks, then generation and a refit through
-# the real sglang-router (bench/gpu_sglang_checks.py).
+# contract, log-prob parity, refit, teacher scoring, partial rollout (aborts by rid) and hybrid
+# release/resume checks, then generation and a refit through the real sglang-router
+# (bench/gpu_sglang_checks.py). --enable-memory-saver needs torch_memory_saver, which SGLang's
+# own dependencies install.
 #
 # SGLang comes from SGLANG_PYTHON (an interpreter that can `import sglang`, default: a venv
 # made here in bench/.venvs/sglang) installed from SGLANG_WHEELS (a directory of wheels, for
@@ -32,7 +34,8 @@ PY
 
 "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$WORK/v000000" --skip-tokenizer-init \
   --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype bfloat16 \
-  --mem-fraction-static 0.2 --disable-cuda-graph > "$WORK/server.log" 2>&1 &
+  --mem-fraction-static 0.2 --disable-cuda-graph --enable-memory-saver \
+  > "$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do

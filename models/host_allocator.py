@@ -1,6 +1,6 @@
 """The process's host-memory allocator settings under XLA:CPU.
 
-Owns two process-wide choices. First, glibc's malloc keeps freed memory for reuse instead of
+Owns two process-wide choices, and giving freed memory back on demand. First, glibc's malloc keeps freed memory for reuse instead of
 handing it back to the kernel. XLA:CPU allocates an executable's temporary buffer anew for every
 run, from the thread that runs it (1.7 GB for the train step of bench/peers.py). glibc serves a
 block that large, outside the main arena, with a fresh mmap and frees it with munmap, so every
@@ -22,6 +22,9 @@ returns after its buffer is freed (the step's time did not change).
 computation): threads that already allocated keep their own arenas. Entry points call it first
 thing (experiments/run.py, bench/peers.py); in a notebook, call it in the first cell. It does
 nothing off glibc (macOS, musl).
+
+`return_freed_memory()` is the opposite, for a moment rather than a process: what is free on
+the heap goes back to the kernel now (a server that released its weights between steps).
 """
 
 import ctypes
@@ -51,3 +54,17 @@ def keep_freed_memory() -> bool:
     _log.warning("host allocator: glibc refused a mallopt setting; XLA:CPU's per-run "
                  "buffers will be page-faulted in anew each run")
   return applied
+
+
+def return_freed_memory() -> bool:
+  """Hand the memory this process has freed back to the kernel now (glibc's malloc_trim):
+  glibc keeps freed blocks of the sizes a model's arrays have on its heap, so a process that
+  drops its weights (a server releasing its memory for a hybrid deployment's trainer) would
+  not shrink otherwise. True when glibc returned some."""
+  if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    return False
+  # XLA:CPU frees deleted buffers on its own threads; one computation run to its end after
+  # the deletes lets those frees happen first (without it, 1 run in 4 kept most of a 0.5B
+  # model's weights).
+  jax.block_until_ready(jax.numpy.zeros(()) + 1)
+  return bool(ctypes.CDLL(None).malloc_trim(0))

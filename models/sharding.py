@@ -191,3 +191,20 @@ def check_sharded(params, mesh: Mesh, *, min_elements: int = 1 << 16):
     raise MeshUnavailable(f"mesh {dict(mesh.shape)} leaves large weights unsharded (no dimension "
                           f"divisible by its fsdp/tensor axes): {whole[:5]}")
 
+
+
+def in_memory(tree, kind: str):
+  """`tree` with every jax.Array moved to memory `kind` of its own devices, layout kept:
+  'pinned_host' (host memory the accelerator reads by DMA: a hybrid deployment keeps the
+  train state there while the engine generates) or 'device'. The arrays given are deleted,
+  as a donation would (which JAX does not do across memory kinds): their memory is freed at
+  once, not when the last reference to them goes."""
+  def move(x):
+    if not isinstance(x, jax.Array) or x.sharding.memory_kind == kind:
+      return x
+    return jax.device_put(x, x.sharding.with_memory_kind(kind))
+  moved = jax.block_until_ready(jax.tree.map(move, tree))
+  for old, new in zip(jax.tree.leaves(tree), jax.tree.leaves(moved)):
+    if old is not new:
+      old.delete()
+  return moved

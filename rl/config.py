@@ -35,6 +35,15 @@ class RLConfig:
   sampling_seed per request: start SGLang with --enable-deterministic-inference, or it
   ignores them), and the loop reduces on the host in trajectory order, whatever order
   completions arrive in.
+
+  hybrid: trainer and engine take turns with the accelerators' memory (Kimi k1.5's hybrid
+  deployment): the train state waits in pinned host memory while the engine generates, and
+  after generating the engine releases its weights and KV cache until the step's weight
+  update (Capabilities.release_memory; SGLang servers started with --enable-memory-saver).
+  Lockstep rollouts only (rollouts Ahead of the trainer generate while it trains), with
+  weight_sync_every 1 (the engine's weights come back with the new ones). Each step's
+  metrics have the switch seconds (rl.loop.rl_steps). On GPUs, JAX must give freed memory
+  back to the device for the engine to use it: BUILD.md, "Hybrid deployment".
   """
   num_steps: int = 100
   prompts_per_step: int = 32
@@ -49,6 +58,7 @@ class RLConfig:
   row_multiple: int = 8
   weight_sync_every: int = 1
   deterministic: bool = False
+  hybrid: bool = False
 
   def check(self) -> None:
     """ConfigError for sizes that cannot run (rl.trainer.build calls it before anything is

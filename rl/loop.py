@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from models import distributed
+from models import sharding
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
 from rl import corrections as corrections_lib
@@ -134,7 +135,12 @@ def rl_steps(state: LoopState, parts: Parts) -> Iterator[StepRecord]:
   Each StepRecord's metrics break the step's time down: generate_s, verify_s (the wait for
   verification once generation ended; verify_busy_s is the verifier's whole time), score_s
   (drawing prompts, reward transforms, statistics), pack_s, train_s, weight_sync_s, and
-  trainer_idle_s / engine_idle_s, how long each waited for the other.
+  trainer_idle_s / engine_idle_s, how long each waited for the other. With RLConfig.hybrid,
+  the switches between them: offload_s (the train state to pinned host memory, before
+  generating), release_s (the engine frees its weights and KV cache, after), reload_s (the
+  train state back on the devices), and switch_to_train_s = release_s + reload_s,
+  switch_to_inference_s = offload_s + weight_sync_s (the engine takes its memory back with
+  the new weights).
   Close the generator (`.close()`) to stop a source that runs ahead. A `train_step` made
   with donate_state=True (as rl.trainer makes it) updates the state in place: the state of
   an earlier StepRecord, and the engine's weights until the step's update_weights, are then
@@ -142,26 +148,44 @@ def rl_steps(state: LoopState, parts: Parts) -> Iterator[StepRecord]:
   look at later, or use a copying train step.
   """
   parts.check()
-  source, config = parts.rollouts, parts.context.config
-  if source.concurrent or config.weight_sync_every > 1:  # the engine's own copy
+  source = parts.rollouts
+  if _engine_copies(parts):  # the engine's own copy
     _sync(parts, state.train.params, int(state.step))
   try:
     while True:
       step = int(state.step)
+      switch: dict[str, float] = {}
+      if parts.context.config.hybrid:  # the engine's turn: the train state to host memory
+        state, switch["offload_s"] = _timed(lambda: state.replace(
+            train=sharding.in_memory(state.train, "pinned_host")))
       started = time.perf_counter()
       made, rollout_state = source.next(parts.context, state.rollout, step)
       waited = time.perf_counter() - started
-      record = _step(parts, state.replace(rollout=rollout_state), made, step, waited)
+      if parts.context.config.hybrid:  # the trainer's: the engine frees its memory
+        engine = parts.context.engine
+        switch["release_s"] = distributed.checked(
+            lambda: engine.release_memory() if engine is not None else 0.0)
+        state, switch["reload_s"] = _timed(lambda: state.replace(
+            train=sharding.in_memory(state.train, "device")))
+      record = _step(parts, state.replace(rollout=rollout_state), made, step, waited, switch)
       state = record.state
       yield record
   finally:
     source.close()
 
 
+def _timed(make):
+  """(make(), the seconds it took)."""
+  started = time.perf_counter()
+  made = make()
+  return made, time.perf_counter() - started
+
+
 def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
-          waited_s: float) -> StepRecord:
+          waited_s: float, switch: dict[str, float]) -> StepRecord:
   """Step `step`'s update on the rollouts `made`: rewards, advantages, batches, train step,
-  weight sync. `waited_s`: how long the trainer waited for the rollouts."""
+  weight sync. `waited_s`: how long the trainer waited for the rollouts; `switch`: the
+  hybrid deployment's offload_s, release_s and reload_s (rl_steps)."""
   started = time.perf_counter()
   trajectories = made.trajectories
   rollouts, reward_state = parts.reward.update(rollouts_view(trajectories), state.reward_state,
@@ -191,6 +215,9 @@ def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
     _sync(parts, train.params, step + 1)
     parts.rollouts.synced(step + 1)
   metrics["weight_sync_s"] = time.perf_counter() - started
+  if switch:
+    metrics.update(switch, switch_to_train_s=switch["release_s"] + switch["reload_s"],
+                   switch_to_inference_s=switch["offload_s"] + metrics["weight_sync_s"])
   metrics["trainer_idle_s"] = waited_s
   metrics.setdefault("engine_idle_s", metrics["pack_s"] + metrics["train_s"] + metrics[
       "weight_sync_s"] + metrics.get("teacher_s", 0.0))
@@ -254,15 +281,23 @@ def _rollout_metrics(parts: Parts, trajectories, rewards: np.ndarray, step: int)
   return metrics
 
 
+def _engine_copies(parts: Parts) -> bool:
+  """Whether an engine that keeps the arrays it is given needs a copy of its own: when a
+  train step, or the hybrid deployment's move of the train state to host memory, would take
+  (donate, delete) the trainer's buffers while the engine still reads them (rollouts ahead
+  of the trainer, weights kept for several steps, a hybrid step's generation)."""
+  config, engine = parts.context.config, parts.context.engine
+  return parts.rollouts.concurrent or config.weight_sync_every > 1 or (
+      config.hybrid and engine is not None and engine.capabilities.keeps_weight_arrays)
+
+
 def _sync(parts: Parts, params, version: int) -> None:
-  """The engine gets `params` as `version`. With several processes, an engine on each gets a
-  whole copy of them; one that keeps the arrays it is given gets a copy of its own when the
-  next train step would take (donate) these buffers while it still reads them (rollouts
-  ahead of the trainer, or weights kept for several steps)."""
-  engine, config = parts.context.engine, parts.context.config
+  """The engine gets `params` as `version` (taking back the memory it released, in a hybrid
+  deployment). With several processes, an engine on each gets a whole copy of them; one that
+  keeps the arrays it is given gets a copy of its own when _engine_copies says so."""
+  engine = parts.context.engine
   whole = distributed.local_copy(params)
-  if ((parts.rollouts.concurrent or config.weight_sync_every > 1)
-      and engine is not None and engine.capabilities.keeps_weight_arrays):
+  if _engine_copies(parts) and engine is not None and engine.capabilities.keeps_weight_arrays:
     whole = jax.tree.map(jnp.copy, whole)
   distributed.checked(lambda: engine and engine.update_weights(
       whole, version=version, while_generating=parts.rollouts.concurrent))

@@ -468,9 +468,27 @@ class Ahead(Source):
       self._ahead = None
 
 
+def _hybrid_refusals(source: Source, context: Context) -> list[str]:
+  """Why RLConfig.hybrid cannot run with `source` in `context`: the engine releases its
+  memory after each generation and takes it back with each step's weights."""
+  config, out = context.config, []
+  if not config.hybrid:
+    return out
+  if source.concurrent:
+    out.append("RLConfig.hybrid takes turns on the accelerators: rollouts Ahead of the trainer "
+               "generate while it trains")
+  if config.weight_sync_every != 1:
+    out.append(f"RLConfig.hybrid: the engine takes its memory back with each step's weights, so "
+               f"weight_sync_every must be 1, not {config.weight_sync_every}")
+  if context.can is not None and not context.can.release_memory:
+    out.append("RLConfig.hybrid needs an engine that releases its memory "
+               "(Capabilities.release_memory)")
+  return out
+
+
 def check(source: Source, context: Context) -> None:
   """ConfigError listing why `source` cannot run in `context`, if it cannot: the one rule for
   every combination of sources, engine, task and sizes."""
-  reasons = source.refusals(context)
+  reasons = source.refusals(context) + _hybrid_refusals(source, context)
   if reasons:
     raise ConfigError("rollouts cannot run: " + "; ".join(reasons))

@@ -69,11 +69,16 @@ class Capabilities:
   keeps_weight_arrays: the engine holds the very arrays update_weights is given (in
     memory), so a caller that updates them in place afterwards (a donating train step)
     must hand it a copy; servers export the weights and keep nothing.
+  release_memory: the engine has `release_memory() -> seconds`, which frees its weights and
+    KV cache between generations (a hybrid deployment: the trainer has the memory while it
+    trains); the next update_weights takes them back with the new weights, and generating
+    or scoring before it is an error.
   """
   abort: bool = False
   pause: bool = False
   serves_all_processes: bool = False
   keeps_weight_arrays: bool = False
+  release_memory: bool = False
 
 
 class RolloutEngine(Protocol):

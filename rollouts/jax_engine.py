@@ -7,12 +7,14 @@ rounded up to buckets so that a run compiles a few shapes, not one per call.
 """
 
 import functools
+import time
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import host_allocator
 from models import logprobs as logprobs_lib
 from models import sharding
 from models import transformer
@@ -196,9 +198,9 @@ def score_continuations_top_k(params, cfg: ModelConfig, prompts: Sequence[Sequen
 
 
 # It keeps the arrays it is given, and a generate reads its weights once per call.
-CAPABILITIES = Capabilities(pause=True, keeps_weight_arrays=True)
+CAPABILITIES = Capabilities(pause=True, keeps_weight_arrays=True, release_memory=True)
 # Holding its weights in another dtype or placement, it keeps copies of its own.
-COPYING_CAPABILITIES = Capabilities(pause=True)
+COPYING_CAPABILITIES = Capabilities(pause=True, release_memory=True)
 
 
 def cache_bytes_per_token(cfg: ModelConfig) -> int:
@@ -297,6 +299,27 @@ class JaxEngine:
     self._weights = (self._hold(params), version)
     return 0.0  # in memory: nothing to export or send
 
+  def release_memory(self) -> float:
+    """Drop the weights until the next update_weights (a hybrid deployment's switch to
+    training): a copy of its own (in `dtype`, or on serving shardings) is freed, the
+    trainer's own arrays only lose this reference. Its KV cache lives inside each generate
+    call, so between calls there is none to free. Returns the seconds."""
+    started = time.perf_counter()
+    held, version = self._weights
+    self._weights = (None, version)
+    if held is not None and not self._keeps_arrays():
+      for x in jax.tree.leaves(held):  # freed now, not whenever the runtime gets to it
+        x.delete()
+    host_allocator.return_freed_memory()  # on a CPU, the heap would keep it
+    return time.perf_counter() - started
+
+  def _released(self, what: str):
+    """The weights, or RuntimeError after release_memory."""
+    if self._weights[0] is None:
+      raise RuntimeError(f"JaxEngine.{what}: the engine released its memory "
+                         f"(release_memory); update_weights gives it weights again")
+    return self._weights
+
   def _keeps_arrays(self) -> bool:
     return self._dtype is None and self._mesh is None
 
@@ -318,7 +341,7 @@ class JaxEngine:
             continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Teacher scoring: f32[len(continuation)] log-probs of each continuation's tokens."""
     with sharding.use(self._mesh):
-      return score_continuations(self._weights[0], self._cfg, prompts, continuations,
+      return score_continuations(self._released("score")[0], self._cfg, prompts, continuations,
                                  pad_id=self._pad_id, min_batch=self._min_batch,
                                  min_len=self._min_prompt_len)
 
@@ -328,9 +351,9 @@ class JaxEngine:
     """Teacher scoring with top-k distillation's teacher side (score_continuations_top_k):
     per continuation its tokens' log-probs f32[n], and i32[n, k] / f32[n, k] top-k."""
     with sharding.use(self._mesh):
-      return score_continuations_top_k(self._weights[0], self._cfg, prompts, continuations,
-                                       k, pad_id=self._pad_id, min_batch=self._min_batch,
-                                       min_len=self._min_prompt_len)
+      return score_continuations_top_k(self._released("score_top_k")[0], self._cfg, prompts,
+                                       continuations, k, pad_id=self._pad_id,
+                                       min_batch=self._min_batch, min_len=self._min_prompt_len)
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int, affinity: Sequence[int] | None = None,
@@ -355,7 +378,7 @@ class JaxEngine:
                        f"{len(prompts)} prompts a limit in [1, {sampling.max_new_tokens}], got "
                        f"{limits}")
     # One read of both: update_weights from another thread takes effect at the next call.
-    params, version = self._weights
+    params, version = self._released("generate")
     if len(set(limits)) == 1:  # one batch, decoded to exactly that limit
       groups = {limits[0]: list(range(len(prompts)))}
     else:

@@ -6,13 +6,15 @@ trainer uses, with SGLang's request checks and response shapes (../shared/refere
 sections 1-2): /generate (single and batch, n, stream, return_logprob), /abort_request (a
 live rid, or all; partial output), /pause_generation (abort, retract, in_place),
 /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache,
-/model_info, /server_info, /health, /health_generate, /ready, /v1/loads. It lets the SGLang
-client (rollouts/sglang.py) run for real in CI, where SGLang itself cannot, and behaves as
-SGLang where a client can go wrong (docs/sglang.md, section 3): an unknown rid's abort does
+/release_memory_occupation, /resume_memory_occupation (a hybrid deployment's turns: weights
+and KV cache freed while the trainer runs), /model_info, /server_info, /health,
+/health_generate, /ready, /v1/loads. It lets the SGLang client (rollouts/sglang.py) run for
+real in CI, where SGLang itself cannot, and behaves as SGLang where a client can go wrong (docs/sglang.md, section 3): an unknown rid's abort does
 nothing, a live rid is refused, the entry at logprob_start_len is null, /health generates (so
 it blocks while paused or updating), requests arriving while paused or updating wait outside
 the scheduler, sampling_seed counts only with --deterministic, --dtype auto serves float32 in
-float16, and requests stop at the checkpoint's eos ids.
+float16, requests stop at the checkpoint's eos ids, and a release while busy, a resume of
+what was not released, or a request or weight load on released memory takes the server down.
 
 Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabulary
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
@@ -20,6 +22,7 @@ Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabu
   python -m rollouts.server --hf_checkpoint DIR [--host 127.0.0.1] [--port 0]
                            [--max_batch 64] [--warmup_len TOKENS] [--deterministic]
                            [--dtype auto|float32|bfloat16|float16]
+                           [--enable-memory-saver] [--enable-weights-cpu-backup]
   python -m experiments.serve --gin FILE [--gin_param B] [the options above]
 
 (the second serves a model bound in gin, e.g. `load_model.model = @tiny`: gin is the entry
@@ -65,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import hf, transformer
+from models import hf, host_allocator, transformer
 from models.config import ModelConfig
 from rollouts import router as router_lib
 from rollouts import sglang
@@ -89,6 +92,10 @@ GREEDY_BELOW = 1e-6
 GATHER_SECONDS = 0.01
 PREFIX_CACHE_ENTRIES = 1024
 DETERMINISTIC_ENV = sglang.DETERMINISTIC_ENV  # "1": --deterministic by default
+# What /release_memory_occupation releases when it names no tags: SGLang's
+# GPU_MEMORY_ALL_TYPES (constants.py L2-10). There are no CUDA graphs here: that tag is kept
+# for the bookkeeping only.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 def shape_bucket(n: int, minimum: int) -> int:
@@ -102,6 +109,12 @@ def shape_bucket(n: int, minimum: int) -> int:
 class BadRequest(ValueError):
   """Answered with HTTP 400 and {"error": message} (SGLang's contract gate, http_server.py
   L937-939)."""
+
+
+class SchedulerCrash(RuntimeError):
+  """What takes an SGLang server down (its scheduler process raised, scheduler.py
+  L6370-6380): the calls made to the server fail, and launched from the command line the
+  process exits."""
 
 
 class RequestError(ValueError):
@@ -328,7 +341,8 @@ class Scheduler:
   module docstring says how and what it costs)."""
 
   def __init__(self, cfg: ModelConfig, params, *, weight_version: str = "default",
-               model_path: str = "", max_batch: int = 64, deterministic: bool = False):
+               model_path: str = "", max_batch: int = 64, deterministic: bool = False,
+               memory_saver: bool = False, weights_cpu_backup: bool = False):
     self.cfg, self.params = cfg, params
     self.weight_version, self.model_path = weight_version, model_path
     self.max_batch, self.deterministic = max_batch, deterministic
@@ -345,6 +359,14 @@ class Scheduler:
     self.stopped = False
     self.prefixes: dict[tuple[int, ...], CachedPrefix] = {}  # insertion order = age
     self.last_output = 0.0  # time.time() of the last token or finished request (/health)
+    # Memory release (release_memory): SGLang's --enable-memory-saver and
+    # --enable-weights-cpu-backup, the tags released (its offload_tags), the host copy of the
+    # weights (with the backup) or their shapes (without).
+    self.memory_saver, self.weights_cpu_backup = memory_saver, weights_cpu_backup
+    self.released: set[str] = set()
+    self.stashed: Any = None
+    self.crashed: str | None = None  # why the scheduler stopped (SchedulerCrash)
+    self.on_crash = None  # called after a crash (main: exit the process, as SGLang's does)
     self.thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
     self.thread.start()
 
@@ -355,6 +377,8 @@ class Scheduler:
     tokenizer_manager.py L3833-3836) or a logprob_start_len is past the input (scheduler.py
     L3275-3280)."""
     with self.lock:
+      if self.crashed:
+        raise SchedulerCrash(self.crashed)
       alive = {r.rid for r in self.waiting + self.running + self.held}
     for r in requests:
       if r.rid in alive:
@@ -368,6 +392,7 @@ class Scheduler:
       with self.lock:  # not while paused or updating, like any request
         while (self.paused or self.updating) and not self.stopped:
           self.lock.wait()
+        self._check_not_released("a prefill")
         params = self.params
       # Deterministic, each alone: its shapes (and top-k or not) then depend on it only.
       for group in ([[r] for r in scored] if self.deterministic else [scored]):
@@ -523,6 +548,70 @@ class Scheduler:
       self.prefixes.clear()
       return True
 
+  # --- memory release (hybrid deployment: trainer and engine take turns on the accelerator)
+
+  def release_memory(self, tags: Sequence[str] | None) -> None:
+    """SGLang's /release_memory_occupation (weight_updater.py L337-381): `tags` (none: all of
+    MEMORY_TAGS) are released until resume_memory. Only when idle (nothing running, nothing
+    waiting unless paused), else the scheduler asserts and the server goes down. kv_cache
+    drops the cached prefixes, as SGLang flushes its cache; with memory_saver (SGLang's
+    --enable-memory-saver; without it its adapter frees nothing) it frees the KV and weights
+    too: weights are dropped, or moved to a host copy with weights_cpu_backup."""
+    with self.lock:
+      if self.running or (self.waiting and self.paused not in ("in_place", "retract")):
+        self._crash("AssertionError: release_memory_occupation should be called only when "
+                    "server is idle.")
+      tags = list(tags or MEMORY_TAGS)
+      self.released.update(tags)
+      if "kv_cache" in tags:
+        self.prefixes.clear()
+      if "weights" in tags and self.memory_saver and self.params is not None:
+        self.stashed = (jax.device_get(self.params) if self.weights_cpu_backup else
+                        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                     self.params))
+        self.params = None  # freed with its last reference (main keeps none; serve's caller may)
+      if self.memory_saver:  # the heap keeps what XLA:CPU freed: give it back now
+        host_allocator.return_freed_memory()
+
+  def resume_memory(self, tags: Sequence[str] | None) -> None:
+    """SGLang's /resume_memory_occupation (weight_updater.py L383-422): `tags` (none: all)
+    are taken back. A tag not released takes the server down (a KeyError in its scheduler,
+    L389-390). Weights come back as they were with weights_cpu_backup; without it their
+    contents are undefined on SGLang (fresh GPU pages) until the next update, and zeros
+    here."""
+    with self.lock:
+      tags = list(tags or MEMORY_TAGS)
+      for tag in tags:
+        if tag not in self.released:
+          self._crash(f"KeyError: {tag!r}")
+        self.released.discard(tag)
+      if "weights" in tags and self.stashed is not None:
+        self.params = (jax.device_put(self.stashed) if self.weights_cpu_backup else
+                       jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.stashed))
+        self.stashed = None
+
+  def _check_not_released(self, what: str, tags: Sequence[str] = ("weights", "kv_cache")
+                          ) -> None:
+    """Under the lock: SGLang's kernels would touch released GPU memory (an illegal memory
+    access takes the server down), so `what` while any of `tags` is released crashes."""
+    if self.memory_saver and self.released & set(tags):
+      self._crash(f"RuntimeError: {what} on released memory "
+                  f"({', '.join(sorted(self.released))}): resume_memory_occupation first")
+
+  def _crash(self, error: str):
+    """Under the lock: stop as SGLang's scheduler does on an exception (scheduler.py
+    L6370-6380: it logs it and the whole server exits), failing every request here."""
+    print(f"rollouts.server: Scheduler hit an exception: {error}", file=sys.stderr, flush=True)
+    self.crashed, self.stopped = error, True
+    for r in self.held + self.waiting + self.running:
+      if not r.done.is_set():
+        self._finish(r, {"type": "abort", "message": f"server down: {error}",
+                         "status_code": 500, "err_type": "SchedulerCrash"})
+    self.lock.notify_all()
+    if self.on_crash is not None:
+      self.on_crash()
+    raise SchedulerCrash(error)
+
   def loads(self) -> dict:
     with self.lock:
       return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
@@ -555,6 +644,12 @@ class Scheduler:
     r.done.set()
 
   def _loop(self):
+    try:
+      self._serve_batches()
+    except SchedulerCrash:  # self.crashed says why; every request was failed
+      return
+
+  def _serve_batches(self):
     while True:
       with self.lock:
         while not self.stopped and (not self.waiting or self.paused):
@@ -568,6 +663,7 @@ class Scheduler:
           self.lock.wait(GATHER_SECONDS)
           if len(self.waiting) == count:
             break
+        self._check_not_released("a batch")
         batch = self._next_batch()
         if os.environ.get("LONGRL_SERVER_DEBUG"):
           print(f"batch of {len(batch)}, {len(self.waiting)} waiting at {time.time():.3f}, "
@@ -842,6 +938,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send(400, {"error": str(e)})
     except RequestError as e:
       self._send(400, {"error": {"message": str(e)}})
+    except SchedulerCrash as e:  # SGLang's process is gone: its connections close unanswered
+      self._send(500, {"error": {"message": f"server down: {e}"}})
     except (BrokenPipeError, ConnectionResetError):
       pass
 
@@ -875,7 +973,11 @@ class Server(http.server.ThreadingHTTPServer):
             "/continue_generation": self.continue_generation,
             "/update_weights_from_disk": self.update_weights_from_disk,
             "/update_weight_version": self.update_weight_version,
-            "/flush_cache": self.flush_cache}
+            "/flush_cache": self.flush_cache,
+            "/release_memory_occupation": self.release_memory_occupation,
+            "/resume_memory_occupation": self.resume_memory_occupation}
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+      get[path] = post[path]  # GET or POST, as SGLang's (http_server.py L1575-1595)
     return get if method == "GET" else post
 
   def health(self, h: Handler):
@@ -883,7 +985,7 @@ class Server(http.server.ThreadingHTTPServer):
     SGLang's do, within SGLANG_HEALTH_CHECK_TIMEOUT s (20); /health answers at once with
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (environ.py L344)."""
     s = self.scheduler
-    if not s.thread.is_alive():
+    if s.crashed or not s.thread.is_alive():
       h._send(503, text="")
       return
     if h.path.split("?", 1)[0] == "/health" and os.environ.get(
@@ -896,7 +998,8 @@ class Server(http.server.ThreadingHTTPServer):
 
   def ready(self, h: Handler):
     """503 while paused, as SGLang's is_ready (tokenizer_manager.py L732-734)."""
-    ok = self.scheduler.thread.is_alive() and not self.scheduler.paused
+    ok = (self.scheduler.thread.is_alive() and not self.scheduler.crashed
+          and not self.scheduler.paused)
     h._send(200 if ok else 503, text="")
 
   def model_info(self, h: Handler):
@@ -911,6 +1014,8 @@ class Server(http.server.ThreadingHTTPServer):
     h._send(200, {"model_path": s.model_path, "max_running_requests": s.max_batch,
                   "skip_tokenizer_init": True, "weight_version": s.weight_version,
                   "enable_deterministic_inference": s.deterministic, "dtype": s.cfg.dtype,
+                  "enable_memory_saver": s.memory_saver,
+                  "enable_weights_cpu_backup": s.weights_cpu_backup,
                   "internal_states": [s.loads()], "version": "0.5.23 (longrl embedded)"})
 
   def v1_loads(self, h: Handler):
@@ -993,6 +1098,8 @@ class Server(http.server.ThreadingHTTPServer):
     if not isinstance(path, str):
       raise BadRequest("model_path (a checkpoint directory) is required")
     s = self.scheduler
+    with s.lock:  # loading into released weights: SGLang writes into unmapped memory
+      s._check_not_released("a weight update", ("weights",))
     if body.get("abort_all_requests"):  # first, as SGLang (tokenizer_manager.py L2299-2300)
       s.abort(None)
     dropped = s.drop_weights_if_paused()
@@ -1005,8 +1112,22 @@ class Server(http.server.ThreadingHTTPServer):
                     "num_paused_requests": 0})
       return
     s.update_weights(params, body.get("weight_version"), path)  # the cache goes with the weights
+    del params
+    if s.memory_saver:  # the load's buffers, and the old weights, back to the kernel
+      host_allocator.return_freed_memory()
     h._send(200, {"success": True, "message": "Succeeded to update model weights.",
                   "num_paused_requests": 0})
+
+  def release_memory_occupation(self, h: Handler):
+    """{"tags": [...]} or none (all): Scheduler.release_memory. Answers null, as SGLang's
+    (http_server.py L1575-1584)."""
+    self.scheduler.release_memory(_memory_tags(h._body()))
+    h._send(200, text="null")
+
+  def resume_memory_occupation(self, h: Handler):
+    """{"tags": [...]} or none (all): Scheduler.resume_memory (http_server.py L1587-1595)."""
+    self.scheduler.resume_memory(_memory_tags(h._body()))
+    h._send(200, text="null")
 
   def update_weight_version(self, h: Handler):
     body = h._body()
@@ -1018,14 +1139,26 @@ class Server(http.server.ThreadingHTTPServer):
                   "new_version": self.scheduler.weight_version})
 
 
+def _memory_tags(body: dict) -> list[str] | None:
+  """The `tags` of a release or resume body (ReleaseMemoryOccupationReqInput, io_struct.py
+  L2177-2190): a list of strings, or none."""
+  tags = body.get("tags")
+  if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+    raise BadRequest(f"tags must be a list of strings (of {', '.join(MEMORY_TAGS)}), got "
+                     f"{tags!r}")
+  return tags
+
+
 def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
           weight_version: str = "default", model_path: str = "", max_batch: int = 64,
-          warmup_len: int = 0, deterministic: bool = False) -> Server:
+          warmup_len: int = 0, deterministic: bool = False, memory_saver: bool = False,
+          weights_cpu_backup: bool = False) -> Server:
   """A running server (on a background thread); `server.server_address` has the port.
   With warmup_len > 0, every batch shape for requests of up to that many tokens is compiled
-  first (Scheduler.warmup)."""
+  first (Scheduler.warmup). `memory_saver`, `weights_cpu_backup`: Scheduler.release_memory."""
   scheduler = Scheduler(cfg, params, weight_version=weight_version, model_path=model_path,
-                        max_batch=max_batch, deterministic=deterministic)
+                        max_batch=max_batch, deterministic=deterministic,
+                        memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup)
   if warmup_len > 0:
     scheduler.warmup(warmup_len)
   server = Server((host, port), scheduler)
@@ -1087,6 +1220,12 @@ def main(argv=None, *, load=None):
                       help="each request's output depends on it alone, not on its batch, "
                       "and sampling_seed is honoured (SGLang's --enable-deterministic-"
                       f"inference; default: on when {DETERMINISTIC_ENV}=1)")
+  parser.add_argument("--enable-memory-saver", "--enable_memory_saver", action="store_true",
+                      help="/release_memory_occupation frees the weights and KV cache "
+                      "(SGLang's flag; without it a release only flushes the cache)")
+  parser.add_argument("--enable-weights-cpu-backup", "--enable_weights_cpu_backup",
+                      action="store_true", help="released weights are kept in host memory "
+                      "and come back on resume (without: undefined until an update)")
   parser.add_argument("--exit_with_parent", action="store_true",
                       help="stop when the process that started this one exits (launch sets it)")
   args = parser.parse_args(argv)
@@ -1112,7 +1251,11 @@ def main(argv=None, *, load=None):
   sys.setswitchinterval(0.0005)
   server = serve(cfg, params, host=args.host, port=args.port,
                  weight_version=args.weight_version, model_path=path, max_batch=args.max_batch,
-                 warmup_len=args.warmup_len, deterministic=args.deterministic)
+                 warmup_len=args.warmup_len, deterministic=args.deterministic,
+                 memory_saver=args.enable_memory_saver,
+                 weights_cpu_backup=args.enable_weights_cpu_backup)
+  server.scheduler.on_crash = lambda: os._exit(1)  # as SGLang's server goes down
+  del params  # the scheduler's is then the only reference: a release frees the weights
   host, port = server.server_address[:2]
   print(f"listening on http://{host}:{port}", flush=True)
   try:
@@ -1159,7 +1302,7 @@ def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,
 def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: str = "",
                  max_in_flight: int = 64, max_batch: int = 64, router: bool = False,
                  cores: Sequence[int] = (), checkpoint: str = "",
-                 export_dtype: str | None = None):
+                 export_dtype: str | None = None, memory_saver: bool = False):
   """The engine factory (train.engine) that serves the policy from `servers` subprocesses of this module
   on 127.0.0.1 and talks to them with the SGLang client (rollouts/sglang.py): the production
   path, minus the GPUs. Weights travel through `weights_dir` (default: a temporary
@@ -1169,7 +1312,8 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   Hugging Face directory the run starts from (rl.pretrained.HFCheckpoint's path): the servers
   start from it as it is, and every weight export carries its tokenizer files.
   `export_dtype`: the exported weights' dtype (SGLangEngine; default the model's compute
-  dtype), which the servers are started with (--dtype)."""
+  dtype), which the servers are started with (--dtype). `memory_saver`: they start with
+  --enable-memory-saver (RLConfig.hybrid: they free their memory between generations)."""
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
   os.makedirs(weights_dir, exist_ok=True)
   export_dtype = export_dtype or cfg.dtype
@@ -1179,7 +1323,8 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   try:
     for _ in range(servers):
       process, url = launch(["--hf_checkpoint", start, "--weight_version", str(version),
-                             "--max_batch", str(max_batch), "--dtype", export_dtype],
+                             "--max_batch", str(max_batch), "--dtype", export_dtype,
+                             *(["--enable-memory-saver"] if memory_saver else [])],
                             cores=cores)
       processes.append(process)
       urls.append(url)

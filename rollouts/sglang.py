@@ -191,6 +191,7 @@ class SGLangClient:
                                                  sock_connect=connect_timeout)
     self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     self.down: set[str] = set()
+    self.released: set[str] = set()  # workers whose memory release_memory released
     # One event loop on a thread of its own, with one connection pool: connections are kept
     # alive between calls (a fresh TCP connection per request costs more than a short
     # completion), and sync callers work inside a notebook's running loop too.
@@ -423,14 +424,19 @@ class SGLangClient:
 
   async def _each_async(self, http, method: str, path: str, body: dict | None = None
                         ) -> dict[str, Any]:
-    replies = await asyncio.gather(*(self._call(http, u, method, path, body)
-                                     for u in self._live()), return_exceptions=True)
-    out = {}
-    for url, reply in zip(self._live(), replies):
+    return await self._each_worker(
+        lambda http, url: self._call(http, url, method, path, body), path, http)
+
+  async def _each_worker(self, call, what: str, http=None) -> dict[str, Any]:
+    """{url: await call(http, url)} over the live workers at once; ServerError naming the
+    first that failed and `what` it was asked."""
+    http = http or self._control
+    live = self._live()
+    replies = await asyncio.gather(*(call(http, u) for u in live), return_exceptions=True)
+    for url, reply in zip(live, replies):
       if isinstance(reply, BaseException):
-        raise ServerError(f"{url}{path}: {reply}") from reply
-      out[url] = reply
-    return out
+        raise ServerError(f"{url}{what}: {reply}") from reply
+    return dict(zip(live, replies))
 
   def check_health(self, timeout: float = 30.0) -> None:
     """GET /health on every worker; ServerError naming each one that does not answer 200
@@ -457,16 +463,33 @@ class SGLangClient:
     stop_when.)"""
     self._run(self._each("POST", "/abort_request", {"abort_all": True}))
 
-  def check_deterministic(self) -> None:
-    """ServerError naming each worker not started with --enable-deterministic-inference
-    (/server_info): without it SGLang ignores sampling_seed (sampling/sampling_batch_info.py
-    L157-172) and a batch's makeup changes a request's numbers."""
+  def check_started_with(self, flag: str, needed_by: str) -> None:
+    """ServerError naming each worker whose /server_info does not show `flag` (e.g.
+    --enable-memory-saver) set, which `needed_by` needs. /server_info lists every server
+    argument by its field name (http_server.py L885 = ServerArgs.resolved_dict,
+    server_args.py L316-333)."""
+    field = flag.lstrip("-").replace("-", "_")
     info = self._run(self._each("GET", "/server_info"))
-    loose = [u for u, i in info.items()
-             if not (isinstance(i, dict) and i.get("enable_deterministic_inference"))]
-    if loose:
-      raise ServerError(f"a reproducible run needs servers started with "
-                        f"--enable-deterministic-inference; {', '.join(loose)} were not")
+    missing = [u for u, i in info.items() if not (isinstance(i, dict) and i.get(field))]
+    if missing:
+      raise ServerError(f"{needed_by} needs servers started with {flag}; "
+                        f"{', '.join(missing)} were not")
+
+  def release_memory(self) -> float:
+    """A hybrid deployment's switch to training: every worker pauses (mode abort: nothing
+    runs, and what arrives meanwhile, such as the router's health checks, waits) and then
+    releases its weights, KV cache and CUDA graphs (/release_memory_occupation, all tags). It
+    must be idle: SGLang asserts so, and a health check that ran on released memory would
+    take it down (weight_updater.py L337-381). The next sync_weights takes the memory back
+    around its load. Returns the seconds."""
+    started = time.perf_counter()
+
+    async def release(http, url):
+      await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
+      await self._call(http, url, "POST", "/release_memory_occupation", {})
+      self.released.add(url)
+    self._run(self._each_worker(release, "/release_memory_occupation"))
+    return time.perf_counter() - started
 
   def model_info(self) -> dict[str, dict]:
     return self._run(self._each("GET", "/model_info"))
@@ -523,14 +546,18 @@ class SGLangClient:
 
   async def _sync_one(self, url: str, model_path: str, version: int,
                       in_flight: str = "abort") -> None:
-    """One worker: pause (with in_flight "abort"), load `model_path` as `version`, continue,
-    check."""
+    """One worker: pause (with in_flight "abort"), take back released weights, load
+    `model_path` as `version`, take back the released KV cache, continue, check. (verl and
+    slime resume in this order: the load's buffers need room before the cache takes it.)"""
     if in_flight not in ("abort", "finish"):
       raise ValueError(f"in_flight must be 'abort' or 'finish', got {in_flight!r}")
     http = self._control
+    released = url in self.released
     if in_flight == "abort":
       await self._call(http, url, "POST", "/pause_generation", {"mode": "abort"})
     try:
+      if released:  # the weights first, loaded before the KV cache takes its room back
+        await self._call(http, url, "POST", "/resume_memory_occupation", {"tags": ["weights"]})
       # Unpaused, SGLang's update first waits for the requests in flight to finish
       # (tokenizer_manager.py L2302-2309): as long as a generation may take.
       reply = await self._call(http, url, "POST", "/update_weights_from_disk",
@@ -540,6 +567,10 @@ class SGLangClient:
       if not isinstance(reply, dict) or not reply.get("success"):
         raise ServerError(f"{url}/update_weights_from_disk failed: {reply}")
     finally:  # also after a failed update: a paused worker makes every later request wait
+      if released:  # before any request (a health check) meets released memory
+        await self._call(http, url, "POST", "/resume_memory_occupation",
+                         {"tags": ["kv_cache", "cuda_graph"]})
+        self.released.discard(url)
       await self._call(http, url, "POST", "/continue_generation", {})
     info = await self._call(http, url, "GET", "/model_info")
     if not isinstance(info, dict) or info.get("weight_version") != str(version):
@@ -564,8 +595,10 @@ class SGLangClient:
 
 
 # Requests are aborted by rid, weight syncs can let requests in flight finish, process 0
-# drives the servers for every process, and the weights travel as files.
-CAPABILITIES = Capabilities(abort=True, pause=True, serves_all_processes=True)
+# drives the servers for every process, the weights travel as files, and the servers can
+# release their memory between steps (started with --enable-memory-saver).
+CAPABILITIES = Capabilities(abort=True, pause=True, serves_all_processes=True,
+                            release_memory=True)
 
 
 class SGLangEngine:
@@ -591,6 +624,7 @@ class SGLangEngine:
     self.weights_path = weights_path  # the checkpoint of the current version
     self.sync_seconds: list[float] = []
     self.processes = list(processes)
+    self._memory_saver_checked = False
 
   @property
   def version(self) -> int:
@@ -686,6 +720,17 @@ class SGLangEngine:
       shutil.rmtree(os.path.join(self.weights_dir, stale), ignore_errors=True)
     return path
 
+  def release_memory(self) -> float:
+    """Every server releases its weights and KV cache (SGLangClient.release_memory) until
+    the next update_weights; ServerError first if one was not started with
+    --enable-memory-saver (it would free nothing). Returns the seconds."""
+    if not self._memory_saver_checked:  # without it SGLang's adapter is a no-op
+      # (utils/torch_memory_saver_adapter.py L139-160)
+      self.client.check_started_with("--enable-memory-saver",
+                                     "releasing memory between steps (RLConfig.hybrid)")
+      self._memory_saver_checked = True
+    return self.client.release_memory()
+
   def close(self) -> None:
     self.client.close()
     for process in self.processes:
@@ -728,7 +773,9 @@ def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
   try:
     client.check_health(health_timeout)
     if os.environ.get(DETERMINISTIC_ENV) == "1":
-      client.check_deterministic()
+      # Without it SGLang ignores sampling_seed (sampling/sampling_batch_info.py L157-172)
+      # and a batch's makeup changes a request's numbers.
+      client.check_started_with("--enable-deterministic-inference", "a reproducible run")
   except ServerError:
     client.close()
     raise
