@@ -6,7 +6,12 @@
 # GPU: the server takes SERVER_MEM of it (--mem-fraction-static, --enable-memory-saver) and
 # JAX TRAINER_MEM (XLA_PYTHON_CLIENT_MEM_FRACTION). Parts ours_sglang (lockstep) and
 # ours_sglang_ahead (Ahead.max_staleness = 1: the next step generates while one trains, a
-# weight sync lets the requests in flight finish on the old weights). Prints the seconds per
+# weight sync lets the requests in flight finish on the old weights) and ours_sglang_hybrid
+# (RLConfig.hybrid: the server releases its memory while the trainer trains, the train state
+# waits in host memory while the server generates; its switch seconds are printed). The
+# trainer keeps its BFC pool here (TRAINER_MEM), so the memory it frees stays in JAX's pool:
+# bench/gpu_checks.py --parts hybrid measures what XLA_PYTHON_CLIENT_ALLOCATOR=platform gives
+# back. Prints the seconds per
 # iteration, its breakdown (generate, verify, score, pack, train, sync | idle of trainer and
 # engine) and every weight sync's seconds; bench/results/iteration.json keeps them all.
 #
@@ -43,4 +48,5 @@ for _ in $(seq 600); do
 done
 LONGRL_SGLANG_URL="http://127.0.0.1:$PORT" LONGRL_SGLANG_WEIGHTS="$WORK/weights" \
   XLA_PYTHON_CLIENT_MEM_FRACTION="$TRAINER_MEM" \
-  .venv/bin/python bench/iteration.py --parts ours_sglang,ours_sglang_ahead "$@"
+  .venv/bin/python bench/iteration.py \
+  --parts ours_sglang,ours_sglang_ahead,ours_sglang_hybrid "$@"

@@ -21,16 +21,21 @@ Parts, each served by its own process (bench/peers.py's Worker):
   ours_sglang       lockstep on a real SGLang server (bench/gpu_iteration.sh on a GPU, which
                     the trainer shares with the server), the weight sync through the disk
   ours_sglang_ahead the same with Ahead(max_staleness=1)
-                    (both read LONGRL_SGLANG_URL and LONGRL_SGLANG_WEIGHTS, a directory the
+  ours_sglang_hybrid the same in lockstep with RLConfig.hybrid: the train state in host memory
+                    while the server generates, the server's memory released while the
+                    trainer trains (it runs --enable-memory-saver)
+                    (the three read LONGRL_SGLANG_URL and LONGRL_SGLANG_WEIGHTS, a directory the
                     server reads too; not in the default --parts)
+  ours_server_hybrid ours_sync_server with RLConfig.hybrid (not in the default --parts)
 
 Timed like bench/peers.py: the parts take turns, `--rounds` times, each turn `--steps`
 iterations in a row of which the first is dropped (it fills the pipeline of ours_ahead,
 which starts afresh every turn and is stopped and drained before the next part's turn).
 Reported per part: the median seconds per iteration over every kept iteration, iterations/s,
 completed tokens/s (tokens generated, pad excluded, per second of iteration), and ours' time
-breakdown (generate, verify, pack, train, sync, idle) from the loop's metrics; then ours_sync
-against each peer and ours_ahead against ours_sync as the median over the turns of the ratio.
+breakdown (generate, verify, pack, train, sync, idle) from the loop's metrics, and the hybrid
+parts' switch seconds; then ours_sync against each peer, ours_ahead against ours_sync and each
+hybrid part against its lockstep one as the median over the turns of the ratio.
 """
 
 import argparse
@@ -50,6 +55,7 @@ ITERATION = dict(vocab=8192, hidden=128, layers=2, heads=4, kv_heads=2, head_dim
                  learning_rate=1e-6, clip_eps=0.2, rewarded_token=7)
 BREAKDOWN = ("generate_s", "verify_s", "score_s", "pack_s", "train_s", "weight_sync_s",
              "trainer_idle_s", "engine_idle_s")
+SWITCHES = ("switch_to_train_s", "switch_to_inference_s")  # RLConfig.hybrid's
 
 
 # ---- ours ----
@@ -102,11 +108,11 @@ def start_model():
   return cfg, transformer.init_params(cfg, jax.random.PRNGKey(0))
 
 
-def build_ours(engine: str, max_staleness: int = 0) -> dict:
+def build_ours(engine: str, max_staleness: int = 0, hybrid: bool = False) -> dict:
   """rl.loop.rl_steps on the embedded engine ("embedded"), on our server process pinned to
   core 1 ("server") or on a running SGLang server ("sglang"); "iteration" runs `n` steps from
   a fresh generator (so ahead of the trainer the pipeline starts empty) and drains it before
-  returning."""
+  returning. `hybrid`: RLConfig.hybrid (the server started with --enable-memory-saver)."""
   from rl import loop, losses, rewards, sampling, sources
   from rl.config import RLConfig
   from rl.train_step import make_train_step
@@ -120,12 +126,12 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
   reward = rewards.named_chain({"correctness": rewards.correctness()})
   rl = RLConfig(prompts_per_step=p["prompts"], samples_per_prompt=p["samples"],
                 max_new_tokens=p["new_tokens"], seq_len=p["prompt_len"] + p["new_tokens"],
-                learning_rate=p["learning_rate"])
+                learning_rate=p["learning_rate"], hybrid=hybrid)
   task, tokenizer = RandomPrompts(), WordTokenizer()
   if engine == "embedded":
     rollouts = JaxEngine(cfg, params)
   elif engine == "server":
-    rollouts = local_engine(cfg, params, 0, cores=[1])
+    rollouts = local_engine(cfg, params, 0, cores=[1], memory_saver=hybrid)
   else:
     rollouts = remote_engine(cfg, params, 0, urls=[os.environ["LONGRL_SGLANG_URL"]],
                              weights_dir=os.environ["LONGRL_SGLANG_WEIGHTS"],
@@ -150,7 +156,8 @@ def build_ours(engine: str, max_staleness: int = 0) -> dict:
         out.append({"seconds": seconds,
                     "completion_tokens": int(sum(len(t.token_ids)
                                                  for t in record.trajectories)),
-                    **{k: record.metrics[k] for k in BREAKDOWN}})
+                    **{k: record.metrics[k] for k in BREAKDOWN + SWITCHES
+                       if k in record.metrics}})
     finally:
       steps.close()
     # The rollouts of the step after the last, still being made ahead: let them end, so
@@ -317,6 +324,8 @@ PARTS = {  # name -> (virtual environment, trainer's cores (None: all), builder)
     "tunix": ("tunix", "0,1", build_tunix),
     "ours_sglang": (None, None, lambda: build_ours("sglang")),
     "ours_sglang_ahead": (None, None, lambda: build_ours("sglang", max_staleness=1)),
+    "ours_server_hybrid": (None, "0", lambda: build_ours("server", hybrid=True)),
+    "ours_sglang_hybrid": (None, None, lambda: build_ours("sglang", hybrid=True)),
 }
 DEFAULT_PARTS = ("ours_sync", "ours_sync_server", "ours_ahead", "trl", "tunix")
 PEERS = ("trl", "tunix")
@@ -404,8 +413,15 @@ def report(results: dict):
     if syncs:
       print(f"{part} weight syncs: {len(syncs)}, median {statistics.median(syncs):.3f} s, "
             f"{min(syncs):.3f}-{max(syncs):.3f} s")
+  for part, r in results.items():  # RLConfig.hybrid's turns between trainer and engine
+    kept = [x for turn in r["turns"] for x in turn if SWITCHES[0] in x]
+    if kept:
+      print(f"{part} switches (median s): to train "
+            f"{statistics.median(x[SWITCHES[0]] for x in kept):.3f}, to inference "
+            f"{statistics.median(x[SWITCHES[1]] for x in kept):.3f}")
   pairs = ([("ours_ahead", "ours_sync"), ("ours_ahead", "ours_sync_server"),
-            ("ours_sglang_ahead", "ours_sglang")] + [("ours_sync", peer) for peer in PEERS])
+            ("ours_sglang_ahead", "ours_sglang"), ("ours_server_hybrid", "ours_sync_server"),
+            ("ours_sglang_hybrid", "ours_sglang")] + [("ours_sync", peer) for peer in PEERS])
   for ours, other in pairs:
     if ours in results and other in results:
       ratios = [_turn_seconds(b) / _turn_seconds(a)

@@ -359,6 +359,7 @@ class Scheduler:
     self.stopped = False
     self.prefixes: dict[tuple[int, ...], CachedPrefix] = {}  # insertion order = age
     self.last_output = 0.0  # time.time() of the last token or finished request (/health)
+    self.healthy = True  # the last /health passed (SGLang's ServerStatus.Up), for /ready
     # Memory release (release_memory): SGLang's --enable-memory-saver and
     # --enable-weights-cpu-backup, the tags released (its offload_tags), the host copy of the
     # weights (with the backup) or their shapes (without).
@@ -379,7 +380,9 @@ class Scheduler:
     with self.lock:
       if self.crashed:
         raise SchedulerCrash(self.crashed)
-      alive = {r.rid for r in self.waiting + self.running + self.held}
+      # A finished request stays in `running` until its batch ends; SGLang forgets a rid
+      # once its request is finished (tokenizer_manager.py L2774), before it answers.
+      alive = {r.rid for r in self.waiting + self.running + self.held if not r.done.is_set()}
     for r in requests:
       if r.rid in alive:
         raise RequestError(f"Duplicate request ID detected: {r.rid}")
@@ -510,7 +513,12 @@ class Scheduler:
       self.held.clear()
     self.lock.notify_all()
 
-  def update_weights(self, params, version: str | None, model_path: str | None) -> None:
+  def update_weights(self, params, version: str | None, model_path: str | None,
+                     flush_cache: bool = True) -> bool:
+    """Serve `params` from now on; False when `flush_cache` was asked and refused (not idle:
+    paused in place with requests frozen mid-generation): SGLang then keeps the new weights,
+    the old cache and the old version, and fails the call (weight_updater.py L120-133,
+    L152-158; tokenizer_manager.py L2318-2319)."""
     with self.lock:
       # SGLang's model-update writer lock: unless paused, the update waits for the requests
       # in flight (running or queued), which finish on the old weights, and requests that
@@ -520,11 +528,14 @@ class Scheduler:
         while (self.running or self.waiting) and self.paused is None:
           self.lock.wait(0.01)
         self.params = params
+        if model_path is not None:
+          self.model_path = model_path
+        if flush_cache and not self._idle():
+          return False
         self.prefixes.clear()  # their keys and values belong to the old weights
         if version is not None:
           self.weight_version = str(version)
-        if model_path is not None:
-          self.model_path = model_path
+        return True
       finally:
         self.updating -= 1
         self._release_held()
@@ -541,12 +552,20 @@ class Scheduler:
       return False
 
   def flush_cache(self) -> bool:
-    """Drop the cached prefixes; refused (False) while requests run or wait, unpaused."""
+    """Drop the cached prefixes; refused (False) unless idle, as SGLang's (scheduler.py
+    L5518-5545)."""
     with self.lock:
-      if (self.running or self.waiting) and not self.paused:
+      if not self._idle():
         return False
       self.prefixes.clear()
       return True
+
+  def _idle(self) -> bool:
+    """Under the lock: SGLang's is_fully_idle(ignore_waiting=paused in place or by retract)
+    (scheduler.py L5337-5364, L5520): nothing running (a batch paused by retract waits) and,
+    unless so paused, nothing waiting."""
+    frozen = self.paused in ("in_place", "retract")
+    return (not self.running or self.paused == "retract") and (not self.waiting or frozen)
 
   # --- memory release (hybrid deployment: trainer and engine take turns on the accelerator)
 
@@ -558,7 +577,7 @@ class Scheduler:
     --enable-memory-saver; without it its adapter frees nothing) it frees the KV and weights
     too: weights are dropped, or moved to a host copy with weights_cpu_backup."""
     with self.lock:
-      if self.running or (self.waiting and self.paused not in ("in_place", "retract")):
+      if not self._idle():
         self._crash("AssertionError: release_memory_occupation should be called only when "
                     "server is idle.")
       tags = list(tags or MEMORY_TAGS)
@@ -994,12 +1013,16 @@ class Server(http.server.ThreadingHTTPServer):
       h._send(200, text="")
       return
     timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
-    h._send(200 if s.generates_within(timeout) else 503, text="")
+    # A failed check marks the server unhealthy, and a passing one healthy again
+    # (http_server.py L784, L798): /ready answers 503 in between.
+    s.healthy = s.generates_within(timeout)
+    h._send(200 if s.healthy else 503, text="")
 
   def ready(self, h: Handler):
-    """503 while paused, as SGLang's is_ready (tokenizer_manager.py L732-734)."""
+    """503 while paused, or since a failed health check until one passes, as SGLang's
+    is_ready (tokenizer_manager.py L728-734)."""
     ok = (self.scheduler.thread.is_alive() and not self.scheduler.crashed
-          and not self.scheduler.paused)
+          and not self.scheduler.paused and self.scheduler.healthy)
     h._send(200 if ok else 503, text="")
 
   def model_info(self, h: Handler):
@@ -1111,10 +1134,16 @@ class Server(http.server.ThreadingHTTPServer):
       h._send(400, {"success": False, "message": f"Failed to update weights: {e}",
                     "num_paused_requests": 0})
       return
-    s.update_weights(params, body.get("weight_version"), path)  # the cache goes with the weights
+    flushed = s.update_weights(params, body.get("weight_version"), path,
+                               body.get("flush_cache", True) is not False)
     del params
     if s.memory_saver:  # the load's buffers, and the old weights, back to the kernel
       host_allocator.return_freed_memory()
+    if not flushed:
+      h._send(400, {"success": False, "num_paused_requests": 0, "message": (
+          "Weights were updated, but the cache was not flushed because requests are still "
+          "running or queued. Retract or finish them, then call /flush_cache.")})
+      return
     h._send(200, {"success": True, "message": "Succeeded to update model weights.",
                   "num_paused_requests": 0})
 
@@ -1169,12 +1198,14 @@ def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
 def served_dtype(config: dict, dtype: str) -> str:
   """The dtype a server started with `--dtype dtype` computes and holds weights in, by
   SGLang's rule (configs/model_config.py L2284-2324): 'auto' is config.json's dtype
-  (torch_dtype), and float32 (or none) becomes float16. A float32 export served with
-  --dtype auto computes in float16."""
+  (torch_dtype), and float32 (or none) becomes float16 (bfloat16 for Gemma). A float32
+  export served with --dtype auto computes in float16."""
   if dtype != "auto":
     return dtype
   found = config.get("dtype") or config.get("torch_dtype") or "float32"
-  return "float16" if found in ("float32", "float") else found
+  if found not in ("float32", "float"):
+    return found
+  return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
 
 
 def load_model(*, model=None, hf_checkpoint: str | None = None, seed: int = 0,

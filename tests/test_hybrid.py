@@ -260,6 +260,11 @@ def test_a_hybrid_run_on_servers_releases_them_between_steps(tokenizer, digit_mo
     records = [next(steps) for _ in range(2)]
     steps.close()
     assert all(r.metrics["release_s"] > 0 for r in records)
+    for r in records:
+      print(f"step {r.step}: switch to train {r.metrics['switch_to_train_s']:.3f} s (release "
+            f"{r.metrics['release_s']:.3f}), to inference {r.metrics['switch_to_inference_s']:.3f}"
+            f" s (offload {r.metrics['offload_s']:.3f}, weight sync "
+            f"{r.metrics['weight_sync_s']:.3f})")
     assert not engine.client.released
     info = engine.client.model_info()
     assert [i["weight_version"] for i in info.values()] == ["2"]

@@ -142,6 +142,50 @@ def test_a_failed_weight_update_leaves_the_server_serving(tiny_cfg, tiny_params,
       client.close()
 
 
+def test_an_update_whose_cache_flush_is_refused_fails(tiny_cfg, tiny_params, tmp_path):
+  """Paused in place with a request frozen mid-generation, SGLang loads the new weights but
+  refuses to flush the cache (not idle), so the update answers success false and the
+  version stays (weight_updater.py L120-133); /flush_cache is refused alike until the
+  request is let go and finishes. Paused with abort (as the client pauses) it succeeds."""
+  path = hf.save(tiny_params, tiny_cfg, str(tmp_path / "v1"))
+  with _serving(tiny_cfg, tiny_params) as url:
+    thread, out = _in_background(lambda: _generate(url, "long", 1000).json())
+    _wait(lambda: _running(url) == 1, what="the request running")
+    httpx.post(url + "/pause_generation", json={"mode": "in_place"})
+    update = httpx.post(url + "/update_weights_from_disk", timeout=60, json={
+        "model_path": path, "weight_version": "1"})
+    assert update.status_code == 400 and update.json()["success"] is False
+    assert "cache was not flushed" in update.json()["message"]
+    assert httpx.get(url + "/model_info").json()["weight_version"] == "0"
+    assert httpx.post(url + "/flush_cache").status_code == 400
+    httpx.post(url + "/continue_generation", json={})
+    thread.join(60)
+    assert len(out["result"]["output_ids"]) == 1000
+    assert httpx.post(url + "/flush_cache").status_code == 200
+    client = SGLangClient([url])
+    try:
+      client.sync_weights(path, 1)  # pauses with abort: idle, flushed
+      assert client.model_info()[url]["weight_version"] == "1"
+    finally:
+      client.close()
+
+
+def test_ready_stays_503_after_a_failed_health_check_until_one_passes(tiny_cfg, tiny_params,
+                                                                       monkeypatch):
+  """SGLang marks itself unhealthy when a health check fails (here: paused past
+  SGLANG_HEALTH_CHECK_TIMEOUT), and /ready answers 503 until a check passes again, even
+  after /continue_generation (http_server.py L784-798, tokenizer_manager.py L728-734)."""
+  monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "0.5")
+  with _serving(tiny_cfg, tiny_params) as url:
+    assert httpx.get(url + "/ready").status_code == 200
+    httpx.post(url + "/pause_generation", json={"mode": "abort"})
+    assert httpx.get(url + "/health", timeout=30).status_code == 503
+    httpx.post(url + "/continue_generation", json={})
+    assert httpx.get(url + "/ready").status_code == 503
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert httpx.get(url + "/ready").status_code == 200
+
+
 def test_health_blocks_while_paused_and_the_router_is_waited_out(tiny_cfg, tiny_params,
                                                                   monkeypatch):
   """SGLang's /health generates a token: it blocks while the worker is paused (or loads
@@ -230,6 +274,7 @@ def test_exports_in_the_compute_dtype_and_auto_serves_float32_in_float16(tiny_cf
   local_engine starts its servers with that --dtype."""
   assert served_dtype({"torch_dtype": "float32"}, "auto") == "float16"
   assert served_dtype({}, "auto") == "float16"
+  assert served_dtype({"torch_dtype": "float32", "model_type": "gemma2"}, "auto") == "bfloat16"
   assert served_dtype({"dtype": "bfloat16"}, "auto") == "bfloat16"
   assert served_dtype({"torch_dtype": "float32"}, "float32") == "float32"
   cfg = dataclasses.replace(tiny_cfg, dtype="bfloat16")
