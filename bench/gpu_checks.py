@@ -6,17 +6,18 @@
 
 peak             the bf16 matrix product's TFLOP/s on this GPU (8192^3, median of 5 warm
                  calls): the reference of the MFU figures below.
-attention        cuDNN's fused attention through models/attention/dispatch.py against the
-                 float32 dense reference, forward and gradients, packed rows with padding and
-                 grouped KV heads, in bf16 and float32, for cudnn, blockwise and auto: the
+attention        the GPU kernels through models/attention/dispatch.py against the float32
+                 dense reference, forward and gradients, packed rows with padding and grouped
+                 KV heads, in bf16 and float32, for pallas_gpu, cudnn, blockwise and auto: the
                  largest error over real tokens, the kernel `plan` picked, or the error raised.
 attention_speed  forward+backward, bf16, one row of 8 packed documents at 4k, 16k and 32k
-                 tokens, 16 heads over 4 KV heads of 128: cudnn vs blockwise, the compiled
-                 executable's peak memory and the median of 5 warm calls.
+                 tokens, 16 heads over 4 KV heads of 128: pallas_gpu vs cudnn vs blockwise
+                 (and pallas_gpu alone at 128k), the compiled executable's peak memory and
+                 the median of 5 warm calls.
 train_step       one k1.5 train step (forward, chunked log-probs, backward, AdamW) of a model
                  of width 1024, 8 layers, vocabulary 32,768, computing in bf16, on one packed
-                 16,384-token row, attention cudnn vs blockwise: seconds, tokens/s, MFU
-                 against `peak`, and the two losses.
+                 16,384-token row, attention pallas_gpu vs cudnn vs blockwise: seconds,
+                 tokens/s, MFU against `peak`, and the losses.
 engine           the embedded engine (rollouts/jax_engine.py) on the GPU: generation tokens/s
                  (256 sequences x 64 tokens, the quickstart's model) and the engine-vs-trainer
                  log-prob gap on its samples, in float32 and bf16.
@@ -111,7 +112,7 @@ def part_attention():
                    jnp.float32)
   rows = []
   for dtype in (jnp.bfloat16, jnp.float32):
-    for kernel in ("cudnn", "blockwise", "auto"):
+    for kernel in ("pallas_gpu", "cudnn", "blockwise", "auto"):
       row = {"dtype": jnp.dtype(dtype).name, "kernel": kernel}
       try:
         row["runs"] = dispatch.plan(kernel, 1, dtype)
@@ -132,7 +133,7 @@ def part_attention_speed():
 
   heads, kv_heads, dim = 16, 4, 128
   rows = []
-  for seq in ((1024, 2048) if SMALL else (4096, 16384, 32768)):
+  for seq in ((1024, 2048) if SMALL else (4096, 16384, 32768, 131072)):
     seg = jnp.asarray(_packed_segments(seq, 8)[None])
     arg = lambda h: jnp.asarray(np.random.default_rng(seq).normal(size=(1, seq, h, dim)),
                                 jnp.bfloat16)
@@ -140,7 +141,8 @@ def part_attention_speed():
     # Causal within each document: QK^T and PV over half of each document's square, forward;
     # the backward pass about 2.5 times that.
     flops = 3.5 * 2 * 2 * heads * dim * 8 * (seq // 8) ** 2 / 2
-    for kernel in ("cudnn", "blockwise"):
+    # At 128k cuDNN's [seq, seq] mask alone is 16 GiB and blockwise takes minutes.
+    for kernel in ("pallas_gpu",) if seq > 32768 else ("pallas_gpu", "cudnn", "blockwise"):
       row = {"seq": seq, "kernel": kernel}
       try:
         def f(q, k, v, kernel=kernel):
@@ -183,7 +185,7 @@ def part_train_step(peak_tflops=None):
   flops = (6 * matmul_params * seq
            + 3 * layers * 2 * 2 * heads * dim * docs * (seq // docs) ** 2 / 2)
   rows = []
-  for kernel in ("cudnn", "blockwise"):
+  for kernel in ("pallas_gpu", "cudnn", "blockwise"):
     row = {"kernel": kernel, "seq": seq, "width": width, "layers": layers, "vocab": vocab,
            "dtype": "bfloat16", "param_dtype": "float32"}
     try:

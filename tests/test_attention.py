@@ -173,6 +173,30 @@ def test_vendor_kernel_calls_equal_dense():
       lambda q, k, v, s: dispatch.splash_attention(q, k, v, s, interpret=True), "ragged_length")
 
 
+@pytest.mark.parametrize("case", ["packed", "gqa_8_over_2", "ragged_length"])
+def test_pallas_gpu_kernel_equals_dense(case):
+  """JAX's Pallas flash attention for GPUs, in interpret mode: packed documents by segment id
+  (no mask), padding, grouped KV heads and a length off its tiles, forward and the three
+  gradients; on a GPU only the lowering changes (Triton)."""
+  _assert_matches_dense(
+      lambda q, k, v, s: dispatch.pallas_gpu_attention(q, k, v, s, interpret=True), case)
+
+
+def test_pallas_gpu_kernel_in_bf16_is_within_bf16_of_dense():
+  """The same in bfloat16 (the dtypes it takes), against the float32 reference."""
+  *shape, segments, _, _ = CASES["packed"]
+  q, k, v, seg, cot = _inputs(*shape, segments)
+  want, want_grads = _value_and_grads(_dense, q, k, v, seg, cot)
+  half = lambda x: x.astype(jnp.bfloat16)
+  out, grads = _value_and_grads(
+      lambda q, k, v, s: dispatch.pallas_gpu_attention(q, k, v, s, interpret=True),
+      half(q), half(k), half(v), seg, half(cot))
+  np.testing.assert_allclose(np.float32(out), want, atol=3e-2, rtol=3e-2)
+  for name, got, expected in zip("qkv", grads, want_grads):
+    np.testing.assert_allclose(np.float32(got), expected, atol=1e-1, rtol=5e-2,
+                               err_msg=f"d{name}")
+
+
 def test_dispatch_rules_on_cpu():
   assert dispatch.resolve("auto", "cpu") == "cpu"  # the C++ kernel (tests/test_cpu_kernels.py)
   assert dispatch.resolve("dense", "cpu") == "dense"
@@ -185,7 +209,7 @@ def test_dispatch_rules_on_cpu():
   assert dispatch.plan("auto", 1, jnp.bfloat16) == "blockwise"
   # auto takes what the C++ kernel does not to blockwise (bf16 here).
   assert "longrl_flash" not in jax.jit(lambda *x: dispatch.attention(*x, seg)).lower(*bf16).as_text()
-  for kernel, needs in (("cudnn", "GPU"), ("splash", "TPU")):
+  for kernel, needs in (("cudnn", "GPU"), ("pallas_gpu", "GPU"), ("splash", "TPU")):
     with pytest.raises(dispatch.KernelUnavailable, match=needs):
       dispatch.resolve(kernel, "cpu")
   with pytest.raises(ValueError, match="unknown attention kernel 'flash3'"):

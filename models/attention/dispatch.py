@@ -9,7 +9,11 @@ larger than 1 that is ring attention over blockwise tiles, otherwise:
              cudnn takes bf16 and f16, cpu float32)
   blockwise  models/attention/blockwise.py (any backend)
   dense      models/attention/reference.py (tests; O(seq^2) memory)
-  cudnn      jax.nn.dot_product_attention(implementation="cudnn"); GPU only, bf16 / f16
+  pallas_gpu JAX's Pallas (Triton) flash attention with segment ids: GPU only, bf16 / f16,
+             linear in memory (explicit only until a GPU run of bench/gpu_checks.py has
+             measured it against cuDNN)
+  cudnn      jax.nn.dot_product_attention(implementation="cudnn"); GPU only, bf16 / f16;
+             packed rows pass a [seq, seq] mask (memory quadratic in the row)
   splash     Pallas splash attention; TPU only
   cpu        models/attention/cpu.py: C++ kernels through XLA's FFI; CPU only, float32
 
@@ -28,11 +32,12 @@ import jax.numpy as jnp
 
 from models.attention import blockwise, cpu, reference, ring
 
-KERNELS = ("auto", "blockwise", "dense", "cudnn", "splash", "cpu")
+KERNELS = ("auto", "blockwise", "dense", "pallas_gpu", "cudnn", "splash", "cpu")
 _DEFAULTS = {"tpu": "splash", "gpu": "cudnn", "cpu": "cpu"}
 # The dtypes a vendor kernel takes (cuDNN's fused attention: half precision only), where it
 # does not take them all; `auto` runs blockwise for the others.
-_DTYPES = {"cpu": (jnp.float32,), "cudnn": (jnp.bfloat16, jnp.float16)}
+_DTYPES = {"cpu": (jnp.float32,), "cudnn": (jnp.bfloat16, jnp.float16),
+           "pallas_gpu": (jnp.bfloat16, jnp.float16)}
 _log = logging.getLogger("longrl.attention")
 
 
@@ -72,6 +77,32 @@ def splash_attention(q, k, v, segment_ids, *, interpret: bool = False):
   return out * (segment_ids != 0)[:, :, None, None].astype(out.dtype)
 
 
+def pallas_gpu_attention(q, k, v, segment_ids, *, interpret: bool = False,
+                         block: int = 128):
+  """JAX's Pallas flash attention for GPUs (jax.experimental.pallas.ops.gpu.attention,
+  lowered through Triton; `interpret=True` runs it anywhere, slowly, for tests).
+
+  Same contract as `blockwise.attention`, linear in memory: the kernel reads segment ids
+  directly, so packed rows need no [seq, seq] mask, and its backward recomputes the
+  probabilities from the saved log-sum-exp. It wants as many key/value heads as query heads:
+  each KV head is repeated over its group (the repeat's gradient sums the group back). The
+  sequence is padded to the kernel's `block`-token tiles; padding is segment 0, one more
+  segment to the kernel, whose outputs are zeroed.
+  """
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+  b, s, h, d = q.shape
+  padded = -(-s // block) * block
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - s)] + [(0, 0)] * (x.ndim - 2))
+  group = h // k.shape[2]
+  k, v = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (k, v))
+  tiles = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=block,
+                                      block_kv_dkv=block, block_q_dq=block, block_kv_dq=block)
+  out = pallas_attention.mha(pad(q), pad(k), pad(v), pad(segment_ids), sm_scale=d ** -0.5,
+                             causal=True, block_sizes=tiles, interpret=interpret)[:, :s]
+  return out * (segment_ids != 0)[:, :, None, None].astype(out.dtype)
+
+
 def cudnn_attention(q, k, v, segment_ids, *, implementation: str = "cudnn"):
   """jax.nn.dot_product_attention with the cuDNN fused kernel (GPU).
 
@@ -95,6 +126,16 @@ def _vendor_kernel_available(name: str) -> bool:
     except ImportError:
       return False
     return jax.default_backend() == "tpu"
+  if name == "pallas_gpu":
+    if jax.default_backend() != "gpu":
+      return False
+    try:  # a tiny probe: raises when Triton cannot lower the kernel on this GPU
+      with jax.ensure_compile_time_eval():
+        x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+        jax.block_until_ready(pallas_gpu_attention(x, x, x, jnp.ones((1, 128), jnp.int32)))
+    except Exception:  # noqa: BLE001 - any failure means "cannot run here"
+      return False
+    return True
   if name == "cudnn":
     if jax.default_backend() != "gpu":
       return False
@@ -128,6 +169,7 @@ def resolve(kernel: str, backend: str) -> str:
     chosen = kernel
     if not _vendor_kernel_available(kernel):
       needs = {"splash": "a TPU", "cudnn": "a GPU with cuDNN",
+               "pallas_gpu": "a GPU that Triton lowers Pallas kernels for",
                "cpu": f"the CPU backend and its C++ kernels ({cpu.unavailable_reason()})"}[kernel]
       raise KernelUnavailable(f"attention kernel {kernel!r} needs {needs}; this backend is "
                               f"{backend!r}. Use attention='auto' or 'blockwise'.")
@@ -174,6 +216,8 @@ def attention(q, k, v, segment_ids, *, kernel: str = "auto"):
     return blockwise.attention(q, k, v, segment_ids)
   if chosen == "dense":
     return reference.attention(q, k, v, reference.segment_causal_mask(segment_ids))
+  if chosen == "pallas_gpu":
+    return pallas_gpu_attention(q, k, v, segment_ids)
   if chosen == "cudnn":
     return cudnn_attention(q, k, v, segment_ids)
   return splash_attention(q, k, v, segment_ids)
