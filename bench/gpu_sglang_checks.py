@@ -8,7 +8,8 @@ bfloat16). Checks, each timed: the contract, sampled and greedy log-probs agains
 teacher scoring (SGLang's null entry at logprob_start_len), a partial rollout whose token
 budget holds through aborts by exact rid, a refit, a hybrid release and resume (the server
 runs --enable-memory-saver; nvidia-smi's memory in use at each point), and the same through
-the real sglang-router (from .venv's test extra). Prints one line per check and exits non-zero if any fails.
+the real sglang-router (from .venv's test extra). Prints one line per check and exits
+non-zero if any fails.
 """
 
 import importlib.util

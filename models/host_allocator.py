@@ -1,12 +1,13 @@
 """The process's host-memory allocator settings under XLA:CPU.
 
-Owns two process-wide choices, and giving freed memory back on demand. First, glibc's malloc keeps freed memory for reuse instead of
-handing it back to the kernel. XLA:CPU allocates an executable's temporary buffer anew for every
-run, from the thread that runs it (1.7 GB for the train step of bench/peers.py). glibc serves a
-block that large, outside the main arena, with a fresh mmap and frees it with munmap, so every
-step page-faults its whole working set in again: ~450k page faults and ~1.1 s of kernel time
-per ~6.5 s step on the 2-core CPU. With one arena, no mmap and no trimming the block is reused:
-the faults and the kernel time are gone, and the step is ~7% faster.
+Owns two process-wide choices, and giving freed memory back on demand. First, glibc's malloc
+keeps freed memory for reuse instead of handing it back to the kernel. XLA:CPU allocates an
+executable's temporary buffer anew for every run, from the thread that runs it (1.7 GB for the
+train step of bench/peers.py). glibc serves a block that large, outside the main arena, with a
+fresh mmap and frees it with munmap, so every step page-faults its whole working set in again:
+~450k page faults and ~1.1 s of kernel time per ~6.5 s step on the 2-core CPU. With one arena,
+no mmap and no trimming the block is reused: the faults and the kernel time are gone, and the
+step is ~7% faster.
 
 The price: memory freed by the process is not returned to the system until it exits, so its
 RSS stays at its peak (which a training process reaches every step anyway). That makes the

@@ -192,7 +192,6 @@ def check_sharded(params, mesh: Mesh, *, min_elements: int = 1 << 16):
                           f"divisible by its fsdp/tensor axes): {whole[:5]}")
 
 
-
 def in_memory(tree, kind: str):
   """`tree` with every jax.Array moved to memory `kind` of its own devices, layout kept:
   'pinned_host' (host memory the accelerator reads by DMA: a hybrid deployment keeps the

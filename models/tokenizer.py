@@ -111,8 +111,6 @@ class HFTokenizer:
       raise FileNotFoundError(f"no tokenizer.json in {ckpt_dir}")
     self._tok = tokenizers.Tokenizer.from_file(path)
     self._config = self._read_json(ckpt_dir, "tokenizer_config.json")
-    generation = self._read_json(ckpt_dir, "generation_config.json")
-    model = self._read_json(ckpt_dir, "config.json")
     self.special_tokens_map = {
         key: _special_token(self._config.get(key))
         for key in ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -121,10 +119,8 @@ class HFTokenizer:
     self.chat_template = self._config.get("chat_template")
     if isinstance(self.chat_template, list):  # named templates: use the default one
       self.chat_template = {t["name"]: t["template"] for t in self.chat_template}.get("default")
-    stops = []
-    for found in (generation.get("eos_token_id"), model.get("eos_token_id"), self.eos_id):
-      stops += [] if found is None else [found] if isinstance(found, int) else list(found)
-    self.stop_token_ids = tuple(dict.fromkeys(stops))
+    eos = () if self.eos_id is None else (self.eos_id,)
+    self.stop_token_ids = tuple(dict.fromkeys((*checkpoint_eos_ids(ckpt_dir), *eos)))
 
   @staticmethod
   def _read_json(ckpt_dir, name) -> dict[str, Any]:
@@ -265,6 +261,21 @@ def _end_of_turn(tokenizer: HFTokenizer) -> int | None:
   ids = tokenizer.encode(after)
   special = tokenizer.special_ids()
   return ids[0] if ids and ids[0] in special else tokenizer.eos_id
+
+
+def checkpoint_eos_ids(path: str) -> tuple[int, ...]:
+  """The eos_token_id(s) of generation_config.json, then config.json, in checkpoint directory
+  `path` (none for ""): SGLang stops every request at them too, besides its stop_token_ids,
+  unless ignore_eos (configs/model_config.py L2190-2208, managers/schedule_batch.py
+  L1856-1871)."""
+  ids = []
+  for name in ("generation_config.json", "config.json"):
+    file = os.path.join(path, name)
+    if path and os.path.isfile(file):
+      with open(file) as f:
+        found = json.load(f).get("eos_token_id")
+      ids += [] if found is None else [found] if isinstance(found, int) else list(found)
+  return tuple(dict.fromkeys(ids))
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:

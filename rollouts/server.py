@@ -3,18 +3,19 @@
 Owns a step-wise scheduler (requests are decoded one token at a time in batches, so abort,
 pause and weight updates take effect between tokens) and the subset of SGLang's endpoints a
 trainer uses, with SGLang's request checks and response shapes (../shared/reference/sglang.md
-sections 1-2): /generate (single and batch, n, stream, return_logprob), /abort_request (a
-live rid, or all; partial output), /pause_generation (abort, retract, in_place),
+sections 1-2): /generate (single and batch, n, stream, return_logprob), /abort_request (a live
+rid, or all; partial output), /pause_generation (abort, retract, in_place),
 /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache,
-/release_memory_occupation, /resume_memory_occupation (a hybrid deployment's turns: weights
-and KV cache freed while the trainer runs), /model_info, /server_info, /health,
-/health_generate, /ready, /v1/loads. It lets the SGLang client (rollouts/sglang.py) run for
-real in CI, where SGLang itself cannot, and behaves as SGLang where a client can go wrong (docs/sglang.md, section 3): an unknown rid's abort does
-nothing, a live rid is refused, the entry at logprob_start_len is null, /health generates (so
-it blocks while paused or updating), requests arriving while paused or updating wait outside
-the scheduler, sampling_seed counts only with --deterministic, --dtype auto serves float32 in
-float16, requests stop at the checkpoint's eos ids, and a release while busy, a resume of
-what was not released, or a request or weight load on released memory takes the server down.
+/release_memory_occupation, /resume_memory_occupation (a hybrid deployment's turns: weights and
+KV cache freed while the trainer runs), /model_info, /server_info, /health, /health_generate,
+/ready, /v1/loads. It lets the SGLang client (rollouts/sglang.py) run for real in CI, where
+SGLang itself cannot, and behaves as SGLang where a client can go wrong (docs/sglang.md,
+section 3): an unknown rid's abort does nothing, a live rid is refused, the entry at
+logprob_start_len is null, /health generates (so it blocks while paused or updating), requests
+arriving while paused or updating wait outside the scheduler, sampling_seed counts only with
+--deterministic, --dtype auto serves float32 in float16, requests stop at the checkpoint's eos
+ids, and a release while busy, a resume of what was not released, or a request or weight load
+on released memory takes the server down.
 
 Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabulary
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
@@ -70,6 +71,7 @@ import numpy as np
 
 from models import hf, host_allocator, transformer
 from models.config import ModelConfig
+from models.tokenizer import checkpoint_eos_ids
 from rollouts import router as router_lib
 from rollouts import sglang
 from rollouts.jax_engine import (bucket, categorical, nucleus, score_continuations,
@@ -165,20 +167,6 @@ def _parse_sampling(params: dict) -> dict:
   if params.get("max_new_tokens", 128) < 0:
     raise BadRequest("max_new_tokens must be >= 0")
   return params
-
-
-def checkpoint_eos_ids(path: str) -> tuple[int, ...]:
-  """The eos_token_id(s) of config.json and generation_config.json in checkpoint `path` (none
-  for ""): SGLang stops every request at them too, besides its stop_token_ids, unless
-  ignore_eos (configs/model_config.py L2190-2208, managers/schedule_batch.py L1856-1871)."""
-  ids = set()
-  for name in ("config.json", "generation_config.json"):
-    file = os.path.join(path, name)
-    if path and os.path.isfile(file):
-      with open(file) as f:
-        found = json.load(f).get("eos_token_id")
-      ids |= {found} if isinstance(found, int) else set(found or ())
-  return tuple(sorted(ids))
 
 
 def _rids(rid, count: int, batched: bool) -> list[str]:
