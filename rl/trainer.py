@@ -485,7 +485,9 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
                       f"{len(task.test)} test records")
   if jax.process_count() > 1:
     _check_processes(mesh, start, objective)
-  return _Plan(cfg, f"ring over {context} sequence shards" if kernel == "ring" else kernel,
+  if kernel.startswith("ring/"):
+    kernel = f"ring over {context} sequence shards, {kernel.removeprefix('ring/')} chunks"
+  return _Plan(cfg, kernel,
                loss, advantage, correction,
                objective.reward or rewards_lib.named_chain(
                    {"correctness": rewards_lib.correctness()}),

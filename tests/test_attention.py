@@ -146,21 +146,25 @@ MESHES = {"context=8": dict(context=8), "data=2 x context=4": dict(data=2, conte
           "data=2 x tensor=2 x context=2": dict(data=2, tensor=2, context=2)}
 
 
-def _ring_fn(context, block):
+def ring_fn(context, chunks="blockwise", block=4):
+  """Ring attention over rows in their own order (zigzagged in, back out)."""
   def fn(q, k, v, seg):
     z = lambda x: ring.to_zigzag(x, context)
-    out = ring.attention(z(q), z(k), z(v), z(seg), block_q=block, block_k=block)
+    out = ring.attention(z(q), z(k), z(v), z(seg), chunks=chunks, block_q=block, block_k=block)
     return ring.from_zigzag(out, q.shape[1], context)
 
   return fn
 
 
+@pytest.mark.parametrize("chunks", sorted(ring.CHUNK_KERNELS))
 @pytest.mark.parametrize("mesh_name,case", [
     *((mesh, case) for mesh in ("context=8", "data=2 x context=4") for case in sorted(CASES)),
     ("data=2 x tensor=2 x context=2", "gqa_8_over_2")])
-def test_ring_equals_dense(mesh_name, case):
+def test_ring_equals_dense(mesh_name, case, chunks):
+  """Over blockwise tiles (of 4) and over the C++ kernel (tests/test_cpu_kernels.py has it
+  across the kernel's own blocks)."""
   mesh = sharding.make_mesh(**MESHES[mesh_name])
-  _assert_matches_dense(_ring_fn(mesh.shape["context"], block=4), case, mesh)
+  _assert_matches_dense(ring_fn(mesh.shape["context"], chunks), case, mesh)
 
 
 def test_vendor_kernel_calls_equal_dense():
@@ -219,6 +223,12 @@ def test_dispatch_rules_on_cpu():
   with jax.set_mesh(sharding.make_mesh(context=2)):
     with pytest.raises(dispatch.KernelUnavailable, match="cannot run context-parallel"):
       dispatch.attention(q, k, v, seg, kernel="dense")
+  # Context-parallel: the ring folds chunks with the C++ kernel where it runs, else blockwise.
+  assert dispatch.plan("auto", 8, jnp.float32) == "ring/cpu"
+  assert dispatch.plan("auto", 8, jnp.bfloat16) == "ring/blockwise"
+  assert dispatch.plan("blockwise", 8, jnp.float32) == "ring/blockwise"
+  with pytest.raises(dispatch.KernelUnavailable, match="computes in bfloat16"):
+    dispatch.plan("cpu", 8, jnp.bfloat16)
 
 
 def test_dispatch_takes_float32_past_cudnn(monkeypatch):
@@ -226,6 +236,8 @@ def test_dispatch_takes_float32_past_cudnn(monkeypatch):
   auto runs a float32 model blockwise and an explicit cudnn says why it cannot. The GPU run
   of bench/gpu_checks.py checks the same on the real kernel."""
   monkeypatch.setattr(dispatch, "resolve", lambda kernel, backend: "cudnn")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert dispatch.plan("auto", 8, jnp.bfloat16) == "ring/blockwise"
   assert dispatch.plan("auto", 1, jnp.float32) == "blockwise"
   assert dispatch.plan("auto", 1, jnp.bfloat16) == "cudnn"
   with pytest.raises(dispatch.KernelUnavailable, match="'cudnn' takes bfloat16 or float16"):

@@ -14,7 +14,7 @@ import pytest
 
 from models import sharding, transformer
 from models.attention import cpu, dispatch, reference
-from tests.test_attention import CASES, _inputs, assert_matches_dense_on
+from tests.test_attention import CASES, _inputs, assert_matches_dense_on, ring_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,9 +52,22 @@ def test_training_attention_runs_the_kernel_per_device_on_a_mesh():
   assert len(call) == 1
   # Each device takes its 2 rows (data x fsdp = 4 ways) and 2 of the 4 query heads with their
   # KV head (tensor): the output and logsumexp of one device's share.
-  assert "(f32[2,32,2,16]{3,2,1,0}, f32[2,2,32]{2,1,0}) custom-call" in call[0]
+  assert "(f32[2,32,2,16]{3,2,1,0}, f32[2,32,2]{2,1,0}) custom-call" in call[0]
   *shape, segments, _, _ = CASES["gqa_8_over_2"]
   assert_matches_dense_on(cpu.attention, shape, segments, mesh)
+
+
+@pytest.mark.parametrize("context", [2, 4])
+def test_ring_over_the_kernel_equals_dense_across_its_blocks(context):
+  """Ring attention folding key/value chunks with the kernel, chunks of 512 and 256 tokens:
+  several of its query and key blocks per chunk, zigzag positions (each device's queries are
+  two separate stretches of the row), documents crossing chunks, padding and grouped heads,
+  so that its skipped, partly visible and wholly visible block pairs all occur."""
+  segments = [[1] * 300 + [2] * 500 + [3] * 200 + [0] * 24]
+  mesh = sharding.make_mesh(context=context)
+  assert_matches_dense_on(ring_fn(context, "cpu"), (1, 1024, 8, 2, 32), segments, mesh)
+  with jax.set_mesh(mesh):
+    assert dispatch.plan("auto", context) == "ring/cpu"
 
 
 # (batch, q_len, heads, kv_heads, cache_len, head_dim): head_dim 64 runs 16-lane vectors only,

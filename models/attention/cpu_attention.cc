@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -272,9 +273,13 @@ void gemm(int64_t m, int64_t n, int64_t kk, const float* A, int64_t ars, int64_t
 
 // ---- training: causal attention within segments, forward and backward ----
 //
-// q: [b, s, h, d] (already scaled by 1/sqrt(d)); k, v: [b, s, kh, d]; seg: i32[b, s], 0 =
-// padding. Query i sees key j iff j <= i, seg[j] == seg[i] and seg[i] != 0 (the rule of
-// models/attention/blockwise.py); a query that sees none outputs zeros, with lse = +inf.
+// q: [b, sq, h, d] (already scaled by 1/sqrt(d)); k, v: [b, sk, kh, d]; q_seg: i32[b, sq] and
+// kv_seg: i32[b, sk], 0 = padding; q_pos: i32[sq] and kv_pos: i32[sk], the causal order (shared
+// by the rows). Query i sees key j iff kv_pos[j] <= q_pos[i], kv_seg[j] == q_seg[i] and
+// q_seg[i] != 0 (the rule of models/attention/blockwise.py); a query that sees none outputs
+// zeros, with lse = +inf. Single-device attention passes the same array for both sides and
+// positions 0..s-1; ring attention (models/attention/ring.py) passes its local queries against
+// a key/value chunk from another device, with their zigzag positions.
 //
 // A work item is one KV head of one row and a block of query positions; its rows are the g
 // query heads of that KV head times the block's positions (row r = head * nq + position), so
@@ -286,31 +291,46 @@ void gemm(int64_t m, int64_t n, int64_t kk, const float* A, int64_t ars, int64_t
 constexpr int64_t kKeys = 64;
 
 struct Dims {
-  int64_t b, s, h, kh, g, d, dp, bq;  // dp: padded head_dim; bq: query positions per block
+  int64_t b, s, sk, h, kh, g, d, dp, bq;  // s: query positions; sk: key positions;
+                                          // dp: padded head_dim; bq: query positions per block
 };
 
 Dims dims_of(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k) {
-  Dims x{q[0], q[1], q[2], k[2], q[2] / k[2], q[3], (q[3] + 15) / 16 * 16, 0};
+  Dims x{q[0], q[1], k[1], q[2], k[2], q[2] / k[2], q[3], (q[3] + 15) / 16 * 16, 0};
   x.bq = std::clamp<int64_t>(128 / x.g, 16, 64);  // ~128 rows per block
   return x;
+}
+
+// One side's segment ids (of one row) and causal positions.
+struct Side {
+  const int32_t* seg;
+  const int32_t* pos;
+};
+
+// The least and greatest position of [p0, p0 + n).
+std::pair<int32_t, int32_t> position_range(const int32_t* pos, int64_t p0, int64_t n) {
+  const auto [lo, hi] = std::minmax_element(pos + p0, pos + p0 + n);
+  return {*lo, *hi};
 }
 
 enum class Visible { kNone, kSome, kAll };
 
 // Which (query, key) pairs of a block pair are visible; mask[t * kKeys + j] for kSome.
-Visible block_mask(const int32_t* seg, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
-                   uint8_t* mask) {
-  if (k0 > q0 + nq - 1) return Visible::kNone;
-  const int32_t first = seg[q0];
-  bool uniform = first != 0 && k0 + nk - 1 <= q0;
-  for (int64_t t = 0; uniform && t < nq; ++t) uniform = seg[q0 + t] == first;
-  for (int64_t j = 0; uniform && j < nk; ++j) uniform = seg[k0 + j] == first;
+// q_range: position_range of the query block.
+Visible block_mask(Side q, int64_t q0, int64_t nq, std::pair<int32_t, int32_t> q_range, Side kv,
+                   int64_t k0, int64_t nk, uint8_t* mask) {
+  const auto [k_lo, k_hi] = position_range(kv.pos, k0, nk);
+  if (k_lo > q_range.second) return Visible::kNone;
+  const int32_t first = q.seg[q0];
+  bool uniform = first != 0 && k_hi <= q_range.first;
+  for (int64_t t = 0; uniform && t < nq; ++t) uniform = q.seg[q0 + t] == first;
+  for (int64_t j = 0; uniform && j < nk; ++j) uniform = kv.seg[k0 + j] == first;
   if (uniform) return Visible::kAll;
   int64_t count = 0;
   for (int64_t t = 0; t < nq; ++t) {
-    const int32_t st = seg[q0 + t];
+    const int32_t st = q.seg[q0 + t], pt = q.pos[q0 + t];
     for (int64_t j = 0; j < kKeys; ++j) {
-      const bool on = j < nk && st != 0 && seg[k0 + j] == st && k0 + j <= q0 + t;
+      const bool on = j < nk && st != 0 && kv.seg[k0 + j] == st && kv.pos[k0 + j] <= pt;
       mask[t * kKeys + j] = on;
       count += on;
     }
@@ -363,15 +383,17 @@ void pack_group(const float* x, const Dims& n, int64_t bi, int64_t ki, int64_t q
               dst + gg * nq * n.dp);
 }
 
+// out: [b, s, h, d]; lse: [b, s, h], the log-sum-exp of each query's visible scores.
 ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg,
-                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_seg,
+                        ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
+                        ffi::Buffer<ffi::S32> kv_pos, ffi::ResultBuffer<ffi::F32> out,
+                        ffi::ResultBuffer<ffi::F32> lse) {
   const Dims n = dims_of(q.dimensions(), k.dimensions());
   const int64_t q_blocks = (n.s + n.bq - 1) / n.bq;
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
-  const int32_t* segp = seg.typed_data();
   float* op = out->typed_data();
   float* lp = lse->typed_data();
 
@@ -380,7 +402,9 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const int64_t qb = q_blocks - 1 - item % q_blocks, ki = item / q_blocks % n.kh,
                   bi = item / q_blocks / n.kh;
     const int64_t q0 = qb * n.bq, nq = std::min(n.bq, n.s - q0), rows = n.g * nq;
-    const int32_t* sg = segp + bi * n.s;
+    const Side qs{q_seg.typed_data() + bi * n.s, q_pos.typed_data()};
+    const Side ks{kv_seg.typed_data() + bi * n.sk, kv_pos.typed_data()};
+    const auto q_range = position_range(qs.pos, q0, nq);
     thread_local ForwardScratch w;
     w.q.resize(rows * n.dp);
     w.out.assign(rows * n.dp, 0.0f);
@@ -391,12 +415,12 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     w.sum.assign(rows, 0.0f);
     w.mask.resize(n.bq * kKeys);
     pack_group(qp, n, bi, ki, q0, nq, w.q.data());
-    for (int64_t k0 = 0; k0 < n.s && k0 <= q0 + nq - 1; k0 += kKeys) {
-      const int64_t nk = std::min(kKeys, n.s - k0);
-      const Visible vis = block_mask(sg, q0, nq, k0, nk, w.mask.data());
+    for (int64_t k0 = 0; k0 < n.sk; k0 += kKeys) {
+      const int64_t nk = std::min(kKeys, n.sk - k0);
+      const Visible vis = block_mask(qs, q0, nq, q_range, ks, k0, nk, w.mask.data());
       if (vis == Visible::kNone) continue;
-      const float* kb = kp + ((bi * n.s + k0) * n.kh + ki) * n.d;
-      const float* vb = vp + ((bi * n.s + k0) * n.kh + ki) * n.d;
+      const float* kb = kp + ((bi * n.sk + k0) * n.kh + ki) * n.d;
+      const float* vb = vp + ((bi * n.sk + k0) * n.kh + ki) * n.d;
       pack_transposed(kb, n.kh * n.d, nk, n.d, w.keys_t.data());
       pack_rows(vb, n.kh * n.d, nk, n.d, n.dp, w.values.data());
       gemm(rows, kKeys, n.d, w.q.data(), n.dp, 1, w.keys_t.data(), kKeys, w.p.data(), kKeys, false);
@@ -437,28 +461,31 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
       float* o = op + ((bi * n.s + q0 + t) * n.h + head) * n.d;
       const bool seen = w.sum[r] > 0.0f;
       scale_to(o, seen ? 1.0f / w.sum[r] : 0.0f, w.out.data() + r * n.dp, n.d);
-      lp[(bi * n.h + head) * n.s + q0 + t] =
+      lp[(bi * n.s + q0 + t) * n.h + head] =
           seen ? w.max[r] + std::log(w.sum[r]) : std::numeric_limits<float>::infinity();
     }
   });
   return ffi::Error::Success();
 }
 
-// dq, dk, dv of FlashForward; out and lse are its outputs, dout the output cotangent.
+// dq, dk, dv of FlashForward, given the output cotangent dout [b, s, h, d], the log-sum-exp
+// lse [b, s, h] and delta = sum(dout * out) over head_dim [b, s, h]. Under ring attention lse
+// and out are those of all key chunks together, so each chunk's call gives its share.
 // A work item is one KV head of one row, whole: it owns those rows of dk and dv (and dq), so
 // no two threads add into the same gradient.
 ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg,
-                         ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
-                         ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_seg,
+                         ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
+                         ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::F32> lse,
+                         ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::F32> dout,
+                         ffi::ResultBuffer<ffi::F32> dq,
                          ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
   const Dims n = dims_of(q.dimensions(), k.dimensions());
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
-  const int32_t* segp = seg.typed_data();
-  const float* outp = out.typed_data();
   const float* lp = lse.typed_data();
+  const float* deltap = delta.typed_data();
   const float* dop = dout.typed_data();
   float* dqp = dq->typed_data();
   float* dkp = dk->typed_data();
@@ -466,7 +493,8 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
 
   parallel_for(pool, n.b * n.kh, [&](int64_t item) {
     const int64_t ki = item % n.kh, bi = item / n.kh;
-    const int32_t* sg = segp + bi * n.s;
+    const Side qs{q_seg.typed_data() + bi * n.s, q_pos.typed_data()};
+    const Side ks{kv_seg.typed_data() + bi * n.sk, kv_pos.typed_data()};
     thread_local BackwardScratch w;
     const int64_t max_rows = n.g * n.bq;
     w.q.resize(max_rows * n.dp);
@@ -480,25 +508,25 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     w.lse.resize(max_rows);
     w.delta.resize(max_rows);
     w.mask.resize(n.bq * kKeys);
-    w.dk.assign(n.s * n.dp, 0.0f);
-    w.dv.assign(n.s * n.dp, 0.0f);
+    w.dk.assign(n.sk * n.dp, 0.0f);
+    w.dv.assign(n.sk * n.dp, 0.0f);
     for (int64_t q0 = 0; q0 < n.s; q0 += n.bq) {
       const int64_t nq = std::min(n.bq, n.s - q0), rows = n.g * nq;
       pack_group(qp, n, bi, ki, q0, nq, w.q.data());
       pack_group(dop, n, bi, ki, q0, nq, w.dout.data());
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t head = ki * n.g + r / nq, pos = q0 + r % nq;
-        w.lse[r] = lp[(bi * n.h + head) * n.s + pos];
-        w.delta[r] = dot(dop + ((bi * n.s + pos) * n.h + head) * n.d,
-                     outp + ((bi * n.s + pos) * n.h + head) * n.d, n.d);
+        const int64_t at = (bi * n.s + q0 + r % nq) * n.h + ki * n.g + r / nq;
+        w.lse[r] = lp[at];
+        w.delta[r] = deltap[at];
       }
+      const auto q_range = position_range(qs.pos, q0, nq);
       std::fill(w.dq.begin(), w.dq.begin() + rows * n.dp, 0.0f);
-      for (int64_t k0 = 0; k0 < n.s && k0 <= q0 + nq - 1; k0 += kKeys) {
-        const int64_t nk = std::min(kKeys, n.s - k0);
-        const Visible vis = block_mask(sg, q0, nq, k0, nk, w.mask.data());
+      for (int64_t k0 = 0; k0 < n.sk; k0 += kKeys) {
+        const int64_t nk = std::min(kKeys, n.sk - k0);
+        const Visible vis = block_mask(qs, q0, nq, q_range, ks, k0, nk, w.mask.data());
         if (vis == Visible::kNone) continue;
-        const float* kb = kp + ((bi * n.s + k0) * n.kh + ki) * n.d;
-        const float* vb = vp + ((bi * n.s + k0) * n.kh + ki) * n.d;
+        const float* kb = kp + ((bi * n.sk + k0) * n.kh + ki) * n.d;
+        const float* vb = vp + ((bi * n.sk + k0) * n.kh + ki) * n.d;
         pack_transposed(kb, n.kh * n.d, nk, n.d, w.keys_t.data());
         pack_transposed(vb, n.kh * n.d, nk, n.d, w.values_t.data());
         pack_rows(kb, n.kh * n.d, nk, n.d, n.dp, w.keys.data());
@@ -531,8 +559,8 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                     n.d * sizeof(float));
       }
     }
-    for (int64_t j = 0; j < n.s; ++j) {
-      const int64_t at = ((bi * n.s + j) * n.kh + ki) * n.d;
+    for (int64_t j = 0; j < n.sk; ++j) {
+      const int64_t at = ((bi * n.sk + j) * n.kh + ki) * n.d;
       std::memcpy(dkp + at, w.dk.data() + j * n.dp, n.d * sizeof(float));
       std::memcpy(dvp + at, w.dv.data() + j * n.dp, n.d * sizeof(float));
     }
@@ -559,6 +587,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LongrlFlashForward, FlashForward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -568,6 +599,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LongrlFlashBackward, FlashBackward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -2,7 +2,9 @@
 
 Owns the kernel names, the per-backend default and the vendor-kernel calls. Model code calls
 `attention(q, k, v, segment_ids, kernel=cfg.attention)`; under a mesh with a `context` axis
-larger than 1 that is ring attention over blockwise tiles, otherwise:
+larger than 1 that is ring attention (ring.py), each device attending key/value chunks with
+the C++ kernel where `cpu` runs (explicitly, or `auto` on the CPU backend in float32) and with
+blockwise tiles otherwise. Without one:
 
   auto       TPU -> splash, GPU -> cudnn, CPU -> cpu (the only choice that falls back: to
              blockwise when the vendor kernel is missing, or for a dtype it does not take:
@@ -179,14 +181,22 @@ def resolve(kernel: str, backend: str) -> str:
 
 def plan(kernel: str, context: int, dtype=jnp.float32) -> str:
   """What runs for request `kernel` on q, k, v of `dtype` with the sequence split `context`
-  ways: "ring" (over blockwise tiles) or the kernel `resolve` picks, except that `auto` runs
-  blockwise where the vendor kernel does not take the dtype. Raises KernelUnavailable."""
+  ways: the kernel `resolve` picks, except that `auto` runs blockwise where the vendor kernel
+  does not take the dtype; with context > 1, "ring/" and the kernel of its chunks. Raises
+  KernelUnavailable."""
   if context > 1:
-    if kernel not in ("auto", "blockwise"):
+    if kernel not in ("auto", *ring.CHUNK_KERNELS):
       raise KernelUnavailable(f"attention={kernel!r} cannot run context-parallel (context="
-                              f"{context}); ring attention uses blockwise tiles: use 'auto' or "
-                              "'blockwise'")
-    return "ring"
+                              f"{context}); ring attention folds chunks with "
+                              f"{' or '.join(map(repr, ring.CHUNK_KERNELS))}: use one of "
+                              "those or 'auto'")
+    if kernel == "auto" and jax.default_backend() != "cpu":
+      return "ring/blockwise"
+    return "ring/" + _single_device(kernel, dtype)
+  return _single_device(kernel, dtype)
+
+
+def _single_device(kernel: str, dtype) -> str:
   chosen = resolve(kernel, jax.default_backend())
   takes = _DTYPES.get(chosen)
   if takes is not None and jnp.dtype(dtype) not in takes:
@@ -208,8 +218,8 @@ def attention(q, k, v, segment_ids, *, kernel: str = "auto"):
   larger than 1 the rows must be in zigzag order (ring.to_zigzag) and ring attention runs.
   """
   chosen = plan(kernel, ring.context_size(), jnp.result_type(q, k, v))
-  if chosen == "ring":
-    return ring.attention(q, k, v, segment_ids)
+  if chosen.startswith("ring/"):
+    return ring.attention(q, k, v, segment_ids, chunks=chosen.removeprefix("ring/"))
   if chosen == "cpu":
     return cpu.attention(q, k, v, segment_ids)
   if chosen == "blockwise":

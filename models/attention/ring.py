@@ -2,7 +2,9 @@
 
 Owns the zigzag layout and the ring. Each device keeps its query chunk and passes its key/value
 chunk (with segment ids and causal indices) around the ring with `ppermute`, folding each
-arriving chunk into its online softmax with the blockwise tile functions; the next chunk's
+arriving chunk into its online softmax with one kernel's chunk functions: blockwise.py's tiles
+(any backend), or on CPU the fused C++ kernel (cpu.py), which takes the two sides' segment
+ids and positions apart and returns each chunk's log-sum-exp for the merge; the next chunk's
 transfer is issued before the current chunk's compute so that XLA can overlap them. The custom
 VJP sends key/value chunks around again, together with their gradient accumulators, which arrive
 back at their owner after a full turn. Per-device memory is that of one chunk.
@@ -20,9 +22,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from models import sharding
-from models.attention import blockwise
+from models.attention import blockwise, cpu
 
 CONTEXT_AXIS = "context"
+# Kernels whose chunk functions the ring folds with (init_state, attend_chunk, finalize,
+# zero_grads, grad_chunk).
+CHUNK_KERNELS = {"blockwise": blockwise, "cpu": cpu}
 
 
 def zigzag_order(seq: int, context: int) -> np.ndarray:
@@ -91,43 +96,43 @@ def _turn(carry, chunk, visit, axis: str, size: int):
   return visit(carry, chunk)
 
 
-def _make_ring(axis: str, size: int):
-  """The custom-VJP ring over local tiles (runs inside shard_map)."""
+def _make_ring(axis: str, size: int, tiles):
+  """The custom-VJP ring over a chunk kernel's functions `tiles` (runs inside shard_map)."""
 
   @jax.custom_vjp
-  def ring(q_blocks, k_blocks, v_blocks, q_meta, kv_meta):
-    return ring_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta)[0]
+  def ring(q, k, v, q_meta, kv_meta):
+    return ring_fwd(q, k, v, q_meta, kv_meta)[0]
 
-  def ring_fwd(q_blocks, k_blocks, v_blocks, q_meta, kv_meta):
-    visit = lambda state, chunk: blockwise.attend_chunk(state, q_blocks, q_meta, *chunk)
-    state = _turn(blockwise.init_state(q_blocks), (k_blocks, v_blocks, kv_meta), visit, axis,
-                  size)
-    out, lse = blockwise.finalize(state)
-    out = out.astype(q_blocks.dtype)
-    return out, (q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse)
+  def ring_fwd(q, k, v, q_meta, kv_meta):
+    visit = lambda state, chunk: tiles.attend_chunk(state, q, q_meta, *chunk)
+    state = _turn(tiles.init_state(q), (k, v, kv_meta), visit, axis, size)
+    out, lse = tiles.finalize(state)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, q_meta, kv_meta, out, lse)
 
   def ring_bwd(residuals, dout):
-    q_blocks, k_blocks, v_blocks, q_meta, kv_meta, out, lse = residuals
+    q, k, v, q_meta, kv_meta, out, lse = residuals
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
     def visit(grads, chunk):
-      dq, dk, dv = blockwise.grad_chunk(grads, q_blocks, q_meta, dout, lse, delta, *chunk)
+      dq, dk, dv = tiles.grad_chunk(grads, q, q_meta, dout, lse, delta, *chunk)
       # dk, dv accumulate in place and travel with their chunk; after `size` shifts they are
       # back with the chunk's owner.
       return (dq, *_shift((dk, dv), axis, size))
 
-    dq, dk, dv = _turn(blockwise.zero_grads(q_blocks, k_blocks, v_blocks),
-                       (k_blocks, v_blocks, kv_meta), visit, axis, size)
-    return (dq.astype(q_blocks.dtype), dk.astype(k_blocks.dtype), dv.astype(v_blocks.dtype),
-            None, None)
+    dq, dk, dv = _turn(tiles.zero_grads(q, k, v), (k, v, kv_meta), visit, axis, size)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
   ring.defvjp(ring_fwd, ring_bwd)
   return ring
 
 
-def attention(q, k, v, segment_ids, *, block_q: int = blockwise.DEFAULT_BLOCK,
-              block_k: int = blockwise.DEFAULT_BLOCK):
+def attention(q, k, v, segment_ids, *, chunks: str = "blockwise",
+              block_q: int = blockwise.DEFAULT_BLOCK, block_k: int = blockwise.DEFAULT_BLOCK):
   """Causal attention within segments over rows in zigzag order, sharded over `context`.
+
+  `chunks` names the kernel each device attends a key/value chunk with: "blockwise" (tiles of
+  block_q x block_k) or "cpu" (the C++ kernel; float32 on the CPU backend).
 
   Runs under the mesh set with `jax.set_mesh`; batch and heads are split as
   models/sharding.py's rules say (data/fsdp, tensor) where the sizes divide. Shapes are global:
@@ -140,8 +145,12 @@ def attention(q, k, v, segment_ids, *, block_q: int = blockwise.DEFAULT_BLOCK,
   size = context_size(mesh)
   b, s, h, d = q.shape
   qkv_spec, seg_spec, idx_spec = _ring_specs(mesh, k.shape)
-  ring = _make_ring(CONTEXT_AXIS, size)
+  ring = _make_ring(CONTEXT_AXIS, size, CHUNK_KERNELS[chunks])
   local = s // size
+
+  def per_device_cpu(q, k, v, seg, index):
+    meta = (seg.astype(jnp.int32), index)
+    return ring(q * d ** -0.5, k, v, meta, meta)
 
   def per_device(q, k, v, seg, index):
     bq, bk = blockwise.block_size(local, block_q), blockwise.block_size(local, block_k)
@@ -153,5 +162,6 @@ def attention(q, k, v, segment_ids, *, block_q: int = blockwise.DEFAULT_BLOCK,
     return blockwise.from_q_blocks(out, local)
 
   index = jnp.asarray(zigzag_order(s, size))
-  return jax.shard_map(per_device, in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_spec, idx_spec),
+  return jax.shard_map(per_device_cpu if chunks == "cpu" else per_device,
+                       in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_spec, idx_spec),
                        out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids, index)
