@@ -9,11 +9,14 @@ peak             the bf16 matrix product's TFLOP/s on this GPU (8192^3, median o
 attention        the GPU kernels through models/attention/dispatch.py against the float32
                  dense reference, forward and gradients, packed rows with padding and grouped
                  KV heads, in bf16 and float32, for pallas_gpu, cudnn, blockwise and auto: the
-                 largest error over real tokens, the kernel `plan` picked, or the error raised.
+                 largest error over real tokens, the kernel `plan` picked, or the error raised;
+                 and ring_pallas_gpu, ring attention on a one-device context axis over our
+                 Pallas chunk kernel (models/attention/pallas_gpu.py, what each ring step runs
+                 on a GPU), lowered through Triton.
 attention_speed  forward+backward, bf16, one row of 8 packed documents at 4k, 16k and 32k
-                 tokens, 16 heads over 4 KV heads of 128: pallas_gpu vs cudnn vs blockwise
-                 (and pallas_gpu alone at 128k), the compiled executable's peak memory and
-                 the median of 5 warm calls.
+                 tokens, 16 heads over 4 KV heads of 128: pallas_gpu vs ring_pallas_gpu vs
+                 cudnn vs blockwise (and the two Pallas ones alone at 128k), the compiled
+                 executable's peak memory and the median of 5 warm calls.
 train_step       one k1.5 train step (forward, chunked log-probs, backward, AdamW) of a model
                  of width 1024, 8 layers, vocabulary 32,768, computing in bf16, on one packed
                  16,384-token row, attention pallas_gpu vs cudnn vs blockwise: seconds,
@@ -86,7 +89,20 @@ def part_peak():
   return [{"n": n, "seconds": seconds, "tflops": 2 * n ** 3 / seconds / 1e12}]
 
 
+def _attend(kernel):
+  """(attention function, the mesh to call it under) for a dispatch kernel or
+  "ring_pallas_gpu": ring attention over our Pallas chunk kernel on a one-device `context`
+  axis (its rows are in zigzag order already: with one device that is their own)."""
+  from models import sharding
+  from models.attention import dispatch, ring
+  if kernel == "ring_pallas_gpu":
+    return (lambda q, k, v, s: ring.attention(q, k, v, s, chunks="pallas_gpu"),
+            sharding.make_mesh(context=1))
+  return lambda q, k, v, s: dispatch.attention(q, k, v, s, kernel=kernel), None
+
+
 def part_attention():
+  from models import sharding
   from models.attention import dispatch, reference
 
   batch, seq, heads, kv_heads, dim = 2, (128 if SMALL else 1024), 8, 2, 64
@@ -112,11 +128,14 @@ def part_attention():
                    jnp.float32)
   rows = []
   for dtype in (jnp.bfloat16, jnp.float32):
-    for kernel in ("pallas_gpu", "cudnn", "blockwise", "auto"):
+    for kernel in ("pallas_gpu", "ring_pallas_gpu", "cudnn", "blockwise", "auto"):
       row = {"dtype": jnp.dtype(dtype).name, "kernel": kernel}
       try:
-        row["runs"] = dispatch.plan(kernel, 1, dtype)
-        got = grads(lambda q, k, v, s: dispatch.attention(q, k, v, s, kernel=kernel), dtype)
+        attend, mesh = _attend(kernel)
+        row["runs"] = ("ring/pallas_gpu" if mesh is not None
+                       else dispatch.plan(kernel, 1, dtype))
+        with sharding.use(mesh):
+          got = grads(attend, dtype)
         for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
           g, e = np.asarray(g, np.float32), np.asarray(e)
           keep = real[:, :, None, None] if name in ("out", "dq") else np.ones_like(g, bool)
@@ -129,7 +148,7 @@ def part_attention():
 
 
 def part_attention_speed():
-  from models.attention import dispatch
+  from models import sharding
 
   heads, kv_heads, dim = 16, 4, 128
   rows = []
@@ -142,16 +161,19 @@ def part_attention_speed():
     # the backward pass about 2.5 times that.
     flops = 3.5 * 2 * 2 * heads * dim * 8 * (seq // 8) ** 2 / 2
     # At 128k cuDNN's [seq, seq] mask alone is 16 GiB and blockwise takes minutes.
-    for kernel in ("pallas_gpu",) if seq > 32768 else ("pallas_gpu", "cudnn", "blockwise"):
+    pallas = ("pallas_gpu", "ring_pallas_gpu")
+    for kernel in pallas if seq > 32768 else (*pallas, "cudnn", "blockwise"):
       row = {"seq": seq, "kernel": kernel}
       try:
-        def f(q, k, v, kernel=kernel):
-          out, pullback = jax.vjp(lambda q, k, v: dispatch.attention(q, k, v, seg,
-                                                                     kernel=kernel), q, k, v)
+        attend, mesh = _attend(kernel)
+
+        def f(q, k, v, attend=attend):
+          out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, seg), q, k, v)
           return pullback(out)
         fn = jax.jit(f)
-        row["peak_bytes"] = _peak_bytes(fn.lower(q, k, v).compile())
-        row["seconds"] = _median_seconds(fn, q, k, v)
+        with sharding.use(mesh):
+          row["peak_bytes"] = _peak_bytes(fn.lower(q, k, v).compile())
+          row["seconds"] = _median_seconds(fn, q, k, v)
         row["tflops"] = flops / row["seconds"] / 1e12
       except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -156,13 +156,16 @@ def ring_fn(context, chunks="blockwise", block=4):
   return fn
 
 
-@pytest.mark.parametrize("chunks", sorted(ring.CHUNK_KERNELS))
-@pytest.mark.parametrize("mesh_name,case", [
-    *((mesh, case) for mesh in ("context=8", "data=2 x context=4") for case in sorted(CASES)),
-    ("data=2 x tensor=2 x context=2", "gqa_8_over_2")])
+@pytest.mark.parametrize("mesh_name,case,chunks", [
+    *((mesh, case, chunks) for chunks in ("blockwise", "cpu")
+      for mesh in ("context=8", "data=2 x context=4") for case in sorted(CASES)),
+    *(("context=8", case, "pallas_gpu") for case in sorted(CASES)),  # interpret mode: slower
+    *(("data=2 x tensor=2 x context=2", "gqa_8_over_2", chunks)
+      for chunks in sorted(ring.CHUNK_KERNELS))])
 def test_ring_equals_dense(mesh_name, case, chunks):
-  """Over blockwise tiles (of 4) and over the C++ kernel (tests/test_cpu_kernels.py has it
-  across the kernel's own blocks)."""
+  """Over blockwise tiles (of 4), over the C++ kernel (tests/test_cpu_kernels.py has it across
+  the kernel's own blocks) and over our Pallas GPU kernel in interpret mode (the chunks sit in
+  the corner of its 64-token tiles, the rest padding)."""
   mesh = sharding.make_mesh(**MESHES[mesh_name])
   _assert_matches_dense(ring_fn(mesh.shape["context"], chunks), case, mesh)
 
@@ -195,6 +198,22 @@ def test_pallas_gpu_kernel_in_bf16_is_within_bf16_of_dense():
   out, grads = _value_and_grads(
       lambda q, k, v, s: dispatch.pallas_gpu_attention(q, k, v, s, interpret=True),
       half(q), half(k), half(v), seg, half(cot))
+  np.testing.assert_allclose(np.float32(out), want, atol=3e-2, rtol=3e-2)
+  for name, got, expected in zip("qkv", grads, want_grads):
+    np.testing.assert_allclose(np.float32(got), expected, atol=1e-1, rtol=5e-2,
+                               err_msg=f"d{name}")
+
+
+def test_ring_over_our_pallas_gpu_kernel_across_its_tiles_in_bf16():
+  """models/attention/pallas_gpu.py in Pallas interpret mode (Triton on a GPU): chunks of 256
+  tokens (4 of its tiles each way, zigzag positions, documents crossing chunks, padding,
+  grouped heads) in bfloat16, against the float32 reference."""
+  segments = [[1] * 300 + [2] * 500 + [3] * 200 + [0] * 24]
+  q, k, v, seg, cot = _inputs(1, 1024, 4, 2, 32, segments)
+  want, want_grads = _value_and_grads(_dense, q, k, v, seg, cot)
+  half = lambda x: x.astype(jnp.bfloat16)
+  out, grads = _value_and_grads(ring_fn(2, "pallas_gpu"), half(q), half(k), half(v), seg,
+                                half(cot), sharding.make_mesh(context=2))
   np.testing.assert_allclose(np.float32(out), want, atol=3e-2, rtol=3e-2)
   for name, got, expected in zip("qkv", grads, want_grads):
     np.testing.assert_allclose(np.float32(got), expected, atol=1e-1, rtol=5e-2,

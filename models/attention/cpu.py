@@ -14,9 +14,9 @@ What is here:
   query heads of one KV head over a block of positions, so a key block is read once for the
   group, and the scores of a block pair stay in the core's cache; XLA's blockwise kernel
   materialises every tile's scores for the whole batch and all heads.
-- the chunk functions ring attention folds key/value chunks with (`init_state`, `attend_chunk`,
-  `finalize`, `zero_grads`, `grad_chunk`, as blockwise.py has them): the same kernels, with
-  the queries' and the keys' segment ids and causal positions given apart.
+- `chunk_forward`, `chunk_backward`: the same kernels on queries against one key/value chunk,
+  with the two sides' segment ids and causal positions given apart, returning the chunk's
+  log-sum-exp: what ring attention (ring.py) folds the chunks arriving from other devices with.
 - `decode_attention`: queries against a KV cache (the embedded engine's decode steps). It reads
   only the cache slots a query can see; XLA's dense form reads the whole cache, and on a 2-core
   CPU that took a fifth of a decode step of bench/peers.py's model.
@@ -160,7 +160,7 @@ def _call(name, results, *args):
   return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args)
 
 
-def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+def chunk_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """The kernel's forward: q (scaled) f32[b, sq, h, d] against k, v f32[b, sk, kh, d], with
   q_seg i32[b, sq], q_pos i32[sq], kv_seg i32[b, sk], kv_pos i32[sk] (query i sees key j iff
   kv_pos[j] <= q_pos[i] in the same nonzero segment) -> (out f32[b, sq, h, d], lse f32[b, sq, h],
@@ -171,8 +171,8 @@ def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos):
                q, k, v, q_seg, q_pos, kv_seg, kv_pos)
 
 
-def _backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, lse, delta, dout):
-  """-> (dq, dk, dv) f32 of `_forward`'s arguments, from the log-sum-exp and delta =
+def chunk_backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, lse, delta, dout):
+  """-> (dq, dk, dv) f32 of `chunk_forward`'s arguments, from the log-sum-exp and delta =
   sum(dout * out, -1), both f32[b, sq, h], of the whole attention (all key chunks)."""
   shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
   return _call("longrl_flash_backward", shapes, q, k, v, q_seg, q_pos, kv_seg, kv_pos, lse,
@@ -186,7 +186,7 @@ def _flash(q, k, v, segment_ids):
 
 def _flash_fwd(q, k, v, segment_ids):
   positions = jnp.arange(q.shape[1], dtype=jnp.int32)
-  out, lse = _forward(q, k, v, segment_ids, positions, segment_ids, positions)
+  out, lse = chunk_forward(q, k, v, segment_ids, positions, segment_ids, positions)
   return out, (q, k, v, segment_ids, out, lse)
 
 
@@ -194,50 +194,12 @@ def _flash_bwd(residuals, dout):
   q, k, v, segment_ids, out, lse = residuals
   positions = jnp.arange(q.shape[1], dtype=jnp.int32)
   delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)
-  dq, dk, dv = _backward(q, k, v, segment_ids, positions, segment_ids, positions, lse, delta,
-                         dout)
+  dq, dk, dv = chunk_backward(q, k, v, segment_ids, positions, segment_ids, positions, lse,
+                              delta, dout)
   return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-# ---- key/value chunks for ring attention (models/attention/ring.py) ----
-# The functions blockwise.py offers the ring, over [b, s, heads, d] rows instead of tiles: the
-# state is (out f32[b, s, h, d], lse f32[b, s, h]), -inf until a key is seen; a side's `meta`
-# is (segment ids i32[b, s], causal positions i32[s]).
-
-def init_state(q):
-  return (jnp.zeros(q.shape, jnp.float32),
-          jnp.full(q.shape[:-1], -jnp.inf, jnp.float32))
-
-
-def attend_chunk(state, q, q_meta, k, v, kv_meta):
-  """Fold one key/value chunk into the running (out, lse): the kernel's result for the chunk,
-  merged by log-sum-exp weights."""
-  out, lse = state
-  chunk_out, chunk_lse = _forward(q, k, v, *q_meta, *kv_meta)
-  chunk_lse = jnp.where(jnp.isposinf(chunk_lse), -jnp.inf, chunk_lse)
-  merged = jnp.logaddexp(lse, chunk_lse)
-  safe = jnp.where(jnp.isneginf(merged), 0.0, merged)  # no key yet on either side
-  weight = lambda x: jnp.exp(x - safe)[..., None]
-  return out * weight(lse) + chunk_out * weight(chunk_lse), merged
-
-
-def finalize(state):
-  """-> (out, lse), lse = +inf where no key was seen (the kernel's backward convention)."""
-  out, lse = state
-  return out, jnp.where(jnp.isneginf(lse), jnp.inf, lse)
-
-
-def zero_grads(q, k, v):
-  return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
-
-
-def grad_chunk(grads, q, q_meta, dout, lse, delta, k, v, kv_meta):
-  """Add one key/value chunk's share of (dq, dk, dv) to `grads`."""
-  share = _backward(q, k, v, *q_meta, *kv_meta, lse, delta, dout)
-  return tuple(g + x for g, x in zip(grads, share))
 
 
 def attention(q, k, v, segment_ids):

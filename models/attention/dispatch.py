@@ -3,8 +3,9 @@
 Owns the kernel names, the per-backend default and the vendor-kernel calls. Model code calls
 `attention(q, k, v, segment_ids, kernel=cfg.attention)`; under a mesh with a `context` axis
 larger than 1 that is ring attention (ring.py), each device attending key/value chunks with
-the C++ kernel where `cpu` runs (explicitly, or `auto` on the CPU backend in float32) and with
-blockwise tiles otherwise. Without one:
+the C++ kernel where `cpu` runs (explicitly, or `auto` on the CPU backend in float32), with
+our Pallas kernel (pallas_gpu.py) for an explicit `pallas_gpu` on a GPU, and with blockwise
+tiles otherwise. Without one:
 
   auto       TPU -> splash, GPU -> cudnn, CPU -> cpu (the only choice that falls back: to
              blockwise when the vendor kernel is missing, or for a dtype it does not take:

@@ -3,8 +3,9 @@
 Owns the zigzag layout and the ring. Each device keeps its query chunk and passes its key/value
 chunk (with segment ids and causal indices) around the ring with `ppermute`, folding each
 arriving chunk into its online softmax with one kernel's chunk functions: blockwise.py's tiles
-(any backend), or on CPU the fused C++ kernel (cpu.py), which takes the two sides' segment
-ids and positions apart and returns each chunk's log-sum-exp for the merge; the next chunk's
+(any backend), or a fused kernel that takes the two sides' segment ids and positions apart and
+returns each chunk's log-sum-exp, the chunks merged by log-sum-exp weights (`FusedChunks`): the
+C++ kernel on CPU (cpu.py), our Pallas kernel on GPUs (pallas_gpu.py); the next chunk's
 transfer is issued before the current chunk's compute so that XLA can overlap them. The custom
 VJP sends key/value chunks around again, together with their gradient accumulators, which arrive
 back at their owner after a full turn. Per-device memory is that of one chunk.
@@ -22,12 +23,54 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from models import sharding
-from models.attention import blockwise, cpu
+from typing import Callable, NamedTuple
+
+from models.attention import blockwise, cpu, pallas_gpu
 
 CONTEXT_AXIS = "context"
-# Kernels whose chunk functions the ring folds with (init_state, attend_chunk, finalize,
-# zero_grads, grad_chunk).
-CHUNK_KERNELS = {"blockwise": blockwise, "cpu": cpu}
+
+
+class FusedChunks(NamedTuple):
+  """The ring's chunk functions over a fused kernel's `forward(q, k, v, q_seg, q_pos, kv_seg,
+  kv_pos) -> (out, lse)` and `backward(..., lse, delta, dout) -> (dq, dk, dv)` (cpu.py's
+  contract: rows [b, s, heads, d], lse and delta [b, s, heads], lse = +inf where a query saw
+  nothing). The state is (out f32, lse f32), lse -inf until a key is seen; a side's meta is
+  (segment ids i32[b, s], causal positions i32[s])."""
+  forward: Callable
+  backward: Callable
+
+  def init_state(self, q):
+    return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+
+  def attend_chunk(self, state, q, q_meta, k, v, kv_meta):
+    """Fold one key/value chunk into the running (out, lse): the kernel's result for the
+    chunk, merged by log-sum-exp weights."""
+    out, lse = state
+    chunk_out, chunk_lse = self.forward(q, k, v, *q_meta, *kv_meta)
+    chunk_lse = jnp.where(jnp.isposinf(chunk_lse), -jnp.inf, chunk_lse)
+    merged = jnp.logaddexp(lse, chunk_lse)
+    safe = jnp.where(jnp.isneginf(merged), 0.0, merged)  # no key yet on either side
+    weight = lambda x: jnp.exp(x - safe)[..., None]
+    return out * weight(lse) + chunk_out * weight(chunk_lse), merged
+
+  def finalize(self, state):
+    """-> (out, lse), lse = +inf where no key was seen (the kernels' backward convention)."""
+    out, lse = state
+    return out, jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+
+  def zero_grads(self, q, k, v):
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+
+  def grad_chunk(self, grads, q, q_meta, dout, lse, delta, k, v, kv_meta):
+    """Add one key/value chunk's share of (dq, dk, dv) to `grads`."""
+    share = self.backward(q, k, v, *q_meta, *kv_meta, lse, delta, dout)
+    return tuple(g + x for g, x in zip(grads, share))
+
+
+# What the ring folds chunks with: blockwise.py's tiles or a fused kernel, by kernel name.
+CHUNK_KERNELS = {"blockwise": blockwise,
+                 "cpu": FusedChunks(cpu.chunk_forward, cpu.chunk_backward),
+                 "pallas_gpu": FusedChunks(pallas_gpu.chunk_forward, pallas_gpu.chunk_backward)}
 
 
 def zigzag_order(seq: int, context: int) -> np.ndarray:
@@ -132,7 +175,8 @@ def attention(q, k, v, segment_ids, *, chunks: str = "blockwise",
   """Causal attention within segments over rows in zigzag order, sharded over `context`.
 
   `chunks` names the kernel each device attends a key/value chunk with: "blockwise" (tiles of
-  block_q x block_k) or "cpu" (the C++ kernel; float32 on the CPU backend).
+  block_q x block_k), "cpu" (the C++ kernel; float32 on the CPU backend) or "pallas_gpu" (ours;
+  bf16 / f16 on GPUs, Pallas interpret mode elsewhere).
 
   Runs under the mesh set with `jax.set_mesh`; batch and heads are split as
   models/sharding.py's rules say (data/fsdp, tensor) where the sizes divide. Shapes are global:
@@ -148,9 +192,9 @@ def attention(q, k, v, segment_ids, *, chunks: str = "blockwise",
   ring = _make_ring(CONTEXT_AXIS, size, CHUNK_KERNELS[chunks])
   local = s // size
 
-  def per_device_cpu(q, k, v, seg, index):
+  def per_device_fused(q, k, v, seg, index):
     meta = (seg.astype(jnp.int32), index)
-    return ring(q * d ** -0.5, k, v, meta, meta)
+    return ring((q * d ** -0.5).astype(q.dtype), k, v, meta, meta)
 
   def per_device(q, k, v, seg, index):
     bq, bk = blockwise.block_size(local, block_q), blockwise.block_size(local, block_k)
@@ -162,6 +206,6 @@ def attention(q, k, v, segment_ids, *, chunks: str = "blockwise",
     return blockwise.from_q_blocks(out, local)
 
   index = jnp.asarray(zigzag_order(s, size))
-  return jax.shard_map(per_device_cpu if chunks == "cpu" else per_device,
+  return jax.shard_map(per_device if chunks == "blockwise" else per_device_fused,
                        in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_spec, idx_spec),
                        out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids, index)
