@@ -1,7 +1,7 @@
 """What only a GPU shows, in one short run (not tests; bench/gpu_checks.sh runs it there):
 
-  python bench/gpu_checks.py [--parts peak,attention,attention_speed,train_step,engine,quickstart,
-                                      pretrained,hybrid]
+  python bench/gpu_checks.py [--parts peak,attention,attention_speed,train_step,train_step_1p5b,
+                                      engine,quickstart,pretrained,hybrid]
                              [--out bench/results] [--small]
 
 peak             the bf16 matrix product's TFLOP/s on this GPU (8192^3, median of 5 warm
@@ -21,6 +21,9 @@ train_step       one k1.5 train step (forward, chunked log-probs, backward, Adam
                  of width 1024, 8 layers, vocabulary 32,768, computing in bf16, on one packed
                  16,384-token row, attention pallas_gpu vs cudnn vs blockwise: seconds,
                  tokens/s, MFU against `peak`, and the losses.
+train_step_1p5b  the same at Qwen2.5-1.5B's shape (width 1536, 28 layers, 12 heads over 2 KV
+                 heads, MLP 8960, vocabulary 151,936) on one packed 32,768-token row, layers
+                 rematerialised: long context's train step and its MFU.
 engine           the embedded engine (rollouts/jax_engine.py) on the GPU: generation tokens/s
                  (256 sequences x 64 tokens, the quickstart's model) and the engine-vs-trainer
                  log-prob gap on its samples, in float32 and bf16.
@@ -182,15 +185,20 @@ def part_attention_speed():
   return rows
 
 
-def part_train_step(peak_tflops=None):
+# (width, layers, heads, KV heads, MLP width, vocabulary, tokens in the row, remat)
+TRAIN_SHAPES = {"train_step": (1024, 8, 16, 4, 2816, 32768, 16384, "none"),
+                "train_step_1p5b": (1536, 28, 12, 2, 8960, 151936, 32768, "full")}
+
+
+def part_train_step(peak_tflops=None, shape="train_step"):
   from models import config, transformer
   from rl import losses
   from rl.loop import rl_optimizer
   from rl.train_step import init_train_state, make_train_step
   from rl.types import TrainBatch
 
-  width, layers, heads, kv_heads, inter, vocab = 1024, 8, 16, 4, 2816, 32768
-  seq, docs = 16384, 8
+  width, layers, heads, kv_heads, inter, vocab, seq, remat = TRAIN_SHAPES[shape]
+  docs = 8
   if SMALL:
     width, layers, heads, kv_heads, inter, vocab, seq = 128, 2, 4, 2, 256, 512, 1024
   dim = width // heads
@@ -209,11 +217,12 @@ def part_train_step(peak_tflops=None):
   rows = []
   for kernel in ("pallas_gpu", "cudnn", "blockwise"):
     row = {"kernel": kernel, "seq": seq, "width": width, "layers": layers, "vocab": vocab,
-           "dtype": "bfloat16", "param_dtype": "float32"}
+           "dtype": "bfloat16", "param_dtype": "float32", "remat": remat}
     try:
       cfg = dataclasses.replace(
           config.tiny(vocab, hidden_size=width, num_layers=layers, num_heads=heads,
-                      num_kv_heads=kv_heads, intermediate_size=inter, attention=kernel),
+                      num_kv_heads=kv_heads, intermediate_size=inter, attention=kernel,
+                      remat=remat),
           dtype="bfloat16")
       optimizer = rl_optimizer(1e-5)
       step = jax.jit(make_train_step(cfg, optimizer, losses.bind("k1.5", None)))
@@ -447,8 +456,8 @@ def part_hybrid():
   return rows
 
 
-PARTS = ("peak", "attention", "attention_speed", "train_step", "engine", "quickstart",
-         "pretrained", "hybrid")
+PARTS = ("peak", "attention", "attention_speed", "train_step", "train_step_1p5b", "engine",
+         "quickstart", "pretrained", "hybrid")
 
 
 def main():
@@ -466,9 +475,11 @@ def main():
   for part in args.parts.split(","):
     started = time.perf_counter()
     try:
-      if part in ("train_step", "pretrained"):
-        peak = results.get("peak", [{}])[0].get("tflops")
-        results[part] = globals()[f"part_{part}"](peak)
+      peak = results.get("peak", [{}])[0].get("tflops")
+      if part in TRAIN_SHAPES:
+        results[part] = part_train_step(peak, part)
+      elif part == "pretrained":
+        results[part] = part_pretrained(peak)
       else:
         results[part] = globals()[f"part_{part}"]()
     except Exception as e:  # noqa: BLE001 - the other parts still run

@@ -38,6 +38,7 @@ from rl.tasks import arithmetic
 from rl.tasks import code as code_task
 from rl.tasks import math as math_task
 from rl.tasks import mixture
+from rl.tasks import needle
 from rollouts import jax_engine
 from rollouts import server
 from rollouts import sglang
@@ -64,7 +65,7 @@ _REGISTERED = {
                     corrections.trust_region],
     "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer, sharding.make_mesh],
     "tasks": [arithmetic.Arithmetic, mixture.Mixture, math_task.MathTask, code_task.CodeTask,
-              effort.EffortTask, agentic.ToolArithmetic],
+              effort.EffortTask, agentic.ToolArithmetic, needle.Needle],
     "envs": list(envs.ENVIRONMENTS.values()),  # every registered environment
     "effort": [effort.level_ids],
     "rewards": [rewards.correctness, rewards.format_reward, rewards.named_chain,

@@ -1,11 +1,13 @@
-"""The arithmetic task, reward transforms and prompt sampling."""
+"""The arithmetic and needle tasks, reward transforms and prompt sampling."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models.tokenizer import CharTokenizer
 from rl import rewards, sampling
+from rl.tasks import needle
 from rl.tasks.arithmetic import Arithmetic, column_solution
 from rl.types import Rollouts
 
@@ -117,3 +119,23 @@ def test_direct_demonstrations_are_the_bare_answer_of_the_same_problems():
   assert 0.25 < bare / 400 < 0.35
   with pytest.raises(ValueError, match="direct"):
     Arithmetic(direct=-0.1)
+
+
+def test_needle_haystacks_are_their_length_and_their_key_is_asked_once():
+  task = needle.Needle(context=1000, num_train=5, num_test=5)
+  tokenizer = CharTokenizer()
+  record = task.train[3]
+  prompt = task.prompt(record)
+  assert 990 <= len(tokenizer.encode(prompt)) <= 1000  # one token a character
+  haystack, key = prompt[:-1].split("?")
+  pairs = dict(entry.split(":") for entry in haystack.rstrip(";").split(";"))
+  assert len(pairs) == haystack.count(";")  # every key once
+  assert pairs[key] == record["answer"]
+  assert task.verify(task.solution(record), record) and task.well_formed(task.solution(record))
+  wrong = f"#{(int(record['answer']) + 1) % 10_000:04d}"
+  assert not task.verify(wrong, record) and not task.verify(record["answer"], record)
+  assert task.train[3] == record and task.test[3] != record
+  depths = [task.train[i]["depth"] for i in range(5)]
+  assert len(set(depths)) > 1 and all(0 <= d < 1 for d in depths)
+  with pytest.raises(ValueError, match="Needle.context"):
+    needle.Needle(context=5)
