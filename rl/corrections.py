@@ -9,8 +9,12 @@ the step's starting params (one forward pass per minibatch, before the first upd
 
     correction.apply(batch, step=..., trainer_logp=f32[rows, seq] | None) -> (batch, metrics)
 
-Owns the corrections, their metrics (engine_logp_diff_mean / _max: |trainer - engine| over
-loss tokens; trust_region_masked) and the registry. It does not own when they run (the loop:
+Owns the corrections, their metrics (the mismatch, `_mismatch`: |trainer - engine| log-prob
+mean and max over loss tokens, KL(engine || trainer) estimates, ratio percentiles; the share
+each masking correction drops) and the registry. The menu: keep, mask (stale versions), tis
+and seq_tis (truncated importance weights per token or per trajectory), mis and icepop
+(masked importance weights), trust_region (K2.5 / K3's token mask), geo_mask (the
+geometric-mean sequence mask), observe (metrics only). It does not own when they run (the loop:
 rl/loop.py) or the loss (rl/losses.py), which reads the rewritten old_logp, advantages and
 loss_mask like any other batch.
 
@@ -53,11 +57,47 @@ def mask_stale() -> Correction:
 
 
 def _mismatch(batch: TrainBatch, trainer_logp) -> tuple[np.ndarray, np.ndarray, dict]:
-  """(loss-token mask, trainer - engine log-ratio on it, its mean and max |.|)."""
+  """(loss-token mask, d = trainer - engine log-ratio on it (0 elsewhere), the mismatch
+  metrics): mean and max |d|; KL(engine || trainer) per token estimated on the engine's
+  samples, k1 = mean(-d) and k3 = mean(exp(d) - 1 - d) (Schulman's estimators, k3 >= 0); and
+  the 1st and 99th percentiles of the token ratio exp(d)."""
   mask = np.asarray(batch.loss_mask) > 0
   diff = (np.asarray(trainer_logp) - np.asarray(batch.old_logp)) * mask
-  return mask, diff, {"engine_logp_diff_mean": float(np.abs(diff).sum() / max(mask.sum(), 1)),
-                      "engine_logp_diff_max": float(np.abs(diff).max())}
+  count = max(mask.sum(), 1)
+  d = np.clip(diff[mask], -20.0, 20.0) if mask.any() else np.zeros(1)
+  return mask, diff, {"engine_logp_diff_mean": float(np.abs(diff).sum() / count),
+                      "engine_logp_diff_max": float(np.abs(diff).max()),
+                      "engine_kl_k1": float(-d.sum() / count),
+                      "engine_kl_k3": float((np.exp(d) - 1.0 - d).sum() / count),
+                      "engine_ratio_p01": float(np.exp(np.percentile(d, 1))),
+                      "engine_ratio_p99": float(np.exp(np.percentile(d, 99)))}
+
+
+def _per_sequence(batch: TrainBatch, values, mask) -> tuple[np.ndarray, np.ndarray]:
+  """(sum of `values` over each token's trajectory's loss tokens, that trajectory's count of
+  loss tokens), both f64[rows, seq]. A trajectory is a (row, segment id) pair."""
+  seg = np.asarray(batch.segment_ids)
+  key = (np.arange(seg.shape[0])[:, None] * (int(seg.max()) + 1) + seg).ravel()
+  sums = np.bincount(key, weights=np.where(mask, values, 0.0).ravel())
+  counts = np.bincount(key, weights=mask.ravel().astype(np.float64))
+  return sums[key].reshape(seg.shape), counts[key].reshape(seg.shape)
+
+
+def _log_ratio(batch: TrainBatch, mask, diff, level: str):
+  """The log importance ratio each loss token is judged by: its own (level "token") or its
+  trajectory's, the sum of its tokens' (level "sequence")."""
+  if level == "token":
+    return diff
+  return _per_sequence(batch, diff, mask)[0]
+
+
+def _reweighted(batch: TrainBatch, trainer_logp, mask, weight, dropped) -> TrainBatch:
+  """old_logp := the trainer's; loss tokens' advantages times `weight`; `dropped` tokens leave
+  the loss."""
+  return batch.replace(
+      old_logp=np.asarray(trainer_logp, np.float32),
+      advantages=(np.asarray(batch.advantages) * np.where(mask, weight, 1.0)).astype(np.float32),
+      loss_mask=np.where(dropped, 0.0, batch.loss_mask).astype(np.float32))
 
 
 def tis(*, cap: float = 2.0) -> Correction:
@@ -96,8 +136,97 @@ def trust_region(*, low: float = -1.0, high: float = 1.0) -> Correction:
   return Correction("trust_region", apply, trainer_logp=True)
 
 
+def seq_tis(*, cap: float = 2.0) -> Correction:
+  """Sequence-level truncated importance sampling: as `tis`, with one weight per trajectory,
+  min(prod_t pi_trainer / pi_engine, cap) over its loss tokens, on all of them (unbiased for a
+  sequence-level objective, at a higher variance than the token-level weight)."""
+  if not cap > 0:
+    raise ConfigError(f"seq_tis: cap={cap} must be > 0")
+
+  def apply(batch: TrainBatch, *, step: int, trainer_logp):
+    del step
+    mask, diff, metrics = _mismatch(batch, trainer_logp)
+    weight = np.minimum(np.exp(np.clip(_log_ratio(batch, mask, diff, "sequence"), -20.0, 20.0)),
+                        cap)
+    return _reweighted(batch, trainer_logp, mask, weight, np.zeros_like(mask)), metrics
+  return Correction("seq_tis", apply, trainer_logp=True)
+
+
+def mis(*, low: float = 0.0, high: float = 2.0, level: str = "token") -> Correction:
+  """Masked importance sampling: the ratio pi_trainer / pi_engine of each token (level
+  "token") or of each trajectory (level "sequence", the product over its loss tokens) weights
+  the advantages where it lies in [low, high]; tokens or whole trajectories outside leave the
+  loss, where `tis` would cap them. old_logp := the trainer's log-probs."""
+  if level not in ("token", "sequence"):
+    raise ConfigError(f"mis: level={level!r} must be 'token' or 'sequence'")
+  return _masked_importance("mis" if level == "token" else "seq_mis", low, high, level)
+
+
+def icepop(*, low: float = 0.5, high: float = 5.0) -> Correction:
+  """IcePop (Ring-1T, arXiv:2510.18855): a two-sided token mask, each token's ratio
+  pi_trainer / pi_engine weighting its advantage inside [low, high] and the token leaving the
+  loss outside; token-level `mis` with a lower bound above 0."""
+  return _masked_importance("icepop", low, high, "token")
+
+
+def _masked_importance(name: str, low: float, high: float, level: str) -> Correction:
+  if not 0.0 <= low < 1.0 < high:
+    raise ConfigError(f"{name}: [low, high] = [{low}, {high}] must hold ratio 1: 0 <= low < 1 "
+                      "< high")
+
+  def apply(batch: TrainBatch, *, step: int, trainer_logp):
+    del step
+    mask, diff, metrics = _mismatch(batch, trainer_logp)
+    ratio = np.exp(np.clip(_log_ratio(batch, mask, diff, level), -20.0, 20.0))
+    outside = mask & ((ratio < low) | (ratio > high))
+    metrics[f"{name}_masked"] = float(outside.sum() / max(mask.sum(), 1))
+    return _reweighted(batch, trainer_logp, mask, ratio, outside), metrics
+  return Correction(name, apply, trainer_logp=True)
+
+
+def geo_mask(*, low: float = 0.9, high: float = 1.1) -> Correction:
+  """The geometric-mean sequence mask: trajectories whose per-token geometric-mean ratio
+  exp(mean_t (log pi_trainer - log pi_engine)) lies outside [low, high] leave the loss whole,
+  the others train as generated (old_logp stays the engine's, as `keep`). Unlike the product
+  of `seq_tis`, the mean does not grow with the length, so long and short trajectories are
+  judged alike."""
+  if not 0.0 < low < 1.0 < high:
+    raise ConfigError(f"geo_mask: [low, high] = [{low}, {high}] must hold ratio 1: 0 < low < "
+                      "1 < high")
+
+  def apply(batch: TrainBatch, *, step: int, trainer_logp):
+    del step
+    mask, diff, metrics = _mismatch(batch, trainer_logp)
+    sums, counts = _per_sequence(batch, diff, mask)
+    mean = np.exp(np.clip(sums / np.maximum(counts, 1.0), -20.0, 20.0))
+    outside = mask & ((mean < low) | (mean > high))
+    metrics["geo_mask_masked"] = float(outside.sum() / max(mask.sum(), 1))
+    return batch.replace(loss_mask=np.where(outside, 0.0, batch.loss_mask).astype(np.float32)
+                         ), metrics
+  return Correction("geo_mask", apply, trainer_logp=True)
+
+
+def observe() -> Correction:
+  """Metrics only: the batch trains as generated (as `keep`), and the step logs the mismatch
+  (`_mismatch`'s figures) and the share of loss tokens each masking correction would drop at
+  its defaults (`would_mask_<name>`), so a run can see what a correction would do before
+  using it."""
+  would = {c().name: c() for c in (trust_region, mis, icepop, geo_mask,
+                                   lambda: mis(level="sequence"))}
+
+  def apply(batch: TrainBatch, *, step: int, trainer_logp):
+    metrics = _mismatch(batch, trainer_logp)[2]
+    for name, correction in would.items():
+      corrected, _ = correction.apply(batch, step=step, trainer_logp=trainer_logp)
+      kept, was = np.asarray(corrected.loss_mask) > 0, np.asarray(batch.loss_mask) > 0
+      metrics[f"would_mask_{name}"] = float((was & ~kept).sum() / max(was.sum(), 1))
+    return batch, metrics
+  return Correction("observe", apply, trainer_logp=True)
+
+
 CORRECTIONS: dict[str, Callable[..., Correction]] = {
-    "keep": keep, "mask": mask_stale, "tis": tis, "trust_region": trust_region}
+    "keep": keep, "mask": mask_stale, "tis": tis, "trust_region": trust_region,
+    "seq_tis": seq_tis, "mis": mis, "icepop": icepop, "geo_mask": geo_mask, "observe": observe}
 
 
 def combine(metrics: list[dict[str, float]]) -> dict[str, float]:
