@@ -14,6 +14,13 @@ kernel[heads, head_dim, hidden]. RMSNorm `weight` is our `scale`.
 config.json's RoPE scaling (`rope_scaling`, transformers 4's spelling, which replaces 5's
 `rope_parameters` when both are there) becomes `ModelConfig.rope_scaling`: linear, dynamic,
 yarn or llama3, with transformers' defaults filled in; any other rope type is a CheckpointError.
+
+Quantized weights (`save(..., quantization=...)`, models/quantize.py): every projection of the
+decoder layers (q, k, v, o, gate, up, down) in FP8 with 128 x 128 block scales (`"fp8"`,
+DeepSeek-V3's layout) or INT4 with scales per group of 32 inputs (`"int4"`,
+compressed-tensors' pack-quantized, Kimi K2 Thinking's), with the `quantization_config`
+SGLang selects its loader by (../shared/reference/formats.md, 3.2 and 3.4); embeddings, norms
+and lm_head stay in the checkpoint's dtype. `load` reads both back, dequantized.
 """
 
 import concurrent.futures
@@ -22,15 +29,17 @@ import json
 import math
 import os
 import shutil
+import struct
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import transformer
+from models import quantize, transformer
 from models.config import (ROPE_SCALINGS, DynamicRope, Llama3Rope, LinearRope, ModelConfig,
                            RopeScaling, YarnRope)
 
@@ -46,6 +55,20 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 
 class CheckpointError(ValueError):
   """A checkpoint directory that cannot be read as the model it claims to be."""
+
+
+# config.json's quantization_config of each weight format `save` writes.
+QUANTIZATIONS = {
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(quantize.FP8_BLOCK)},
+    "int4": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "quantization_status": "compressed", "ignore": ["lm_head"],
+             "config_groups": {"group_0": {
+                 "targets": ["Linear"], "input_activations": None,
+                 "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                             "group_size": quantize.INT4_GROUP, "symmetric": True,
+                             "dynamic": False, "actorder": None}}}},
+}
 
 
 # ---- config.json ----
@@ -207,6 +230,90 @@ def _tensors(cfg: ModelConfig) -> list[_Tensor]:
   return out
 
 
+# ---- quantized tensors ----
+
+def _quantized(t: _Tensor) -> bool:
+  """Whether a quantized checkpoint stores `t` quantized: the decoder layers' projections."""
+  return t.hf_name.startswith("model.layers.") and t.hf_name.endswith("_proj.weight")
+
+
+def _stored_names(t: _Tensor, quantization: str | None) -> list[str]:
+  """The checkpoint tensors that hold `t` (formats.md 3.2 and 3.4 for the quantized ones)."""
+  if quantization is None or not _quantized(t):
+    return [t.hf_name]
+  base = t.hf_name.removesuffix(".weight")
+  if quantization == "fp8":
+    return [t.hf_name, f"{base}.weight_scale_inv"]
+  return [f"{base}.weight_packed", f"{base}.weight_scale", f"{base}.weight_shape"]
+
+
+def _to_stored(t: _Tensor, weight: np.ndarray, quantization: str | None,
+               dtype) -> dict[str, np.ndarray]:
+  """`t`'s weight in HF's layout ([out, in] for a projection), as the checkpoint stores it."""
+  names = _stored_names(t, quantization)
+  if len(names) == 1:
+    return {names[0]: np.ascontiguousarray(weight.astype(dtype))}
+  w = jnp.asarray(weight, jnp.float32)
+  if quantization == "fp8":
+    q, scale = quantize.fp8_quantize(w)
+    return dict(zip(names, (np.asarray(q), np.asarray(scale, np.float32))))
+  packed, scale = quantize.int4_quantize(w, scale_dtype=dtype)
+  return dict(zip(names, (np.asarray(packed), np.asarray(scale),
+                          np.asarray(weight.shape, np.int64))))
+
+
+def _from_stored(name: str, stored: list[np.ndarray], quantization: str | None) -> np.ndarray:
+  """The inverse of `_to_stored`: the weight in HF's layout, dequantized to float32."""
+  if len(stored) == 1:
+    return stored[0]
+  if quantization == "fp8":
+    return np.asarray(quantize.fp8_dequantize(jnp.asarray(stored[0]), jnp.asarray(stored[1])))
+  packed, scale, shape = stored
+  weight = np.asarray(quantize.int4_dequantize(jnp.asarray(packed), jnp.asarray(scale)))
+  if list(weight.shape) != [int(n) for n in shape]:
+    raise CheckpointError(f"{name}: weight_shape {list(shape)} does not match its packed "
+                          f"weights and scales ({list(weight.shape)})")
+  return weight
+
+
+def _quantization_of(hf: dict[str, Any]) -> str | None:
+  """The weight format of config.json `hf`: None, "fp8" or "int4"; CheckpointError for a
+  quantization_config this reader does not take."""
+  qc = hf.get("quantization_config")
+  if qc is None:
+    return None
+  weights = (qc.get("config_groups") or {}).get("group_0", {}).get("weights") or {}
+  if (qc.get("quant_method") == "fp8"
+      and list(qc.get("weight_block_size") or []) == list(quantize.FP8_BLOCK)):
+    return "fp8"
+  if (qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "pack-quantized"
+      and weights.get("num_bits") == 4 and weights.get("strategy") == "group"
+      and weights.get("group_size") == quantize.INT4_GROUP and weights.get("symmetric")):
+    return "int4"
+  raise CheckpointError(f"quantization_config {qc} is not one longrl reads: fp8 with "
+                        f"{list(quantize.FP8_BLOCK)} blocks, or compressed-tensors "
+                        f"pack-quantized symmetric int4 in groups of {quantize.INT4_GROUP}")
+
+
+def _read(path: str, name: str) -> np.ndarray:
+  """Tensor `name` of safetensors file `path`. F8_E4M3 tensors are read from the file's
+  header and bytes: safetensors' numpy reader asks numpy for a float8 type it does not have."""
+  with safe_open(path, "numpy") as f:
+    try:
+      return f.get_tensor(name)
+    except AttributeError:  # numpy has no float8_e4m3fn
+      pass
+  with open(path, "rb") as f:
+    (length,) = struct.unpack("<Q", f.read(8))
+    entry = json.loads(f.read(length))[name]
+    if entry["dtype"] != "F8_E4M3":
+      raise CheckpointError(f"{path}: tensor {name} of dtype {entry['dtype']} cannot be read")
+    start, end = entry["data_offsets"]
+    f.seek(8 + length + start)
+    data = f.read(end - start)
+  return np.frombuffer(data, ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
+
+
 def _get(tree, path):
   for key in path:
     tree = tree[key]
@@ -251,9 +358,11 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, **ove
   Raises CheckpointError naming any missing, unexpected or misshapen tensor.
   """
   cfg = cfg or read_config(ckpt_dir, **overrides)
+  with open(os.path.join(ckpt_dir, "config.json")) as f:
+    quantization = _quantization_of(json.load(f))
   files = _weight_files(ckpt_dir)
   expected = _tensors(cfg)
-  wanted = {t.hf_name for t in expected}
+  wanted = {name for t in expected for name in _stored_names(t, quantization)}
   unexpected = sorted(n for n in files if n not in wanted and "rotary_emb" not in n)
   missing = sorted(wanted - set(files))
   if cfg.tie_embeddings and "lm_head.weight" in unexpected:
@@ -265,12 +374,15 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, **ove
   dtype = _DTYPES[cfg.param_dtype]
   shapes = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
   params: dict = {}
-  for t in sorted(expected, key=lambda t: files[t.hf_name]):  # file by file, in HF's order
-    fname = files[t.hf_name]
+  # File by file, in HF's order.
+  for t in sorted(expected, key=lambda t: files[_stored_names(t, quantization)[0]]):
+    names = _stored_names(t, quantization)
+    fname = files[names[0]]
     # One open per tensor: safe_open maps the file, and every page a read touches counts in
     # this process's resident memory until the file is closed (a second copy of the model).
-    with safe_open(os.path.join(ckpt_dir, fname), "numpy") as f:
-      value = t.to_ours(f.get_tensor(t.hf_name))  # a view of the tensor's one host copy
+    stored = [_read(os.path.join(ckpt_dir, files[name]), name) for name in names]
+    value = t.to_ours(_from_stored(t.hf_name, stored, quantization))  # a view, unquantized
+    del stored
     want = _get(shapes, t.path).shape
     if value.shape != want:
       raise CheckpointError(f"{fname}: tensor {t.hf_name} has shape {value.shape} in our "
@@ -301,7 +413,8 @@ def _cast(x, dtype: np.dtype):
 
 
 def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
-         copy_from: str | None = None, workers: int = 1) -> str:
+         copy_from: str | None = None, workers: int = 1,
+         quantization: str | None = None) -> str:
   """Write `params` as a Hugging Face checkpoint directory; returns out_dir.
 
   Files: config.json, model-0000k-of-0000n.safetensors and model.safetensors.index.json (a
@@ -310,12 +423,16 @@ def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2
   time (threads: the copies off the device and the writes leave the GIL), so host memory holds
   at most `workers` shards. Tensors are cast to cfg.param_dtype where they are (a bf16 export
   of float32 weights moves half the bytes off the device). The same params always give the
-  same bytes.
+  same bytes. `quantization` ("fp8" or "int4"): the decoder layers' projections are written in
+  that format, with its quantization_config (QUANTIZATIONS; the module docstring says which).
   """
+  if quantization is not None and quantization not in QUANTIZATIONS:
+    raise ValueError(f"hf.save: unknown quantization {quantization!r}; choose one of "
+                     f"{sorted(QUANTIZATIONS)} or None")
   os.makedirs(out_dir, exist_ok=True)
   dtype = np.dtype(_DTYPES[cfg.param_dtype])
   plan: list[list[_Tensor]] = [[]]
-  size = total = 0
+  size = 0
   for t in _tensors(cfg):
     nbytes = int(np.prod(_get(params, t.path).shape)) * dtype.itemsize
     if plan[-1] and size + nbytes > max_shard_bytes:
@@ -323,24 +440,29 @@ def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2
       size = 0
     plan[-1].append(t)
     size += nbytes
-    total += nbytes
   names = ([SINGLE] if len(plan) == 1 else
            [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))])
-  def write(fname: str, tensors: list[_Tensor]) -> list[str]:
-    shard = {t.hf_name: np.ascontiguousarray(t.to_hf(np.asarray(jax.device_get(
-        _cast(_get(params, t.path), dtype)))).astype(dtype)) for t in tensors}
+  def write(fname: str, tensors: list[_Tensor]) -> dict[str, int]:
+    shard = {}
+    for t in tensors:
+      weight = t.to_hf(np.asarray(jax.device_get(_cast(_get(params, t.path), dtype))))
+      shard.update(_to_stored(t, weight, quantization, dtype))
     save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-    return list(shard)
+    return {name: x.nbytes for name, x in shard.items()}
 
   with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-    written = pool.map(write, names, plan)
+    written = list(pool.map(write, names, plan))
     weight_map = {name: fname for fname, shard in zip(names, written) for name in shard}
   if len(plan) > 1:
+    total = sum(n for shard in written for n in shard.values())
     with open(os.path.join(out_dir, INDEX), "w") as f:
       json.dump({"metadata": {"total_size": total},
                  "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+  hf_config = config_to_hf(cfg)
+  if quantization is not None:
+    hf_config["quantization_config"] = QUANTIZATIONS[quantization]
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(config_to_hf(cfg), f, indent=2, sort_keys=True)
+    json.dump(hf_config, f, indent=2, sort_keys=True)
   if copy_from:
     for name in TOKENIZER_FILES:
       src = os.path.join(copy_from, name)

@@ -1,0 +1,152 @@
+"""models/quantize.py: FP8 block and INT4 group quantization in SGLang's layouts, their exact
+dequantization formulas, the INT4 packing of compressed-tensors, and straight-through fake
+quantization; quantized checkpoints written and read by models/hf.py."""
+
+import json
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import hf, quantize, transformer
+
+
+def _weight(out, inp, seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), (out, inp)) * 0.05
+
+
+def test_fp8_blocks_scale_each_128_block_by_its_largest_value_and_round_within_e4m3():
+  w = _weight(200, 300)  # edge blocks: 72 rows, 44 columns
+  q, scale = quantize.fp8_quantize(w)
+  assert q.dtype == jnp.float8_e4m3fn and q.shape == (200, 300)
+  assert scale.dtype == jnp.float32 and scale.shape == (2, 3)
+  for i, j in ((0, 0), (1, 2)):
+    block = np.abs(np.asarray(w)[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)])
+    assert float(scale[i, j]) == pytest.approx(block.max() / 448.0, rel=1e-6)
+  back = np.asarray(quantize.fp8_dequantize(q, scale))
+  # The dequantization is w = q * s blockwise, exactly.
+  expect = np.asarray(q, np.float32) * np.repeat(np.repeat(np.asarray(scale), 128, 0), 128,
+                                                    1)[:200, :300]
+  np.testing.assert_array_equal(back, expect)
+  # e4m3 keeps 3 mantissa bits: within 2^-4 relative, or half its smallest step near 0.
+  per_element = expect / np.where(np.asarray(q, np.float32) == 0, 1, np.asarray(q, np.float32))
+  err = np.abs(back - np.asarray(w))
+  bound = np.maximum(2.0 ** -4 * np.abs(np.asarray(w)), 2.0 ** -10 * np.abs(per_element))
+  assert np.all(err <= bound + 1e-12)
+  # Each block's largest value comes back exactly (it is 448 * s).
+  assert np.abs(back).max() == pytest.approx(np.abs(np.asarray(w)).max(), rel=1e-6)
+
+
+def test_int4_packing_is_compressed_tensors_order():
+  """formats.md 3.4: pack_to_int32 of [-8, -7, 0, 1, 2, 3, 4, 7] is 0xFCBA9810."""
+  q = jnp.asarray([[-8, -7, 0, 1, 2, 3, 4, 7]], jnp.int32)
+  packed = quantize.pack_int4(q)
+  assert packed.dtype == jnp.int32
+  assert int(np.asarray(packed).view(np.uint32)[0, 0]) == 0xFCBA9810
+  every = jnp.asarray(np.random.default_rng(0).integers(-8, 8, (5, 64)), jnp.int32)
+  np.testing.assert_array_equal(quantize.unpack_int4(quantize.pack_int4(every)), every)
+
+
+def test_int4_groups_round_to_the_nearest_level_of_their_stored_scale():
+  w = _weight(48, 96)
+  packed, scale = quantize.int4_quantize(w, group=32)
+  assert packed.shape == (48, 12) and scale.shape == (48, 3) and scale.dtype == jnp.bfloat16
+  per_element = np.repeat(np.asarray(scale, np.float32), 32, axis=1)
+  np.testing.assert_allclose(np.asarray(scale, np.float32),
+                             np.abs(np.asarray(w)).reshape(48, 3, 32).max(-1) / 7.5,
+                             rtol=2 ** -8)  # bf16
+  back = np.asarray(quantize.int4_dequantize(packed, scale, group=32))
+  q = np.asarray(quantize.unpack_int4(packed))
+  assert q.min() >= -8 and q.max() <= 7
+  np.testing.assert_array_equal(back, q * per_element)  # w = q * scale, exactly
+  # Nearest level: within half a step, but for the largest |w| of a group, 7.5 steps of the
+  # exact scale and so up to 7.5 x 2^-8 of a step more of the bf16-rounded one, which a clamp
+  # at +7 may round away from.
+  err = np.abs(back - np.asarray(w))
+  assert np.all(err <= (0.5 + 7.5 * 2 ** -8) * per_element + 1e-9)
+  assert np.mean(err <= 0.5 * per_element * (1 + 1e-6)) > 0.95
+  with pytest.raises(ValueError, match="multiple of the group size 32"):
+    quantize.int4_quantize(_weight(4, 40))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_fake_quantization_rounds_forward_and_passes_gradients_straight_through(fmt):
+  w = _weight(64, 128)
+  quantize_fn, dequantize_fn = quantize.FORMATS[fmt]
+  np.testing.assert_array_equal(quantize.fake_quantize(w, fmt),
+                                dequantize_fn(*quantize_fn(w), dtype=w.dtype))
+  cotangent = jax.random.normal(jax.random.PRNGKey(1), w.shape)
+  grad = jax.grad(lambda w: jnp.sum(quantize.fake_quantize(w, fmt) * cotangent))(w)
+  np.testing.assert_array_equal(grad, cotangent)
+  with pytest.raises(ValueError, match="unknown weight format 'int3'"):
+    quantize.fake_quantize(w, "int3")
+
+
+SMALL_QWEN = {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 64,
+              "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False}
+
+
+def _header(path):
+  with open(path, "rb") as f:
+    (length,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(length))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_a_quantized_export_is_sglangs_layout_and_loads_back_dequantized(fmt, tmp_path):
+  cfg = hf.config_from_hf(SMALL_QWEN)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  out = hf.save(params, cfg, str(tmp_path / fmt), quantization=fmt)
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["quantization_config"] == hf.QUANTIZATIONS[fmt]
+  header = _header(os.path.join(out, hf.SINGLE))
+  up = "model.layers.1.mlp.up_proj"  # HF weight [160, 64]
+  if fmt == "fp8":
+    assert header[f"{up}.weight"]["dtype"] == "F8_E4M3"
+    assert header[f"{up}.weight_scale_inv"] == {**header[f"{up}.weight_scale_inv"],
+                                                "dtype": "F32", "shape": [2, 1]}
+  else:
+    assert f"{up}.weight" not in header
+    assert (header[f"{up}.weight_packed"]["dtype"], header[f"{up}.weight_packed"]["shape"]) == (
+        "I32", [160, 8])
+    assert header[f"{up}.weight_scale"]["shape"] == [160, 2]
+    assert header[f"{up}.weight_shape"]["dtype"] == "I64"
+  for kept in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+    assert header[kept]["dtype"] == "F32"
+  _, loaded = hf.load(out)
+  quantize_fn, dequantize_fn = quantize.FORMATS[fmt]
+  if fmt == "int4":  # its scales are stored in the checkpoint's dtype, float32 here
+    quantize_fn = lambda w: quantize.int4_quantize(w, scale_dtype=jnp.float32)
+  for path in (("layers_1", "mlp", "up_proj", "kernel"), ("layers_0", "mlp", "down_proj",
+                                                          "kernel")):
+    kernel = params[path[0]][path[1]][path[2]][path[3]]
+    want = dequantize_fn(*quantize_fn(kernel.T)).T  # what the engine computes with
+    got = loaded[path[0]][path[1]][path[2]][path[3]]
+    np.testing.assert_array_equal(got, want)
+    assert 0 < np.abs(got - kernel).max() <= (0.1 if fmt == "fp8" else 0.6) * np.abs(kernel).max()
+  np.testing.assert_array_equal(loaded["embed_tokens"]["embedding"],
+                                params["embed_tokens"]["embedding"])
+  # The attention projections, split by head in our layout, round-trip the same way.
+  q = params["layers_0"]["self_attn"]["q_proj"]["kernel"]  # [hidden, heads, head_dim]
+  want = dequantize_fn(*quantize_fn(q.reshape(64, 64).T)).T.reshape(q.shape)
+  np.testing.assert_array_equal(loaded["layers_0"]["self_attn"]["q_proj"]["kernel"], want)
+  with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+    hf.save(params, cfg, str(tmp_path / "bad"), quantization="int3")
+
+
+def test_an_unknown_quantization_config_is_refused_by_name(tmp_path):
+  cfg = hf.config_from_hf(SMALL_QWEN)
+  out = hf.save(transformer.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "m"),
+                quantization="fp8")
+  with open(os.path.join(out, "config.json")) as f:
+    config = json.load(f)
+  config["quantization_config"]["weight_block_size"] = [64, 64]
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(config, f)
+  with pytest.raises(hf.CheckpointError, match="not one longrl reads"):
+    hf.load(out)
