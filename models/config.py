@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from models.attention.dispatch import KERNELS
 
+WEIGHT_FORMATS = ("fp8", "int4")  # models/quantize.py's
+
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 # Per-layer rematerialisation (gradient checkpointing) policies, by name.
@@ -110,6 +112,10 @@ class ModelConfig:
   family: str = "qwen2"
   rope_scaling: RopeScaling | None = None
   remat: str = "none"  # per layer: none | full (save nothing) | dots (save matmul outputs)
+  # The decoder layers' projections compute with their weights rounded to this format
+  # (models/quantize.py: "fp8" or "int4", as a quantized checkpoint stores them), gradients
+  # straight through: an engine on quantized weights, or quantization-aware training.
+  weight_format: str | None = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -126,6 +132,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
     if self.attention not in KERNELS:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {KERNELS}")
+    if self.weight_format not in (None, *WEIGHT_FORMATS):
+      raise ValueError(f"ModelConfig.weight_format={self.weight_format!r}; choose one of "
+                       f"{WEIGHT_FORMATS} or None")
 
   @property
   def compute_dtype(self):
@@ -139,10 +148,10 @@ class ModelConfig:
 def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,
          num_heads: int = 4, num_kv_heads: int = 2,
          intermediate_size: int = 384, attention: str = "auto",
-         remat: str = "none") -> ModelConfig:
+         remat: str = "none", weight_format: str | None = None) -> ModelConfig:
   """A model small enough to train on a 2-core CPU in minutes."""
   return ModelConfig(
       vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
       num_heads=num_heads, num_kv_heads=num_kv_heads,
       head_dim=hidden_size // num_heads, intermediate_size=intermediate_size,
-      attention=attention, remat=remat)
+      attention=attention, remat=remat, weight_format=weight_format)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import quantize
 from models import sharding as shd
 from models.attention import dispatch, ring
 from models.config import (DynamicRope, Llama3Rope, LinearRope, ModelConfig, RopeScaling,
@@ -188,6 +189,31 @@ class RMSNorm(nn.Module):
     return scale.astype(x.dtype) * x32.astype(x.dtype)  # Hugging Face's order of casts
 
 
+@functools.cache
+def _rounded_dot(fmt: str):
+  """A dot_general for flax's Dense / DenseGeneral whose kernel (its right operand, input
+  dims first) is rounded to weight format `fmt` as the checkpoint's [out, in] matrix
+  (models/quantize.py), with straight-through gradients."""
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    (_, contracted), _ = dimension_numbers
+    if tuple(contracted) != tuple(range(len(contracted))):
+      raise ValueError(f"weight_format: a kernel contracted over dims {contracted}, not its "
+                       "leading ones")
+    matrix = rhs.reshape(math.prod(rhs.shape[:len(contracted)]), -1).T  # [out, in]
+    rhs = quantize.fake_quantize(matrix, fmt).T.reshape(rhs.shape)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type)
+  return dot_general
+
+
+def _projection(cfg: ModelConfig, module, *args, **kwargs):
+  """`module(*args, **kwargs)` (nn.Dense or nn.DenseGeneral), computing on its weights rounded
+  to cfg.weight_format when it has one."""
+  if cfg.weight_format is not None:
+    kwargs["dot_general"] = _rounded_dot(cfg.weight_format)
+  return module(*args, **kwargs)
+
+
 class Attention(nn.Module):
   cfg: ModelConfig
   layer: int = 0
@@ -199,9 +225,9 @@ class Attention(nn.Module):
     place, so a decode loop copies nothing); then with `kv_valid` (decode) the queries attend
     to the whole cache, without it (prefill, slot 0) to the written tokens only."""
     cfg = self.cfg
-    dense = lambda heads, name: nn.DenseGeneral(
-        (heads, cfg.head_dim), use_bias=cfg.qkv_bias, dtype=cfg.compute_dtype,
-        param_dtype=cfg.param_dtype, name=name)
+    dense = lambda heads, name: _projection(
+        cfg, nn.DenseGeneral, (heads, cfg.head_dim), use_bias=cfg.qkv_bias,
+        dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype, name=name)
     q = shd.constrain(on_tokens(dense(cfg.num_heads, "q_proj"), x), shd.BATCH, shd.SEQ,
                       shd.ACT_HEADS, None)
     k, v = (shd.constrain(on_tokens(dense(cfg.num_kv_heads, name), x), shd.BATCH, shd.SEQ,
@@ -224,9 +250,9 @@ class Attention(nn.Module):
                                       cache_slot, kernel=cfg.attention)
     else:
       out = dispatch.attention(q, k, v, segment_ids, kernel=cfg.attention)
-    out = on_tokens(nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False,
-                                    dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
-                                    name="o_proj"), out)
+    out = on_tokens(_projection(cfg, nn.DenseGeneral, cfg.hidden_size, axis=(-2, -1),
+                                use_bias=False, dtype=cfg.compute_dtype,
+                                param_dtype=cfg.param_dtype, name="o_proj"), out)
     return out, cache
 
 
@@ -260,8 +286,9 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    dense = lambda size, name: nn.Dense(size, use_bias=False, dtype=self.cfg.compute_dtype,
-                                        param_dtype=self.cfg.param_dtype, name=name)
+    dense = lambda size, name: _projection(
+        self.cfg, nn.Dense, size, use_bias=False, dtype=self.cfg.compute_dtype,
+        param_dtype=self.cfg.param_dtype, name=name)
     hidden = swiglu(on_tokens(dense(self.cfg.intermediate_size, "gate_proj"), x),
                     on_tokens(dense(self.cfg.intermediate_size, "up_proj"), x))
     hidden = shd.constrain(hidden, shd.BATCH, shd.SEQ, shd.ACT_MLP)

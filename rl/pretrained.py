@@ -29,7 +29,9 @@ class HFCheckpoint:
   tokenizer_config.json) as the run's model, tokenizer and starting params.
 
   `dtype`: the compute dtype; `param_dtype`: the master weights' and the optimizer state's
-  (and the export's); `attention`, `remat`: as in ModelConfig. `system_prompt` and
+  (and the export's); `attention`, `remat`, `weight_format` (quantization-aware training: the
+  trainer computes on its projections rounded to "fp8" or "int4"): as in ModelConfig.
+  `system_prompt` and
   `template_args` (e.g. {'enable_thinking': False}) shape every prompt under the chat
   template (models.tokenizer.ChatPrompts); the instruction after the problem is the task's
   template (e.g. MathTask.template)."""
@@ -38,6 +40,7 @@ class HFCheckpoint:
   param_dtype: str = "float32"
   attention: str = "auto"
   remat: str = "none"
+  weight_format: Optional[str] = None
   system_prompt: Optional[str] = None
   template_args: Optional[Mapping[str, Any]] = None
 
@@ -62,7 +65,8 @@ class HFCheckpoint:
     vocabulary is the checkpoint's, which the trainer checks against the tokenizer's)."""
     del vocab_size
     return hf.read_config(self.path, dtype=self.dtype, param_dtype=self.param_dtype,
-                          attention=self.attention, remat=self.remat)
+                          attention=self.attention, remat=self.remat,
+                          weight_format=self.weight_format)
 
   def tokenizer(self) -> ChatPrompts:
     return ChatPrompts(HFTokenizer(self.path), system_prompt=self.system_prompt,

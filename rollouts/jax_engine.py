@@ -6,6 +6,7 @@ default engine on CPU and TPU and the one the tests use. Batch size and prompt l
 rounded up to buckets so that a run compiles a few shapes, not one per call.
 """
 
+import dataclasses
 import functools
 import time
 from typing import Callable, Sequence
@@ -456,12 +457,19 @@ def _cut(completion: Completion, limit: int) -> Completion:
 
 
 def embedded_engine(cfg: ModelConfig, params, version: int, *, dtype: str | None = None,
-                    kv_cache_gib: float | None = None, layout: str = "replicas") -> JaxEngine:
+                    kv_cache_gib: float | None = None, layout: str = "replicas",
+                    weight_format: str | None = None) -> JaxEngine:
   """The engine factory of an in-process JaxEngine (a run's default): (cfg, params, version)
   -> an engine holding `params` as `version`, as rollouts.server.local_engine and
   rollouts.sglang.remote_engine are for servers. `dtype`, `kv_cache_gib` and `layout` are
   JaxEngine's (bindings: `train.engine = @embedded_engine`,
-  `embedded_engine.dtype = 'bfloat16'`)."""
+  `embedded_engine.dtype = 'bfloat16'`). `weight_format` ("fp8" or "int4"): the engine
+  computes on its weights rounded to that format (ModelConfig.weight_format), as an engine
+  serving a quantized checkpoint does (models/hf.py `save(..., quantization=...)`), while the
+  trainer's model stays as configured (set the model's weight_format too for
+  quantization-aware training)."""
+  if weight_format is not None:
+    cfg = dataclasses.replace(cfg, weight_format=weight_format)
   return JaxEngine(cfg, params, version=version, dtype=dtype, kv_cache_gib=kv_cache_gib,
                    layout=layout)
 

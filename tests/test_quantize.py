@@ -1,7 +1,9 @@
 """models/quantize.py: FP8 block and INT4 group quantization in SGLang's layouts, their exact
 dequantization formulas, the INT4 packing of compressed-tensors, and straight-through fake
-quantization; quantized checkpoints written and read by models/hf.py."""
+quantization; quantized checkpoints written and read by models/hf.py; an engine on quantized
+weights, and quantization-aware training (ModelConfig.weight_format)."""
 
+import dataclasses
 import json
 import os
 import struct
@@ -11,7 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import hf, quantize, transformer
+from models import config, hf, quantize, transformer
+from rl.packing import trajectory_batch
+from rl.train_step import policy_logprobs
+from rollouts import jax_engine
+from rollouts.engine import SamplingParams
+from rollouts.jax_engine import JaxEngine
 
 
 def _weight(out, inp, seed=0):
@@ -150,3 +157,38 @@ def test_an_unknown_quantization_config_is_refused_by_name(tmp_path):
     json.dump(config, f)
   with pytest.raises(hf.CheckpointError, match="not one longrl reads"):
     hf.load(out)
+
+
+def _rounded(params, fmt):
+  """params with every decoder projection's kernel rounded to `fmt` explicitly."""
+  def one(path, x):
+    names = [getattr(k, "key", "") for k in path]
+    if names[-1] != "kernel" or not names[-2].endswith("_proj"):
+      return x
+    inputs = 2 if names[-2] == "o_proj" else 1  # o_proj's kernel is [heads, head_dim, hidden]
+    matrix = x.reshape(int(np.prod(x.shape[:inputs])), -1).T
+    return quantize.fake_quantize(matrix, fmt).T.reshape(x.shape)
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def test_an_engine_on_int4_weights_and_quantization_aware_training_compute_the_same():
+  cfg = config.tiny(64, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  prompts = [[1, 5, 9, 12], [1, 7], [1, 20, 21, 22, 23]]
+  sampling = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(2,))
+  on_int4 = jax_engine.embedded_engine(cfg, params, 0, weight_format="int4").generate(
+      prompts, sampling, seed=3)
+  on_rounded = JaxEngine(cfg, _rounded(params, "int4")).generate(prompts, sampling, seed=3)
+  for a, b in zip(on_int4, on_rounded):
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+  batch, _ = trajectory_batch(prompts, [c.token_ids for c in on_int4],
+                              [c.logprobs for c in on_int4], [0.0] * 3, [True] * 3, seq_len=32)
+  mask = batch.loss_mask > 0
+  gap = lambda model: np.abs(np.asarray(policy_logprobs(
+      params, model, jax.tree.map(jnp.asarray, batch))[0]) - batch.old_logp)[mask].max()
+  # Quantization-aware: the trainer's model rounds the same weights the same way.
+  assert gap(dataclasses.replace(cfg, weight_format="int4")) <= 1e-4
+  assert gap(cfg) > 1e-3  # without it, the trainer sees another function
+  with pytest.raises(ValueError, match="weight_format='int3'"):
+    dataclasses.replace(cfg, weight_format="int3")
