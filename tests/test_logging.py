@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -67,6 +68,8 @@ def wandb_history(run_dir: str) -> list[dict]:
       pos += 32768 - pos % 32768
       continue
     _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+    if pos + 7 + length > len(data):  # a record still being written
+      break
     pieces += data[pos + 7:pos + 7 + length]
     pos += 7 + length
     if kind in (1, 4):
@@ -147,7 +150,11 @@ def test_a_run_logs_every_scalar_to_tensorboard_and_wandb_offline(tmp_path, monk
   assert all(h.num == 16 for h in histograms.values())  # 4 prompts x 4 samples
 
   assert os.path.exists(os.path.join(run_dir, "wandb", "run_id"))
-  history = wandb_history(run_dir)
+  # W&B's writer is a service process of its own, which may still be flushing the run's file
+  # when the run has returned (on a loaded machine it was, once): wait for it, up to 30 s.
+  deadline = time.monotonic() + 30
+  while len(history := wandb_history(run_dir)) < 3 and time.monotonic() < deadline:
+    time.sleep(0.2)
   assert [row["_step"] for row in history] == [0, 1, 2]
   for row in history:
     values = expected[row["_step"]]
