@@ -2,17 +2,19 @@
 
   python bench/memory.py [--models qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b,qwen3-8b]
       [--tokens 4096,16384,32768] [--param_dtype float32|bfloat16] [--fsdp 8] [--tensor 1]
-      [--parts train,engine] [--out bench/results]
+      [--context 1] [--parts train,engine] [--out bench/results]
 
 For each model (the numbers of its config.json, below) and tokens per row, the GRPO train
 step of an RL run (rl.train_step.make_train_step: a k3 KL to the reference policy, whose
 log-probs the step computes; bf16 compute over float32 master weights and AdamW moments, or
 with --param_dtype bfloat16 over bf16 ones (HFCheckpoint.param_dtype); every layer
 rematerialised; log-probs in chunks of 2048 tokens; the state donated) is lowered
-and compiled for a host mesh of fsdp x tensor simulated CPU devices with abstract inputs:
-no weight is ever materialised. Each data-parallel device trains one row per micro-batch.
-Attention is the blockwise kernel (linear memory, as the GPU and TPU kernels are; XLA sees
-all of its buffers). XLA's memory analysis of the compiled executable gives one device's
+and compiled for a host mesh of fsdp x tensor x context simulated CPU devices with abstract
+inputs: no weight is ever materialised. Each data-parallel device trains one row per
+micro-batch; with --context > 1 each row is split over that many devices, and attention is
+ring attention (long rows: 128k tokens over context=4 or 8). Attention is the blockwise
+kernel (linear memory, as the GPU and TPU kernels are; XLA sees all of its buffers). Results
+go to OUT/memory.json, or OUT/memory_context.json for a --context > 1 run. XLA's memory analysis of the compiled executable gives one device's
 arguments, outputs, aliased (donated) bytes and temporaries: its peak is
 arguments + outputs - aliased + temporaries. Beside it, an analytic estimate (`analytic`).
 A configuration fits a chip when its peak is at most 90% of the chip's memory (the rest for
@@ -33,7 +35,6 @@ import os
 import sys
 import time
 
-DEVICES = 8
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -92,6 +93,7 @@ def analytic(cfg: ModelConfig, tokens: int, mesh_shape: dict[str, int]) -> dict[
   the MLP's three intermediates, bf16, split over tensor); and one chunk of log-probs'
   float32 logits with their softmax and gradient."""
   shards = mesh_shape["fsdp"] * mesh_shape["tensor"]
+  tokens = tokens // mesh_shape.get("context", 1)  # this device's share of the row
   param_bytes = param_count(cfg) * jnp.dtype(cfg.param_dtype).itemsize
   q = cfg.num_heads * cfg.head_dim
   kv = cfg.num_kv_heads * cfg.head_dim
@@ -118,7 +120,8 @@ def compile_step(cfg: ModelConfig, tokens: int, mesh) -> dict[str, int]:
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        state, sharding.state_shardings(state, optimizer, mesh))
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
-  rows_spec = NamedSharding(mesh, sharding.spec((sharding.BATCH, None), (rows, tokens), mesh))
+  rows_spec = NamedSharding(mesh, sharding.spec((sharding.BATCH, sharding.SEQ), (rows, tokens),
+                                                mesh))
 
   def field(dtype):
     return jax.ShapeDtypeStruct((rows, tokens), dtype, sharding=rows_spec)
@@ -169,9 +172,6 @@ def fits(peak: float) -> list[str]:
 
 
 def main():
-  # Before JAX starts its backend (importing jax does not): the simulated devices.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={DEVICES}")
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default=",".join(CONFIGS))
   parser.add_argument("--tokens", default="4096,16384,32768")
@@ -179,17 +179,20 @@ def main():
                       help="master weights' and AdamW moments' dtype")
   parser.add_argument("--fsdp", type=int, default=8)
   parser.add_argument("--tensor", type=int, default=1)
+  parser.add_argument("--context", type=int, default=1,
+                      help="devices each row is split over (ring attention)")
   parser.add_argument("--parts", default="train,engine",
                       help="train: the train step's table; engine: the embedded engine's")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args()
-  if args.fsdp * args.tensor != DEVICES:
-    parser.error(f"--fsdp x --tensor must be {DEVICES} (the simulated devices)")
+  # Before JAX starts its backend (importing jax does not): the simulated devices.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                             f"device_count={args.fsdp * args.tensor * args.context}")
   parts = args.parts.split(",")
   results = train_table(args) if "train" in parts else []
   engine = engine_table() if "engine" in parts else []
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "memory.json")
+  path = os.path.join(args.out, "memory.json" if args.context == 1 else "memory_context.json")
   with open(path, "w") as f:
     json.dump({"fit_fraction": FIT_FRACTION, "chips": CHIPS, "results": results,
                "engine": engine}, f, indent=1, default=str)
@@ -197,11 +200,11 @@ def main():
 
 
 def train_table(args) -> list[dict]:
-  mesh = sharding.make_mesh(fsdp=args.fsdp, tensor=args.tensor)
+  mesh = sharding.make_mesh(fsdp=args.fsdp, tensor=args.tensor, context=args.context)
   mesh_shape = dict(mesh.shape)
   print(f"RL train step (GRPO, bf16 compute, {args.param_dtype} master weights + AdamW, remat "
-        f"full), mesh fsdp={args.fsdp} x tensor={args.tensor}, one row per data-parallel "
-        "device; bytes per device")
+        f"full), mesh fsdp={args.fsdp} x tensor={args.tensor} x context={args.context}, one "
+        "row per data-parallel device; bytes per device")
   print(f"{'model':>13} {'params':>7} {'tokens':>7} {'XLA peak':>10} {'temps':>9} "
         f"{'analytic':>10}  fits (peak <= {FIT_FRACTION:.0%} of the chip)")
   results = []
