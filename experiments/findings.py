@@ -73,8 +73,12 @@ WARM_START = "warm_start"
 # c, d, e and f change the task, so they start from warm starts of their own.
 WARM_STARTS = {WARM_START: "base.gin", "warm_start_3op": "base_3op.gin",
                "warm_start_4digit": "d2_base.gin", "warm_start_3op_short": "e2_base.gin",
-               "warm_start_shortcut": "base_shortcut.gin", "warm_start_b2": "b2_base.gin"}
+               "warm_start_shortcut": "base_shortcut.gin", "warm_start_b2": "b2_base.gin",
+               "warm_start_quickstart": "i_base.gin"}
 SEEDS = 5  # the default number of seeds: 0..4
+# Finding i's fixes for an INT4 engine: each an arm int4_<key> (config i_int4_<key>.gin).
+LOW_PRECISION_FIXES = {"tis": "token TIS", "seq_tis": "sequence TIS", "mis": "MIS",
+                       "icepop": "IcePop", "qat": "QAT"}
 LONG2SHORT_METHODS = ("shortest_rejection", "dpo", "merge")
 
 
@@ -149,6 +153,11 @@ ARMS = {
     "budget_shortcut_mask_long_correct": Arm("f3_mask_long_correct.gin",
                                              "budget 10, -L&C, with shortcut",
                                              "warm_start_shortcut"),
+    # Finding i: the quickstart's rollouts from an INT4 engine, corrected or not.
+    "float32_engine": Arm("i_base.gin", "float32 engine", "warm_start_quickstart"),
+    "int4_keep": Arm("i_int4.gin", "INT4 engine, no correction", "warm_start_quickstart"),
+    **{f"int4_{c}": Arm(f"i_int4_{c}.gin", f"INT4 engine, {label}", "warm_start_quickstart")
+       for c, label in LOW_PRECISION_FIXES.items()},
 }
 
 
@@ -744,6 +753,51 @@ def staleness(arms, stale: str = "With 4 updates per batch") -> Analysis:
                   checks, table, fig)
 
 
+def _run_mean(key: str) -> Callable[[dict], float]:
+  """A run's mean of metrics `key` over its RL steps."""
+  return lambda run: float(np.mean(series(run, key)[1]))
+
+
+# A k3 estimate of KL(engine || trainer) per token under this counts as no mismatch: float32
+# engine and trainer differ by summation order alone (~1e-7).
+KL_MARGIN = 1e-3
+
+
+def low_precision(arms) -> Analysis:
+  """i. Rollouts from an INT4 engine: uncorrected they cost held-out accuracy against a float32
+  engine; each correction recovers some, and QAT removes the mismatch."""
+  reference, uncorrected = arms["float32_engine"], arms["int4_keep"]
+  against = lambda data, fn, base=uncorrected: stats.paired_differences(per_seed(data, fn),
+                                                                        per_seed(base, fn))
+  kl = _run_mean("engine_kl_k3")
+  checks = [check("held-out accuracy, 2nd half: INT4 engine, no correction - float32 engine",
+                  against(uncorrected, _final_eval, reference),
+                  stats.Prediction(-1, ACCURACY_MARGIN))]
+  checks += [check(f"held-out accuracy, 2nd half: INT4 engine with {label} - without",
+                   against(arms[f"int4_{fix}"], _final_eval),
+                   stats.Prediction(+1, ACCURACY_MARGIN))
+             for fix, label in LOW_PRECISION_FIXES.items()]
+  checks.append(check("KL(engine || trainer) per token, mean over steps: QAT - no correction",
+                      against(arms["int4_qat"], kl), stats.Prediction(-1, KL_MARGIN)))
+  table = [_row(d, {"held-out acc. start": _start_eval, "held-out acc., 2nd half": _final_eval,
+                    "KL(engine || trainer), k3": kl,
+                    "ratio p01": _run_mean("engine_ratio_p01"),
+                    "ratio p99": _run_mean("engine_ratio_p99"),
+                    "IcePop would mask": _run_mean("would_mask_icepop"),
+                    "seq. MIS would mask": _run_mean("would_mask_seq_mis")})
+           for d in arms.values()]
+  fig = _curves(arms, [("eval_accuracy", "held-out greedy accuracy (as served)"),
+                       ("accuracy", "train accuracy"),
+                       ("engine_kl_k3", "KL(engine || trainer) per token (k3)")],
+                "i. INT4 rollouts, float32 trainer")
+  fig.axes[2].set_yscale("symlog", linthresh=1e-6)
+  return Analysis(stats.all_of(c.verdict for c in checks),
+                  "Against the float32 engine on the same seeds the uncorrected INT4 engine "
+                  "must lose held-out accuracy (measured on the engine that generated, as "
+                  "served); against the uncorrected INT4 engine each correction and QAT must "
+                  "gain it, and QAT must cut the mismatch. " + ALL_CHECKS, checks, table, fig)
+
+
 def _evaluate_policy(run_dir: str, seed: int) -> dict:
   """rl.long2short.evaluate of `run_dir`'s latest params under h_long2short.gin's task and
   sizes with `seed` (what rl.long2short.run measures of its models), cached in
@@ -852,6 +906,11 @@ CLAIM_E = ("RL sharpens the distribution: mean@k (pass@1) rises while pass@k at 
 CLAIM_F = ("Masking incorrect answers out of the loss (\"-I\") drives the policy to short "
            "nonsense; masking long correct ones (\"-L&C\") keeps longer reasoning "
            "[arXiv 2602.20945].")
+CLAIM_I = ("An engine on low-precision weights makes rollouts the trainer did not: uncorrected, "
+           "the mismatch costs accuracy; importance-sampling corrections (token TIS, Yao et al. "
+           "2025; sequence TIS and MIS, Liu et al. 2025, \"When speed kills stability\"; "
+           "IcePop, Ring-1T, arXiv 2510.18855) recover it, and quantization-aware training "
+           "removes the mismatch (Kimi K2 Thinking's INT4 rollouts).")
 CLAIM_G = ("Mildly stale (off-policy) updates speed up the length-adaptation phase but raise "
            "entropy later [arXiv 2602.20945].")
 
@@ -925,6 +984,9 @@ FINDINGS = {f.key: f for f in [
             "long2short RL all cut tokens; long2short RL gives the best accuracy for its "
             "length [Kimi k1.5, sec. 2.4 and Fig. 7].",
             ("baseline", "long2short_rl"), long2short_methods, load=long2short_models),
+    Finding("i_int4_rollouts", "i. INT4 rollouts and the correction menu", CLAIM_I,
+            ("float32_engine", "int4_keep", *(f"int4_{fix}" for fix in LOW_PRECISION_FIXES)),
+            low_precision),
 ]}
 
 
@@ -1032,7 +1094,7 @@ def _minutes(value) -> str:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("keys", nargs="*",
-                      help="findings by letter (a..h, a2, b2, c2, d2, e2, f2, f3, g2) or name")
+                      help="findings by letter (a..i, a2, b2, c2, d2, e2, f2, f3, g2) or name")
   parser.add_argument("--all", action="store_true", help="every finding")
   parser.add_argument("--seeds", type=int, default=SEEDS,
                       help=f"seeds 0..SEEDS-1 per arm (default {SEEDS})")
@@ -1050,7 +1112,7 @@ def main(argv=None):
   unknown = [k for k in keys if k not in FINDINGS]
   if not keys or unknown:
     parser.error(f"unknown finding(s) {unknown}; valid: {', '.join(FINDINGS)} (or their "
-                 "letters: a..h, a2, c2, ...), or --all" if unknown else "name findings (a..h, "
+                 "letters: a..i, a2, c2, ...), or --all" if unknown else "name findings (a..i, "
                  "a2, b2, c2, d2, e2, f2, f3, g2) or give --all")
   if args.seeds < 1:
     parser.error(f"--seeds must be at least 1, got {args.seeds}")

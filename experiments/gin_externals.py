@@ -63,7 +63,7 @@ _REGISTERED = {
     "sources": [sources.Lockstep, sources.DynamicSampling, sources.Partial, sources.Ahead],
     "corrections": [corrections.keep, corrections.mask_stale, corrections.tis,
                     corrections.trust_region, corrections.seq_tis, corrections.mis,
-                    corrections.icepop, corrections.geo_mask, corrections.observe],
+                    corrections.icepop, corrections.geo_mask],
     "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer, sharding.make_mesh],
     "tasks": [arithmetic.Arithmetic, mixture.Mixture, math_task.MathTask, code_task.CodeTask,
               effort.EffortTask, agentic.ToolArithmetic, needle.Needle],

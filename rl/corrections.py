@@ -9,12 +9,14 @@ the step's starting params (one forward pass per minibatch, before the first upd
 
     correction.apply(batch, step=..., trainer_logp=f32[rows, seq] | None) -> (batch, metrics)
 
-Owns the corrections, their metrics (the mismatch, `_mismatch`: |trainer - engine| log-prob
-mean and max over loss tokens, KL(engine || trainer) estimates, ratio percentiles; the share
-each masking correction drops) and the registry. The menu: keep, mask (stale versions), tis
-and seq_tis (truncated importance weights per token or per trajectory), mis and icepop
-(masked importance weights), trust_region (K2.5 / K3's token mask), geo_mask (the
-geometric-mean sequence mask), observe (metrics only). It does not own when they run (the loop:
+Owns the corrections, the share of loss tokens each masking one drops, the registry, and
+`measure`: what the loop logs of every minibatch whatever the correction (the mismatch,
+`_mismatch`: |trainer - engine| log-prob mean and max over loss tokens, KL(engine || trainer)
+estimates, ratio percentiles; and the share each masking correction would drop). The menu:
+keep (the default; with `measure`, the metrics-only mode), mask (stale versions), tis and
+seq_tis (truncated importance weights per token or per trajectory), mis and icepop (masked
+importance weights), trust_region (K2.5 / K3's token mask), geo_mask (the geometric-mean
+sequence mask). It does not own when they run (the loop:
 rl/loop.py) or the loss (rl/losses.py), which reads the rewritten old_logp, advantages and
 loss_mask like any other batch.
 
@@ -56,21 +58,30 @@ def mask_stale() -> Correction:
   return Correction("mask", apply, reads=frozenset({"versions"}))
 
 
-def _mismatch(batch: TrainBatch, trainer_logp) -> tuple[np.ndarray, np.ndarray, dict]:
-  """(loss-token mask, d = trainer - engine log-ratio on it (0 elsewhere), the mismatch
-  metrics): mean and max |d|; KL(engine || trainer) per token estimated on the engine's
-  samples, k1 = mean(-d) and k3 = mean(exp(d) - 1 - d) (Schulman's estimators, k3 >= 0); and
-  the 1st and 99th percentiles of the token ratio exp(d)."""
+def _log_ratios(batch: TrainBatch, trainer_logp) -> tuple[np.ndarray, np.ndarray]:
+  """(loss-token mask bool[rows, seq], d = trainer - engine log-ratio on it, 0 elsewhere)."""
   mask = np.asarray(batch.loss_mask) > 0
-  diff = (np.asarray(trainer_logp) - np.asarray(batch.old_logp)) * mask
+  return mask, (np.asarray(trainer_logp) - np.asarray(batch.old_logp)) * mask
+
+
+def _mismatch(mask, diff) -> dict[str, float]:
+  """The mismatch metrics of the log-ratios `diff` on `mask` (`_log_ratios`): mean and max
+  |d|; KL(engine || trainer) per token estimated on the engine's samples, k1 = mean(-d) and
+  k3 = mean(exp(d) - 1 - d) (Schulman's estimators, k3 >= 0); and the 1st and 99th
+  percentiles of the token ratio exp(d)."""
   count = max(mask.sum(), 1)
   d = np.clip(diff[mask], -20.0, 20.0) if mask.any() else np.zeros(1)
-  return mask, diff, {"engine_logp_diff_mean": float(np.abs(diff).sum() / count),
-                      "engine_logp_diff_max": float(np.abs(diff).max()),
-                      "engine_kl_k1": float(-d.sum() / count),
-                      "engine_kl_k3": float((np.exp(d) - 1.0 - d).sum() / count),
-                      "engine_ratio_p01": float(np.exp(np.percentile(d, 1))),
-                      "engine_ratio_p99": float(np.exp(np.percentile(d, 99)))}
+  return {"engine_logp_diff_mean": float(np.abs(diff).sum() / count),
+          "engine_logp_diff_max": float(np.abs(diff).max()),
+          "engine_kl_k1": float(-d.sum() / count),
+          "engine_kl_k3": float((np.exp(d) - 1.0 - d).sum() / count),
+          "engine_ratio_p01": float(np.exp(np.percentile(d, 1))),
+          "engine_ratio_p99": float(np.exp(np.percentile(d, 99)))}
+
+
+def _share(dropped, mask) -> float:
+  """The share of `mask`'s tokens in `dropped`."""
+  return float(dropped.sum() / max(mask.sum(), 1))
 
 
 def _per_sequence(batch: TrainBatch, values, mask) -> tuple[np.ndarray, np.ndarray]:
@@ -110,11 +121,11 @@ def tis(*, cap: float = 2.0) -> Correction:
   def apply(batch: TrainBatch, *, step: int, trainer_logp):
     del step
     trainer_logp = np.asarray(trainer_logp)
-    mask, diff, metrics = _mismatch(batch, trainer_logp)
+    mask, diff = _log_ratios(batch, trainer_logp)
     weight = np.where(mask, np.minimum(np.exp(np.clip(diff, -20.0, 20.0)), cap), 1.0)
     return batch.replace(old_logp=trainer_logp.astype(np.float32),
                          advantages=(np.asarray(batch.advantages) * weight).astype(np.float32)
-                         ), metrics
+                         ), {}
   return Correction("tis", apply, trainer_logp=True)
 
 
@@ -128,11 +139,10 @@ def trust_region(*, low: float = -1.0, high: float = 1.0) -> Correction:
 
   def apply(batch: TrainBatch, *, step: int, trainer_logp):
     del step
-    mask, diff, metrics = _mismatch(batch, trainer_logp)
+    mask, diff = _log_ratios(batch, trainer_logp)
     outside = mask & ((diff < low) | (diff > high))
-    metrics["trust_region_masked"] = float(outside.sum() / max(mask.sum(), 1))
     return batch.replace(loss_mask=np.where(outside, 0.0, batch.loss_mask).astype(np.float32)
-                         ), metrics
+                         ), {"trust_region_masked": _share(outside, mask)}
   return Correction("trust_region", apply, trainer_logp=True)
 
 
@@ -145,10 +155,10 @@ def seq_tis(*, cap: float = 2.0) -> Correction:
 
   def apply(batch: TrainBatch, *, step: int, trainer_logp):
     del step
-    mask, diff, metrics = _mismatch(batch, trainer_logp)
+    mask, diff = _log_ratios(batch, trainer_logp)
     weight = np.minimum(np.exp(np.clip(_log_ratio(batch, mask, diff, "sequence"), -20.0, 20.0)),
                         cap)
-    return _reweighted(batch, trainer_logp, mask, weight, np.zeros_like(mask)), metrics
+    return _reweighted(batch, trainer_logp, mask, weight, np.zeros_like(mask)), {}
   return Correction("seq_tis", apply, trainer_logp=True)
 
 
@@ -176,11 +186,11 @@ def _masked_importance(name: str, low: float, high: float, level: str) -> Correc
 
   def apply(batch: TrainBatch, *, step: int, trainer_logp):
     del step
-    mask, diff, metrics = _mismatch(batch, trainer_logp)
+    mask, diff = _log_ratios(batch, trainer_logp)
     ratio = np.exp(np.clip(_log_ratio(batch, mask, diff, level), -20.0, 20.0))
     outside = mask & ((ratio < low) | (ratio > high))
-    metrics[f"{name}_masked"] = float(outside.sum() / max(mask.sum(), 1))
-    return _reweighted(batch, trainer_logp, mask, ratio, outside), metrics
+    return (_reweighted(batch, trainer_logp, mask, ratio, outside),
+            {f"{name}_masked": _share(outside, mask)})
   return Correction(name, apply, trainer_logp=True)
 
 
@@ -196,37 +206,34 @@ def geo_mask(*, low: float = 0.9, high: float = 1.1) -> Correction:
 
   def apply(batch: TrainBatch, *, step: int, trainer_logp):
     del step
-    mask, diff, metrics = _mismatch(batch, trainer_logp)
+    mask, diff = _log_ratios(batch, trainer_logp)
     sums, counts = _per_sequence(batch, diff, mask)
     mean = np.exp(np.clip(sums / np.maximum(counts, 1.0), -20.0, 20.0))
     outside = mask & ((mean < low) | (mean > high))
-    metrics["geo_mask_masked"] = float(outside.sum() / max(mask.sum(), 1))
     return batch.replace(loss_mask=np.where(outside, 0.0, batch.loss_mask).astype(np.float32)
-                         ), metrics
+                         ), {"geo_mask_masked": _share(outside, mask)}
   return Correction("geo_mask", apply, trainer_logp=True)
 
 
-def observe() -> Correction:
-  """Metrics only: the batch trains as generated (as `keep`), and the step logs the mismatch
-  (`_mismatch`'s figures) and the share of loss tokens each masking correction would drop at
-  its defaults (`would_mask_<name>`), so a run can see what a correction would do before
-  using it."""
-  would = {c().name: c() for c in (trust_region, mis, icepop, geo_mask,
-                                   lambda: mis(level="sequence"))}
-
-  def apply(batch: TrainBatch, *, step: int, trainer_logp):
-    metrics = _mismatch(batch, trainer_logp)[2]
-    for name, correction in would.items():
-      corrected, _ = correction.apply(batch, step=step, trainer_logp=trainer_logp)
-      kept, was = np.asarray(corrected.loss_mask) > 0, np.asarray(batch.loss_mask) > 0
-      metrics[f"would_mask_{name}"] = float((was & ~kept).sum() / max(was.sum(), 1))
-    return batch, metrics
-  return Correction("observe", apply, trainer_logp=True)
+def measure(batch: TrainBatch, trainer_logp) -> dict[str, float]:
+  """What the loop logs of every minibatch whatever the correction (before it runs): the
+  mismatch (`_mismatch`'s figures) and the share of loss tokens each masking correction would
+  drop at its defaults (`would_mask_<name>`), so a run sees what a correction would do before
+  using one. With `keep` (the default) this is the metrics-only mode."""
+  metrics = _mismatch(*_log_ratios(batch, trainer_logp))
+  was = np.asarray(batch.loss_mask) > 0
+  for make in _WOULD_MASK:
+    correction = make()
+    corrected, _ = correction.apply(batch, step=0, trainer_logp=trainer_logp)
+    dropped = was & ~(np.asarray(corrected.loss_mask) > 0)
+    metrics[f"would_mask_{correction.name}"] = _share(dropped, was)
+  return metrics
 
 
 CORRECTIONS: dict[str, Callable[..., Correction]] = {
     "keep": keep, "mask": mask_stale, "tis": tis, "trust_region": trust_region,
-    "seq_tis": seq_tis, "mis": mis, "icepop": icepop, "geo_mask": geo_mask, "observe": observe}
+    "seq_tis": seq_tis, "mis": mis, "icepop": icepop, "geo_mask": geo_mask}
+_WOULD_MASK = (trust_region, mis, icepop, geo_mask, lambda: mis(level="sequence"))
 
 
 def combine(metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -71,7 +71,8 @@ class Parts:
   ref_params) -> (TrainState, metrics)` (rl.train_step.make_train_step, with the same loss).
   reward: the reward transform; advantage: a key of rl.advantages.ESTIMATORS.
   correction: the off-policy correction of each minibatch; trainer_logprobs: `(params,
-  TrainBatch) -> f32[rows, seq]` for one that needs the trainer's log-probs.
+  TrainBatch) -> f32[rows, seq]`, for a correction that needs the trainer's log-probs and,
+  whenever given, for the mismatch every step logs (one forward pass per minibatch).
   kl_reward: KL to the reference in the reward, with reference_logprobs: `TrainBatch ->
   f32[rows, seq]` under the reference. ref_params: to the train step (a loss reading
   ref_logp). teachers: score every trajectory (a loss reading teacher_logp).
@@ -230,22 +231,26 @@ def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
 def _update(parts: Parts, state: LoopState, trajectories, adv, keep, fields, step: int):
   """Pack the step's minibatches, correct them, and make one update on each. Returns the new
   TrainState and the metrics: pack_s, train_s, rows, the train step's means over updates
-  (logp_diff_max: their max), and engine_logp_diff_mean / _max, |trainer - engine| before the
-  first update (the correction's, when it measured them)."""
+  (logp_diff_max: their max), the correction's metrics, and the engine-vs-trainer mismatch
+  before the first update: with trainer_logprobs every minibatch's (corrections.measure:
+  |d|, KL, ratio percentiles, what each mask would drop), else |trainer - engine| of the first
+  update's (engine_logp_diff_mean / _max)."""
   started = time.perf_counter()
   batches = batch_lib.minibatches(trajectories, adv, batch_lib.train_masks(trajectories, keep),
                                   parts.context.config, fields)
   corrected, measured = [], []
+  measuring = parts.trainer_logprobs is not None
   for batch in batches:
     # The step's starting params for every minibatch: the PPO ratio of a later minibatch then
     # sees the updates before it, and the engine mismatch is the engine's. All before the
     # first update, which may take (donate) those params' buffers.
     trainer_logp = (parts.trainer_logprobs(state.train.params, batch)
-                    if parts.correction.trainer_logp else None)
+                    if measuring or parts.correction.trainer_logp else None)
+    mismatch = {} if trainer_logp is None else corrections_lib.measure(batch, trainer_logp)
     batch, correction_metrics = parts.correction.apply(batch, step=step,
                                                        trainer_logp=trainer_logp)
     corrected.append(batch)
-    measured.append(correction_metrics)
+    measured.append({**mismatch, **correction_metrics})
   pack_s = time.perf_counter() - started
   started = time.perf_counter()
   train, per_update = state.train, []

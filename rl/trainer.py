@@ -608,7 +608,7 @@ def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
            teachers) -> loop.Parts:
   """The loop's parts: the jitted train step (donating, on the mesh), the reference policy
   (the starting params, from the start) when the loss or the reward reads it, and the
-  trainer's log-probs for a correction that needs them."""
+  trainer's log-probs (for the correction, and for the mismatch every step logs)."""
   cfg, loss, objective = run.cfg, plan.loss, plan.objective
   place_rows = (lambda batch: batch) if mesh is None else (
       lambda batch: sharding.place_rows(batch, mesh))

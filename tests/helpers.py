@@ -17,14 +17,14 @@ def parts(cfg, *, engine, task, tokenizer, config: RLConfig, loss: str = "k1.5",
   """rl.loop.Parts of a run on `engine`: the loss `loss` bound with `loss_hparams`, its
   train step (`train_step` wraps it when given: train_step(inner)), correctness rewards and
   uniform sampling by default, Lockstep rollouts by default; `extra`: the other Parts fields
-  (ref_params, teachers, kl_reward, ...). A correction that needs the trainer's log-probs
-  gets them."""
+  (ref_params, teachers, kl_reward, ...). The trainer's log-probs are given, as rl.trainer
+  gives them (for the correction, and the mismatch every step logs)."""
   bound = losses.bind(loss, loss_hparams)
   optimizer = optimizer or loop.rl_optimizer(config.learning_rate)
   step = make_train_step(cfg, optimizer, bound, micro_batches=config.micro_batches,
                          donate_state=donate)
   correction = correction or corrections.keep()
-  if correction.trainer_logp and "trainer_logprobs" not in extra:
+  if "trainer_logprobs" not in extra:
     extra["trainer_logprobs"] = jax.jit(lambda p, b: policy_logprobs(p, cfg, b)[0])
   return loop.Parts(
       sources.Context(engine, task, tokenizer, config, sampler or sampling.uniform()),

@@ -122,22 +122,23 @@ def test_donating_train_step_in_the_loop_equals_the_copying_one(tokenizer, digit
 
 
 def test_the_correction_menu_in_the_loop(tokenizer, digit_model):
-  """One RL step each: `observe` trains exactly as `keep` and logs the mismatch and what each
-  mask would drop; icepop and seq_tis run on the trainer's log-probs (tests/test_corrections.py
-  has their arithmetic on a hand-made batch)."""
+  """One RL step each: every correction's step logs the mismatch and what each mask would drop
+  (keep's too: the metrics-only mode); icepop and seq_tis run on the trainer's log-probs
+  (tests/test_corrections.py has their arithmetic on a hand-made batch)."""
   cfg, params = digit_model
   rl = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=4, seq_len=16)
   metrics = {}
-  for correction in (corrections.keep(), corrections.observe(), corrections.icepop(),
-                     corrections.seq_tis()):
+  for correction in (corrections.keep(), corrections.icepop(), corrections.seq_tis()):
     steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params), task=PickADigit(2),
                              tokenizer=tokenizer, loss="k1.5", config=rl,
                              correction=correction)
     metrics[correction.name] = next(steps).metrics
-  assert metrics["observe"]["loss"] == metrics["keep"]["loss"]
-  for key in ("engine_kl_k3", "engine_ratio_p99", "would_mask_icepop", "would_mask_geo_mask"):
-    assert np.isfinite(metrics["observe"][key]), key
-  assert metrics["observe"]["engine_kl_k3"] >= 0.0
+  for name, step in metrics.items():
+    for key in ("engine_kl_k3", "engine_ratio_p99", "would_mask_icepop", "would_mask_geo_mask"):
+      assert np.isfinite(step[key]), (name, key)
+    assert step["engine_kl_k3"] >= 0.0
+  # The same rollouts (same seed) under each: the same mismatch.
+  assert metrics["icepop"]["engine_kl_k3"] == metrics["keep"]["engine_kl_k3"]
   assert 0.0 <= metrics["icepop"]["icepop_masked"] <= 1.0
   assert all(np.isfinite(m["loss"]) for m in metrics.values())
 

@@ -114,14 +114,13 @@ def test_context_parallel_config_runs_ring_attention(tmp_path):
 
 def test_an_int4_engine_run_logs_its_mismatch_with_the_trainer(tmp_path):
   """The shrunk quickstart with the embedded engine on INT4 weights and the float32 trainer,
-  `observe` logging the mismatch: KL(engine || trainer) is there and not 0 (with
+  the default correction (keep) logging the mismatch: KL(engine || trainer) is there and not 0 (with
   quantization-aware training it is ~0: tests/test_quantize.py)."""
   run_dir = tmp_path / "run"
   result = run("--gin", QUICKSTART, "--gin", TINY, "--run_dir", str(run_dir),
                "--gin_param", "Hooks.progress = False", "--gin_param", "RLConfig.num_steps = 1",
                "--gin_param", "train.engine = @embedded_engine",
-               "--gin_param", "embedded_engine.weight_format = 'int4'",
-               "--gin_param", "Objective.correction = @observe()")
+               "--gin_param", "embedded_engine.weight_format = 'int4'")
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
   step = next(r for r in records if "train_s" in r)
