@@ -276,6 +276,22 @@ def _from_stored(name: str, stored: list[np.ndarray], quantization: str | None) 
   return weight
 
 
+def _packed(t: _Tensor, stored: list[np.ndarray], quantization: str, shape, dtype: str,
+            fname: str) -> quantize.Packed:
+  """Projection `t`'s stored tensors (weight_shape dropped) as the quantize.Packed of a kernel
+  of `shape`; CheckpointError when their shapes are not what that kernel packs to."""
+  inputs = transformer.projection_inputs(t.path)
+  expected = jax.eval_shape(lambda k: quantize.pack(k, quantization, inputs),
+                            jax.ShapeDtypeStruct(shape, jnp.float32)).stored
+  arrays = stored[:len(expected)]
+  if [x.shape for x in arrays] != [x.shape for x in expected]:
+    raise CheckpointError(f"{fname}: {t.hf_name} is stored as {[x.shape for x in arrays]}, "
+                          f"the config's kernel {tuple(shape)} packs to "
+                          f"{[x.shape for x in expected]}")
+  return quantize.Packed(tuple(jax.device_put(x) for x in arrays), quantization, tuple(shape),
+                         inputs, dtype)
+
+
 def _quantization_of(hf: dict[str, Any]) -> str | None:
   """The weight format of config.json `hf`: None, "fp8" or "int4"; CheckpointError for a
   quantization_config this reader does not take."""
@@ -349,12 +365,15 @@ def _weight_files(ckpt_dir: str) -> dict[str, str]:
     return {name: SINGLE for name in f.keys()}
 
 
-def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, **overrides):
+def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, packed=False,
+         **overrides):
   """(cfg, params) from a local checkpoint directory.
 
   cfg: defaults to the one read from config.json (with `overrides`). shardings: an optional
   pytree of jax.sharding.Sharding shaped like the params (models.sharding.param_shardings);
-  each tensor goes straight to its shards. Tensors are cast to cfg.param_dtype.
+  each tensor goes straight to its shards. Tensors are cast to cfg.param_dtype. A quantized
+  checkpoint's projections are dequantized, or with `packed` kept as stored (quantize.Packed,
+  which the model dequantizes on the fly: a server's weights at rest; no shardings then).
   Raises CheckpointError naming any missing, unexpected or misshapen tensor.
   """
   cfg = cfg or read_config(ckpt_dir, **overrides)
@@ -381,9 +400,12 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, **ove
     # One open per tensor: safe_open maps the file, and every page a read touches counts in
     # this process's resident memory until the file is closed (a second copy of the model).
     stored = [_read(os.path.join(ckpt_dir, files[name]), name) for name in names]
+    want = _get(shapes, t.path).shape
+    if packed and len(stored) > 1:
+      _set(params, t.path, _packed(t, stored, quantization, want, cfg.param_dtype, fname))
+      continue
     value = t.to_ours(_from_stored(t.hf_name, stored, quantization))  # a view, unquantized
     del stored
-    want = _get(shapes, t.path).shape
     if value.shape != want:
       raise CheckpointError(f"{fname}: tensor {t.hf_name} has shape {value.shape} in our "
                             f"layout, the config needs {want}")

@@ -14,12 +14,18 @@ layout [out, in] (a flax kernel is its transpose), in jnp so that it runs under 
   in the model's dtype; w = q * scale groupwise (compressed_tensors pack_to_int32, SGLang
   compressed_tensors_wNa16.py). Each group's scale is its largest |w| / 7.5, q = round(w /
   scale) clamped to [-8, 7].
+- `Packed`: a projection's kernel held in a format (an engine's or a server's weights at rest:
+  `pack` / `unpack`), its arrays exactly a checkpoint's tensors of that projection.
 - `fake_quantize`: the round trip with straight-through gradients, so that a trainer's forward
   computes on the weights the engine holds (quantization-aware training).
 """
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_BLOCK = (128, 128)
@@ -69,17 +75,18 @@ def unpack_int4(packed):
   return nibbles.reshape(packed.shape[0], -1).astype(jnp.int32) - 8
 
 
-def int4_quantize(w, group: int = INT4_GROUP, scale_dtype=jnp.bfloat16):
+def int4_quantize(w, group: int = INT4_GROUP, scale_dtype=None):
   """w: [out, in] (in a multiple of `group` and of 8) -> (packed i32 [out, in / 8], scale
-  [out, in / group] in `scale_dtype`). q is computed against the scale as stored, so that
-  dequantizing the stored pair gives what this rounding chose."""
+  [out, in / group] in `scale_dtype`, default w's: compressed-tensors stores the scales in the
+  model's dtype). q is computed against the scale as stored, so that dequantizing the stored
+  pair gives what this rounding chose."""
   out, inp = w.shape
   if inp % group or inp % 8:
     raise ValueError(f"int4_quantize: the input dimension {inp} must be a multiple of the "
                      f"group size {group} and of 8")
   groups = w.astype(jnp.float32).reshape(out, inp // group, group)
   amax = jnp.max(jnp.abs(groups), axis=-1)
-  scale = jnp.where(amax > 0, amax / _INT4_LEVELS, 1.0).astype(scale_dtype)
+  scale = jnp.where(amax > 0, amax / _INT4_LEVELS, 1.0).astype(scale_dtype or w.dtype)
   q = jnp.clip(jnp.round(groups / scale.astype(jnp.float32)[..., None]), -8, 7)
   return pack_int4(q.reshape(out, inp).astype(jnp.int32)), scale
 
@@ -93,12 +100,62 @@ def int4_dequantize(packed, scale, group: int = INT4_GROUP, dtype=jnp.float32):
 FORMATS = {"fp8": (fp8_quantize, fp8_dequantize), "int4": (int4_quantize, int4_dequantize)}
 
 
+def _check_format(fmt: str) -> None:
+  if fmt not in FORMATS:
+    raise ValueError(f"unknown weight format {fmt!r}; choose one of {sorted(FORMATS)}")
+
+
+def _rounded(w, fmt: str):
+  """w [out, in] quantized to `fmt` and back, in w's dtype."""
+  quantize, dequantize = FORMATS[fmt]
+  return dequantize(*quantize(w), dtype=w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def fake_quantize(w, fmt: str):
   """w [out, in] as the engine holds it in format `fmt` ("fp8" or "int4"), in w's dtype, with
   the identity's gradient (straight through): the forward sees the rounding, the update
   reaches the full-precision weights."""
-  if fmt not in FORMATS:
-    raise ValueError(f"unknown weight format {fmt!r}; choose one of {sorted(FORMATS)}")
-  quantize, dequantize = FORMATS[fmt]
-  rounded = dequantize(*quantize(w), dtype=w.dtype)
-  return w + jax.lax.stop_gradient(rounded - w)
+  _check_format(fmt)
+  return _rounded(w, fmt)
+
+
+def _fake_quantize_fwd(w, fmt):
+  return fake_quantize(w, fmt), None
+
+
+fake_quantize.defvjp(_fake_quantize_fwd, lambda fmt, _, g: (g,))
+
+
+@struct.dataclass
+class Packed:
+  """A projection's kernel held in weight format `fmt`: `stored`, the format's arrays of its
+  [out, in] matrix (fp8: q, scale; int4: packed, scale), what a checkpoint stores for it;
+  `shape` and `dtype` the kernel's, whose first `contracted` dims are its inputs."""
+  stored: tuple
+  fmt: str = struct.field(pytree_node=False)
+  shape: tuple = struct.field(pytree_node=False)
+  contracted: int = struct.field(pytree_node=False)
+  dtype: str = struct.field(pytree_node=False)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.nbytes for x in self.stored)
+
+
+def kernel_matrix(kernel, contracted: int):
+  """A flax kernel (its `contracted` input dims first) as the checkpoint's [out, in] matrix."""
+  return kernel.reshape(math.prod(kernel.shape[:contracted]), -1).T
+
+
+def pack(kernel, fmt: str, contracted: int = 1) -> Packed:
+  """`kernel` quantized to `fmt` (its matrix as `kernel_matrix` gives it)."""
+  _check_format(fmt)
+  return Packed(tuple(FORMATS[fmt][0](kernel_matrix(kernel, contracted))), fmt,
+                tuple(kernel.shape), contracted, jnp.dtype(kernel.dtype).name)
+
+
+def unpack(p: Packed):
+  """The kernel `p` holds, dequantized: what `fake_quantize` computes on, exactly."""
+  matrix = FORMATS[p.fmt][1](*p.stored, dtype=jnp.dtype(p.dtype))
+  return matrix.T.reshape(p.shape)

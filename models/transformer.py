@@ -15,6 +15,11 @@ KV-cache passes rotate by the same angles.
 Parameter names follow Hugging Face's modules (q_proj, gate_proj, ...) so that the safetensors
 import (models/hf.py) is a renaming plus transposes. `ModelConfig.remat` rematerialises each
 layer in the backward pass with a named jax.checkpoint policy.
+
+Low precision (models/quantize.py): `ModelConfig.weight_format` computes on the projections'
+kernels rounded to that format (quantization-aware training); `pack_projections` holds them in
+it (an engine's or a server's weights at rest), and every pass dequantizes such params on the
+fly (`unpack_projections`).
 """
 
 import functools
@@ -199,11 +204,42 @@ def _rounded_dot(fmt: str):
     if tuple(contracted) != tuple(range(len(contracted))):
       raise ValueError(f"weight_format: a kernel contracted over dims {contracted}, not its "
                        "leading ones")
-    matrix = rhs.reshape(math.prod(rhs.shape[:len(contracted)]), -1).T  # [out, in]
+    matrix = quantize.kernel_matrix(rhs, len(contracted))
     rhs = quantize.fake_quantize(matrix, fmt).T.reshape(rhs.shape)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type)
   return dot_general
+
+
+def projection_inputs(path) -> int | None:
+  """How many leading (input) dims the kernel at params `path` (its keys) contracts, when it
+  is a decoder layer's projection (what a quantized checkpoint stores quantized), else None."""
+  if not (path[0].startswith("layers_") and path[-1] == "kernel" and path[-2].endswith("_proj")):
+    return None
+  return 2 if path[-2] == "o_proj" else 1  # o_proj's kernel is [heads, head_dim, hidden]
+
+
+def pack_projections(params, fmt: str):
+  """`params` with every decoder layer's projection kernel held in weight format `fmt`
+  (quantize.Packed): an engine's weights at rest, as a quantized checkpoint stores them."""
+  def maybe_pack(path, x):
+    inputs = projection_inputs(tuple(k.key for k in path))
+    return x if inputs is None else quantize.pack(x, fmt, inputs)
+  return jax.tree_util.tree_map_with_path(maybe_pack, params)
+
+
+def unpack_projections(params):
+  """`params` with every quantize.Packed kernel dequantized (the others as they are)."""
+  is_packed = lambda x: isinstance(x, quantize.Packed)
+  if not any(map(is_packed, jax.tree.leaves(params, is_leaf=is_packed))):
+    return params
+  return jax.tree.map(lambda x: quantize.unpack(x) if is_packed(x) else x, params,
+                      is_leaf=is_packed)
+
+
+def _apply(params, cfg: ModelConfig, *args):
+  """Decoder(cfg) on `params` (packed projections dequantized on the fly: unpack_projections)."""
+  return Decoder(cfg).apply({"params": unpack_projections(params)}, *args)
 
 
 def _projection(cfg: ModelConfig, module, *args, **kwargs):
@@ -385,7 +421,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, segment_ids):
   if context > 1:
     tokens, positions, segment_ids = (ring.to_zigzag(x, context)
                                       for x in (tokens, positions, segment_ids))
-  hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, segment_ids)
+  hidden, _ = _apply(params, cfg, tokens, positions, segment_ids)
   if context > 1:
     hidden = ring.from_zigzag(hidden, seq, context)
   return hidden.astype(jnp.float32)
@@ -400,7 +436,7 @@ def prefill(params, cfg: ModelConfig, tokens, positions, segment_ids, cache: KVC
   if ring.context_size() > 1:
     raise ValueError("prefill runs on one device's rows; call it outside a mesh with a "
                      "`context` axis (the engine is not context-parallel)")
-  hidden, cache = Decoder(cfg).apply({"params": params}, tokens, positions, segment_ids, cache, 0)
+  hidden, cache = _apply(params, cfg, tokens, positions, segment_ids, cache, 0)
   return hidden.astype(jnp.float32), cache
 
 
@@ -410,8 +446,7 @@ def decode(params, cfg: ModelConfig, tokens, positions, kv_valid, cache: KVCache
   tokens, positions: i32[batch, q_len]; kv_valid: bool[batch, cache_len] (after this write)
   -> (f32[batch, q_len, hidden], updated KVCache)
   """
-  hidden, cache = Decoder(cfg).apply({"params": params}, tokens, positions, None, cache,
-                                     cache_slot, kv_valid)
+  hidden, cache = _apply(params, cfg, tokens, positions, None, cache, cache_slot, kv_valid)
   return hidden.astype(jnp.float32), cache
 
 

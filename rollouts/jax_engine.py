@@ -83,6 +83,7 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
     tokens i32[batch, max_new] (0 after a row finished), logp f32[batch, max_new],
     lengths i32[batch] tokens generated, stopped bool[batch] (ended on a stop token).
   """
+  params = transformer.unpack_projections(params)  # once, not at every decode step
   batch, plen = prompts.shape
   pad = plen - prompt_lens
   slots = jnp.arange(plen)
@@ -259,11 +260,15 @@ class JaxEngine:
   which decodes rows of its own (refused when a replica does not fit a device's free
   memory); 'training' reads them as the trainer places them (fsdp shards gathered at every
   decode step: slow, but no copy). `kv_cache_gib`: the most KV cache one device holds;
-  prompts that need more are decoded in successive batches (None: all at once)."""
+  prompts that need more are decoded in successive batches (None: all at once).
+  `weight_format` ("fp8" or "int4", models/quantize.py): the decoder layers' projections are
+  held in that format (quantized at each update: what a quantized checkpoint stores, and what
+  a server on one receives at a refit), dequantized at each generate or score call."""
 
   def __init__(self, cfg: ModelConfig, params, *, version: int = 0, pad_id: int = 0,
                min_batch: int = 8, min_prompt_len: int = 16, dtype: str | None = None,
-               kv_cache_gib: float | None = None, layout: str = "replicas"):
+               kv_cache_gib: float | None = None, layout: str = "replicas",
+               weight_format: str | None = None):
     if kv_cache_gib is not None and kv_cache_gib <= 0:
       raise ValueError(f"JaxEngine: kv_cache_gib must be > 0, got {kv_cache_gib}")
     if layout not in ("replicas", "training"):
@@ -271,6 +276,10 @@ class JaxEngine:
     self._cfg = cfg
     self._dtype = None if dtype is None else jnp.dtype(dtype)
     self._mesh = _mesh_of(params) if layout == "replicas" else None
+    if weight_format is not None and _mesh_of(params) is not None:
+      raise ValueError("JaxEngine: weight_format holds the weights of one device; these are "
+                       "placed on several (serve a quantized model from SGLang servers)")
+    self._weight_format = weight_format
     if self._mesh is not None:  # checked once: updates take the same room
       _check_replica_fits(params, sharding.serving_shardings(params, self._mesh), self._dtype)
     self._cache_slots = (None if kv_cache_gib is None else
@@ -322,18 +331,27 @@ class JaxEngine:
     return self._weights
 
   def _keeps_arrays(self) -> bool:
-    return self._dtype is None and self._mesh is None
+    return self._dtype is None and self._mesh is None and self._weight_format is None
 
   def _holder(self, params):
     """The function that makes `params` (and every update, of the same structure) what this
-    engine reads: in its dtype, on its serving shardings. Compiled once, not per update."""
+    engine reads: in its dtype, on its serving shardings, in its weight format. Compiled once,
+    not per update."""
     if self._keeps_arrays():
       return lambda p: p
     cast = lambda x: (x.astype(self._dtype) if self._dtype is not None
                       and jnp.issubdtype(x.dtype, jnp.floating) else x)
+    if self._weight_format is not None:
+      return jax.jit(lambda p: transformer.pack_projections(jax.tree.map(cast, p),
+                                                            self._weight_format))
     placed = (None if self._mesh is None else
               sharding.serving_shardings(params, self._mesh))
     return jax.jit(lambda p: jax.tree.map(cast, p), out_shardings=placed)
+
+  @property
+  def weight_bytes(self) -> int:
+    """Bytes of the weights it holds (what a refit hands it, in its format and dtype)."""
+    return sum(x.nbytes for x in jax.tree.leaves(self._released("weight_bytes")[0]))
 
   def close(self) -> None:
     pass
@@ -463,15 +481,15 @@ def embedded_engine(cfg: ModelConfig, params, version: int, *, dtype: str | None
   -> an engine holding `params` as `version`, as rollouts.server.local_engine and
   rollouts.sglang.remote_engine are for servers. `dtype`, `kv_cache_gib` and `layout` are
   JaxEngine's (bindings: `train.engine = @embedded_engine`,
-  `embedded_engine.dtype = 'bfloat16'`). `weight_format` ("fp8" or "int4"): the engine
-  computes on its weights rounded to that format (ModelConfig.weight_format), as an engine
-  serving a quantized checkpoint does (models/hf.py `save(..., quantization=...)`), while the
-  trainer's model stays as configured (set the model's weight_format too for
-  quantization-aware training)."""
+  `embedded_engine.dtype = 'bfloat16'`). `weight_format` ("fp8" or "int4"): the engine holds
+  and computes on its weights in that format, as an engine serving a quantized checkpoint
+  does (models/hf.py `save(..., quantization=...)`), while the trainer's model stays as
+  configured (set the model's weight_format too for quantization-aware training: the trainer
+  then computes on the same rounding, so the engine's cfg drops it not to round twice)."""
   if weight_format is not None:
-    cfg = dataclasses.replace(cfg, weight_format=weight_format)
+    cfg = dataclasses.replace(cfg, weight_format=None)
   return JaxEngine(cfg, params, version=version, dtype=dtype, kv_cache_gib=kv_cache_gib,
-                   layout=layout)
+                   layout=layout, weight_format=weight_format)
 
 
 embedded_engine.capabilities = CAPABILITIES  # known before it makes one (rl.sources.check)

@@ -15,7 +15,9 @@ logprob_start_len is null, /health generates (so it blocks while paused or updat
 arriving while paused or updating wait outside the scheduler, sampling_seed counts only with
 --deterministic, --dtype auto serves float32 in float16, requests stop at the checkpoint's eos
 ids, and a release while busy, a resume of what was not released, or a request or weight load
-on released memory takes the server down.
+on released memory takes the server down. A quantized checkpoint (FP8 blocks or
+compressed-tensors INT4, models/hf.py) is served as SGLang serves it: its projections held as
+stored, dequantized at every step (the model's unpack_projections).
 
 Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabulary
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
@@ -1115,10 +1117,10 @@ class Server(http.server.ThreadingHTTPServer):
       s.abort(None)
     dropped = s.drop_weights_if_paused()
     try:
-      _, params = hf.load(path, s.cfg)
+      _, params = hf.load(path, s.cfg, packed=True)
     except (hf.CheckpointError, FileNotFoundError, OSError, ValueError) as e:
       if dropped:  # back to the weights it had
-        s.params = hf.load(s.model_path, s.cfg)[1]
+        s.params = hf.load(s.model_path, s.cfg, packed=True)[1]
       h._send(400, {"success": False, "message": f"Failed to update weights: {e}",
                     "num_paused_requests": 0})
       return
@@ -1199,13 +1201,14 @@ def served_dtype(config: dict, dtype: str) -> str:
 def load_model(*, model=None, hf_checkpoint: str | None = None, seed: int = 0,
                dtype: str = "auto") -> tuple[ModelConfig, Any, str]:
   """(cfg, params, model_path) to serve: a Hugging Face checkpoint directory, in `dtype`
-  (served_dtype), or `model` (a config factory such as models.config.tiny, called with the
+  (served_dtype; a quantized one's projections held as stored, dequantized on the fly, as
+  SGLang serves it), or `model` (a config factory such as models.config.tiny, called with the
   character tokenizer's vocabulary) with random weights from `seed`, in its own dtype unless
   `dtype` names one."""
   if hf_checkpoint:
     with open(os.path.join(hf_checkpoint, "config.json")) as f:
       held = served_dtype(json.load(f), dtype)
-    cfg, params = hf.load(hf_checkpoint, dtype=held, param_dtype=held)
+    cfg, params = hf.load(hf_checkpoint, dtype=held, param_dtype=held, packed=True)
     return cfg, params, hf_checkpoint
   if model is None:
     raise ValueError("load_model: give hf_checkpoint or model")
@@ -1319,25 +1322,33 @@ def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,
 
 
 def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: str = "",
-                 max_in_flight: int = 64, max_batch: int = 64, router: bool = False,
+                 max_batch: int = 64, router: bool = False,
                  cores: Sequence[int] = (), checkpoint: str = "",
-                 export_dtype: str | None = None, memory_saver: bool = False):
+                 export_dtype: str | None = None, memory_saver: bool = False,
+                 weight_format: str | None = None):
   """The engine factory (train.engine) that serves the policy from `servers` subprocesses of this module
   on 127.0.0.1 and talks to them with the SGLang client (rollouts/sglang.py): the production
   path, minus the GPUs. Weights travel through `weights_dir` (default: a temporary
-  directory) as Hugging Face checkpoints. `router`: /generate goes through the real
+  directory) as Hugging Face checkpoints. `max_batch`: the most requests a server decodes at
+  once, and so the most the client keeps in flight on each (more would only queue there).
+  `router`: /generate goes through the real
   sglang-router in front of them (rollouts/router.py), started and stopped with the engine.
   `cores`: the CPU cores the servers run on (e.g. apart from the trainer's). `checkpoint`: the
   Hugging Face directory the run starts from (rl.pretrained.HFCheckpoint's path): the servers
   start from it as it is, and every weight export carries its tokenizer files.
   `export_dtype`: the exported weights' dtype (SGLangEngine; default the model's compute
   dtype), which the servers are started with (--dtype). `memory_saver`: they start with
-  --enable-memory-saver (RLConfig.hybrid: they free their memory between generations)."""
+  --enable-memory-saver (RLConfig.hybrid: they free their memory between generations).
+  `weight_format` ("fp8" or "int4"): they start from, and are refit with, quantized exports
+  (SGLangEngine), the starting weights included: from `checkpoint` too they start from its
+  quantized export, the quantization being fixed when a server starts."""
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
   os.makedirs(weights_dir, exist_ok=True)
   export_dtype = export_dtype or cfg.dtype
   exported = dataclasses.replace(cfg, param_dtype=export_dtype)
-  start = checkpoint or hf.save(params, exported, os.path.join(weights_dir, f"v{version:06d}"))
+  start = (checkpoint if checkpoint and weight_format is None else
+           hf.save(params, exported, os.path.join(weights_dir, f"v{version:06d}"),
+                   copy_from=checkpoint or None, quantization=weight_format))
   processes, urls = [], []
   try:
     for _ in range(servers):
@@ -1356,9 +1367,10 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
       process.kill()
     raise
   engine = sglang.SGLangEngine(
-      sglang.SGLangClient(urls, router=router_url, max_in_flight=max_in_flight), cfg,
+      sglang.SGLangClient(urls, router=router_url, max_in_flight=max_batch), cfg,
       weights_dir=weights_dir, copy_from=checkpoint or None, version=version,
-      weights_path=start, processes=processes, export_dtype=export_dtype)
+      weights_path=start, processes=processes, export_dtype=export_dtype,
+      weight_format=weight_format)
   engine.client.check_health()
   return engine
 

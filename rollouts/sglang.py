@@ -609,14 +609,23 @@ class SGLangEngine:
   def __init__(self, client: SGLangClient, cfg, *, weights_dir: str,
                copy_from: str | None = None, version: int = 0, rid_prefix: str = "longrl",
                keep_versions: int = 2, weights_path: str | None = None,
-               processes: Sequence[subprocess.Popen] = (), export_dtype: str | None = None):
+               processes: Sequence[subprocess.Popen] = (), export_dtype: str | None = None,
+               weight_format: str | None = None):
     """`weights_path`: the checkpoint the servers already hold as `version` (None: none yet,
     update_weights exports one); `processes`: servers this engine started, stopped by
     close(); `export_dtype`: the dtype of the exported weights (None: the model's compute
     dtype, bfloat16 for a pretrained model: half the bytes of float32 master weights; start
-    the servers with the same --dtype: SGLang's `auto` serves a float32 export in float16)."""
+    the servers with the same --dtype: SGLang's `auto` serves a float32 export in float16).
+    `weight_format` ("fp8" or "int4"): every export is a quantized checkpoint in that format
+    (models/hf.py save), so the servers serve it quantized and a refit moves its bytes. The
+    servers must start from a checkpoint in the same format: SGLang fixes the quantization
+    method when it starts (configs/model_config.py L723-727, config.json's
+    quantization_config) and a disk update loads new tensors into that model
+    (model_runner_components/weight_updater.py L192-217)."""
     self.client = client
-    self.cfg = dataclasses.replace(cfg, param_dtype=export_dtype or cfg.dtype)
+    self.cfg = dataclasses.replace(cfg, param_dtype=export_dtype or cfg.dtype,
+                                   weight_format=None)
+    self.weight_format = weight_format
     self.weights_dir, self.copy_from = weights_dir, copy_from
     self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
     self._version = version
@@ -710,7 +719,8 @@ class SGLangEngine:
     name = f"v{version:06d}"
     path = os.path.join(self.weights_dir, name)
     hf.save(params, self.cfg, path, copy_from=self.copy_from,
-            max_shard_bytes=EXPORT_SHARD_BYTES, workers=EXPORT_WORKERS)
+            max_shard_bytes=EXPORT_SHARD_BYTES, workers=EXPORT_WORKERS,
+            quantization=self.weight_format)
     # Kept: this version and the keep_versions - 1 below it (a server may still be loading
     # one). Versions above it come from a run that died after them (this one resumed from an
     # earlier checkpoint, or another run used the directory): nothing will read them.
@@ -758,13 +768,14 @@ class SGLangEngine:
 def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
                   router: str | None = None, weights_dir: str = "", copy_from: str | None = None,
                   max_in_flight: int = 64, read_timeout: float = 3600.0,
-                  health_timeout: float = 30.0, export_dtype: str | None = None
-                  ) -> SGLangEngine:
+                  health_timeout: float = 30.0, export_dtype: str | None = None,
+                  weight_format: str | None = None) -> SGLangEngine:
   """train.rollout_engine for running SGLang servers: checks /health (ServerError naming
   each server that does not answer 200 within `health_timeout` s), then loads the
   starting weights into every server (written under `weights_dir`, which the servers must
   be able to read at the same path; `copy_from` supplies the tokenizer files; `export_dtype`
-  e.g. 'bfloat16', see SGLangEngine)."""
+  e.g. 'bfloat16', and `weight_format` e.g. 'fp8' (servers started on a checkpoint in that
+  format), see SGLangEngine)."""
   if not urls or not weights_dir:
     raise ValueError("remote_engine needs urls (the SGLang workers) and weights_dir (a "
                      "directory they share with the trainer)")
@@ -780,7 +791,8 @@ def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
     client.close()
     raise
   engine = SGLangEngine(client, cfg, weights_dir=weights_dir, copy_from=copy_from,
-                        version=version, export_dtype=export_dtype)
+                        version=version, export_dtype=export_dtype,
+                        weight_format=weight_format)
   engine.update_weights(params, version)
   return engine
 

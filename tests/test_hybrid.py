@@ -251,7 +251,7 @@ def test_a_hybrid_run_on_servers_releases_them_between_steps(tokenizer, digit_mo
   released after generating and resumed by the weight sync (version 2 at the end, and it
   generates); servers without the flag are refused at the first release, naming it."""
   cfg, params = digit_model
-  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path / "a"), max_in_flight=4,
+  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path / "a"), max_batch=4,
                         memory_saver=True)
   try:
     steps, _ = helpers.steps(params, cfg, engine=engine, task=PickADigit(10),
@@ -271,7 +271,7 @@ def test_a_hybrid_run_on_servers_releases_them_between_steps(tokenizer, digit_mo
     assert engine.generate([[3, 17]], SamplingParams(max_new_tokens=2), seed=0)[0].versions[0] == 2
   finally:
     engine.close()
-  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path / "b"), max_in_flight=4)
+  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path / "b"), max_batch=4)
   try:
     with pytest.raises(ServerError, match="--enable-memory-saver"):
       engine.release_memory()

@@ -19,6 +19,7 @@ from rl.train_step import policy_logprobs
 from rollouts import jax_engine
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
+from rollouts.server import local_engine
 
 
 def _weight(out, inp, seed=0):
@@ -59,7 +60,8 @@ def test_int4_packing_is_compressed_tensors_order():
 
 def test_int4_groups_round_to_the_nearest_level_of_their_stored_scale():
   w = _weight(48, 96)
-  packed, scale = quantize.int4_quantize(w, group=32)
+  assert quantize.int4_quantize(w)[1].dtype == jnp.float32  # the weights' dtype by default
+  packed, scale = quantize.int4_quantize(w, group=32, scale_dtype=jnp.bfloat16)
   assert packed.shape == (48, 12) and scale.shape == (48, 3) and scale.dtype == jnp.bfloat16
   per_element = np.repeat(np.asarray(scale, np.float32), 32, axis=1)
   np.testing.assert_allclose(np.asarray(scale, np.float32),
@@ -142,6 +144,16 @@ def test_a_quantized_export_is_sglangs_layout_and_loads_back_dequantized(fmt, tm
   q = params["layers_0"]["self_attn"]["q_proj"]["kernel"]  # [hidden, heads, head_dim]
   want = dequantize_fn(*quantize_fn(q.reshape(64, 64).T)).T.reshape(q.shape)
   np.testing.assert_array_equal(loaded["layers_0"]["self_attn"]["q_proj"]["kernel"], want)
+  # Kept as stored (a server's weights at rest): the checkpoint's own tensors, which the model
+  # dequantizes to exactly the kernels above.
+  _, held = hf.load(out, packed=True)
+  up_held = held["layers_1"]["mlp"]["up_proj"]["kernel"]
+  assert isinstance(up_held, quantize.Packed) and up_held.fmt == fmt
+  stored = [hf._read(os.path.join(out, hf.SINGLE), f"{up}.{name}") for name in (
+      ("weight", "weight_scale_inv") if fmt == "fp8" else ("weight_packed", "weight_scale"))]
+  for a, b in zip(up_held.stored, stored):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  jax.tree.map(np.testing.assert_array_equal, transformer.unpack_projections(held), loaded)
   with pytest.raises(ValueError, match="unknown quantization 'int3'"):
     hf.save(params, cfg, str(tmp_path / "bad"), quantization="int3")
 
@@ -171,17 +183,36 @@ def _rounded(params, fmt):
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def test_an_engine_on_int4_weights_and_quantization_aware_training_compute_the_same():
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_an_engine_holds_its_weights_quantized_and_computes_on_them(fmt):
+  cfg = config.tiny(64, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  prompts = [[1, 5, 9, 12], [1, 7], [1, 20, 21, 22, 23]]
+  sampling = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(2,))
+  engine = jax_engine.embedded_engine(cfg, params, 0, weight_format=fmt)
+  down = engine.params["layers_0"]["mlp"]["down_proj"]["kernel"]
+  assert isinstance(down, quantize.Packed) and down.shape == (128, 64)
+  full = sum(x.nbytes for x in jax.tree.leaves(params))
+  projections = 2 * (3 * 64 * 128 + 64 * 64 + 2 * 64 * 32 + 64 * 64) * 4  # f32 bytes
+  packed = projections // 4 if fmt == "fp8" else projections // 8 + projections // 32
+  scales = 2 * 7 * 4 if fmt == "fp8" else 0  # one f32 per 128 x 128 block, 7 kernels a layer
+  assert engine.weight_bytes == full - projections + packed + scales
+  on_format = engine.generate(prompts, sampling, seed=3)
+  on_rounded = JaxEngine(cfg, _rounded(params, fmt)).generate(prompts, sampling, seed=3)
+  for a, b in zip(on_format, on_rounded):
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+  engine.update_weights(transformer.init_params(cfg, jax.random.PRNGKey(1)), 1)
+  assert engine.params["layers_0"]["mlp"]["down_proj"]["kernel"].fmt == fmt
+
+
+def test_quantization_aware_training_computes_what_the_int4_engine_does():
   cfg = config.tiny(64, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
   params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   prompts = [[1, 5, 9, 12], [1, 7], [1, 20, 21, 22, 23]]
   sampling = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(2,))
   on_int4 = jax_engine.embedded_engine(cfg, params, 0, weight_format="int4").generate(
       prompts, sampling, seed=3)
-  on_rounded = JaxEngine(cfg, _rounded(params, "int4")).generate(prompts, sampling, seed=3)
-  for a, b in zip(on_int4, on_rounded):
-    assert a.token_ids.tolist() == b.token_ids.tolist()
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
   batch, _ = trajectory_batch(prompts, [c.token_ids for c in on_int4],
                               [c.logprobs for c in on_int4], [0.0] * 3, [True] * 3, seq_len=32)
   mask = batch.loss_mask > 0
@@ -192,3 +223,30 @@ def test_an_engine_on_int4_weights_and_quantization_aware_training_compute_the_s
   assert gap(cfg) > 1e-3  # without it, the trainer sees another function
   with pytest.raises(ValueError, match="weight_format='int3'"):
     dataclasses.replace(cfg, weight_format="int3")
+
+
+def test_our_server_serves_and_is_refit_with_int4_exports(tmp_path):
+  """The production path on CPU: servers (rollouts/server.py, standing in for SGLang) started
+  from an INT4 export and refit with INT4 exports compute what the embedded INT4 engine
+  does."""
+  cfg = config.tiny(64, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+  params = [transformer.init_params(cfg, jax.random.PRNGKey(seed)) for seed in (0, 1)]
+  prompts = [[3, 17, 22, 9], [40, 41], [5] * 9]
+  greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+  engine = local_engine(cfg, params[0], 0, weights_dir=str(tmp_path), export_dtype="float32",
+                        weight_format="int4")
+  try:
+    with open(os.path.join(engine.weights_path, "config.json")) as f:
+      assert json.load(f)["quantization_config"] == hf.QUANTIZATIONS["int4"]
+    for version, p in enumerate(params):
+      if version:
+        engine.update_weights(p, version)
+      served = engine.generate(prompts, greedy, seed=0)
+      local = jax_engine.embedded_engine(cfg, p, version, weight_format="int4").generate(
+          prompts, greedy, seed=0)
+      for a, b in zip(served, local):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert set(a.versions.tolist()) == {version}
+  finally:
+    engine.close()

@@ -680,8 +680,9 @@ def test_offpolicy_tokens_masked_or_importance_weighted():
   batch = masked
   # TIS: old log-probs become the trainer's; advantages times min(pi_trainer / pi_engine, cap).
   trainer = np.where(batch.loss_mask > 0, np.log(0.9), 0.0).astype(np.float32)
-  tis, metrics = corrections.tis(cap=1.5).apply(batch, step=4, trainer_logp=trainer)
-  mean, worst = metrics["engine_logp_diff_mean"], metrics["engine_logp_diff_max"]
+  tis, _ = corrections.tis(cap=1.5).apply(batch, step=4, trainer_logp=trainer)
+  measured = corrections.measure(batch, trainer)  # what the loop logs of the batch
+  mean, worst = measured["engine_logp_diff_mean"], measured["engine_logp_diff_max"]
   np.testing.assert_allclose(tis.old_logp, trainer)
   weighted = tis.advantages[batch.loss_mask > 0]
   np.testing.assert_allclose(weighted, 2.0 * 1.5)  # 0.9 / 0.5 = 1.8, capped at 1.5
@@ -759,8 +760,10 @@ def test_trust_region_masks_exactly_the_tokens_outside_the_window():
   window = lambda low, high: corrections.trust_region(low=low, high=high).apply(
       batch, step=0, trainer_logp=trainer)
   out, metrics = window(-1.0, 1.0)
-  mean, worst, masked = (metrics["engine_logp_diff_mean"], metrics["engine_logp_diff_max"],
+  measured = corrections.measure(batch, trainer)  # what the loop logs of the batch
+  mean, worst, masked = (measured["engine_logp_diff_mean"], measured["engine_logp_diff_max"],
                          metrics["trust_region_masked"])
+  assert measured["would_mask_trust_region"] == masked
   expect = np.array(batch.loss_mask)
   expect[inside] = [0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
   np.testing.assert_array_equal(out.loss_mask, expect)

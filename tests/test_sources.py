@@ -30,7 +30,7 @@ def test_partial_rollouts_take_the_kl_in_the_reward(tokenizer, digit_model, tmp_
   cfg, params = digit_model
   other = transformer.init_params(cfg, jax.random.PRNGKey(5))  # a reference far from params
   reference_logprobs = jax.jit(lambda b: policy_logprobs(other, cfg, b)[0])
-  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path), max_in_flight=4)
+  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path), max_batch=4)
   try:
     steps, _ = helpers.steps(
         params, cfg, engine=engine, task=PickADigit(10), tokenizer=tokenizer, loss="rloo",
@@ -56,7 +56,7 @@ def test_dynamic_sampling_over_partial_rollouts_trains_only_mixed_groups(
   """DynamicSampling(Partial(...)): the complete groups whose verdicts are all equal are
   dropped and partial iterations go on until the step is full."""
   cfg, params = digit_model
-  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path), max_in_flight=4)
+  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path), max_batch=4)
   try:
     steps, _ = helpers.steps(
         params, cfg, engine=engine, task=PickADigit(10), tokenizer=tokenizer, loss="dapo",
