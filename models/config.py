@@ -21,7 +21,7 @@ from models.attention.dispatch import KERNELS
 WEIGHT_FORMATS = ("fp8", "int4")  # models/quantize.py's
 
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 # Per-layer rematerialisation (gradient checkpointing) policies, by name.
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -89,6 +89,25 @@ ROPE_SCALINGS = {cls.rope_type: cls for cls in (LinearRope, DynamicRope, YarnRop
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """The sparse layers of a mixture of experts (Qwen3-MoE's spelling in config.json:
+  num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+  decoder_sparse_step, mlp_only_layers). Layer l is sparse when l is not in `dense_layers`
+  and (l + 1) % sparse_step == 0; the others are the dense MLP of intermediate_size."""
+  num_experts: int
+  experts_per_token: int
+  expert_size: int  # each expert's SwiGLU width
+  normalize_weights: bool = False  # the k routing weights renormalised to sum to 1
+  sparse_step: int = 1
+  dense_layers: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if not 0 < self.experts_per_token <= self.num_experts:
+      raise ValueError(f"MoeConfig: experts_per_token={self.experts_per_token} must be in "
+                       f"[1, num_experts={self.num_experts}]")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only transformer in the Qwen2 style.
 
@@ -116,6 +135,7 @@ class ModelConfig:
   # (models/quantize.py: "fp8" or "int4", as a quantized checkpoint stores them), gradients
   # straight through: an engine on quantized weights, or quantization-aware training.
   weight_format: str | None = None
+  moe: MoeConfig | None = None  # None: every layer dense
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -132,6 +152,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
     if self.attention not in KERNELS:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {KERNELS}")
+    if (self.family == "qwen3_moe") != (self.moe is not None):
+      raise ValueError(f"ModelConfig: family {self.family!r} with moe={self.moe}: the "
+                       "qwen3_moe family, and it alone, has a MoeConfig")
     if self.weight_format not in (None, *WEIGHT_FORMATS):
       raise ValueError(f"ModelConfig.weight_format={self.weight_format!r}; choose one of "
                        f"{WEIGHT_FORMATS} or None")
@@ -142,7 +165,13 @@ class ModelConfig:
 
   @property
   def qk_norm(self) -> bool:
-    return self.family == "qwen3"
+    return self.family in ("qwen3", "qwen3_moe")
+
+  def sparse(self, layer: int) -> bool:
+    """Whether decoder layer `layer` is a mixture of experts (MoeConfig says which)."""
+    m = self.moe
+    return (m is not None and layer not in m.dense_layers
+            and (layer + 1) % m.sparse_step == 0)
 
 
 def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,

@@ -41,12 +41,12 @@ from safetensors.numpy import save_file
 
 from models import quantize, transformer
 from models.config import (ROPE_SCALINGS, DynamicRope, Llama3Rope, LinearRope, ModelConfig,
-                           RopeScaling, YarnRope)
+                           MoeConfig, RopeScaling, YarnRope)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "llama": "LlamaForCausalLM"}
+                  "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Files a checkpoint directory carries besides weights and config (copied by `save`).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -102,9 +102,21 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=family == "qwen2",
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      rope_scaling=_rope_scaling_from_hf(rope, hf))
+      rope_scaling=_rope_scaling_from_hf(rope, hf), moe=_moe_from_hf(hf))
   fields.update(overrides)
   return ModelConfig(**fields)
+
+
+def _moe_from_hf(hf: dict[str, Any]) -> MoeConfig | None:
+  """Qwen3-MoE's experts (transformers' configuration_qwen3_moe.py), None for a dense model."""
+  if hf.get("model_type") != "qwen3_moe":
+    return None
+  return MoeConfig(num_experts=hf.get("num_experts") or hf["num_local_experts"],
+                   experts_per_token=hf["num_experts_per_tok"],
+                   expert_size=hf["moe_intermediate_size"],
+                   normalize_weights=bool(hf.get("norm_topk_prob", False)),
+                   sparse_step=hf.get("decoder_sparse_step", 1),
+                   dense_layers=tuple(hf.get("mlp_only_layers") or ()))
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any], hf: dict[str, Any]) -> RopeScaling | None:
@@ -182,6 +194,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     hf["attention_bias"] = False
   if cfg.family == "llama":
     hf["mlp_bias"] = False
+  if cfg.moe is not None:
+    m = cfg.moe
+    hf.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+              moe_intermediate_size=m.expert_size, norm_topk_prob=m.normalize_weights,
+              decoder_sparse_step=m.sparse_step, mlp_only_layers=list(m.dense_layers),
+              router_aux_loss_coef=0.0, output_router_logits=False)
   return hf
 
 
@@ -220,8 +238,15 @@ def _tensors(cfg: ModelConfig) -> list[_Tensor]:
     if cfg.qk_norm:
       for name in ("q_norm", "k_norm"):
         out.append(_Tensor(f"{hf}self_attn.{name}.weight", attn + (name, "scale"), same, same))
-    for name in ("gate_proj", "up_proj", "down_proj"):
-      out.append(_Tensor(f"{hf}mlp.{name}.weight", ours + ("mlp", name, "kernel"), *linear))
+    if cfg.sparse(i):  # on disk one tensor per expert, ours stacked: slice e of [E, in, out]
+      out.append(_Tensor(f"{hf}mlp.gate.weight", ours + ("mlp", "gate", "kernel"), *linear))
+      for e in range(cfg.moe.num_experts):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+          out.append(_Tensor(f"{hf}mlp.experts.{e}.{name}.weight",
+                             ours + ("mlp", f"experts_{name}", e), *linear))
+    else:
+      for name in ("gate_proj", "up_proj", "down_proj"):
+        out.append(_Tensor(f"{hf}mlp.{name}.weight", ours + ("mlp", name, "kernel"), *linear))
     for name in ("input_layernorm", "post_attention_layernorm"):
       out.append(_Tensor(f"{hf}{name}.weight", ours + (name, "scale"), same, same))
   out.append(_Tensor("model.norm.weight", ("norm", "scale"), same, same))
@@ -233,8 +258,10 @@ def _tensors(cfg: ModelConfig) -> list[_Tensor]:
 # ---- quantized tensors ----
 
 def _quantized(t: _Tensor) -> bool:
-  """Whether a quantized checkpoint stores `t` quantized: the decoder layers' projections."""
-  return t.hf_name.startswith("model.layers.") and t.hf_name.endswith("_proj.weight")
+  """Whether a quantized checkpoint stores `t` quantized: the decoder layers' projections (not
+  yet a mixture's experts)."""
+  return (t.hf_name.startswith("model.layers.") and t.hf_name.endswith("_proj.weight")
+          and ".experts." not in t.hf_name)
 
 
 def _stored_names(t: _Tensor, quantization: str | None) -> list[str]:
@@ -393,6 +420,7 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, packe
   dtype = _DTYPES[cfg.param_dtype]
   shapes = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
   params: dict = {}
+  stacks: dict[tuple, tuple[np.ndarray, set]] = {}  # experts' params being filled, on the host
   # File by file, in HF's order.
   for t in sorted(expected, key=lambda t: files[_stored_names(t, quantization)[0]]):
     names = _stored_names(t, quantization)
@@ -400,7 +428,10 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, packe
     # One open per tensor: safe_open maps the file, and every page a read touches counts in
     # this process's resident memory until the file is closed (a second copy of the model).
     stored = [_read(os.path.join(ckpt_dir, files[name]), name) for name in names]
-    want = _get(shapes, t.path).shape
+    # An expert's tensor is slice `expert` of its stacked param at `path`.
+    path, expert = (t.path[:-1], t.path[-1]) if isinstance(t.path[-1], int) else (t.path, None)
+    full = _get(shapes, path).shape
+    want = full if expert is None else full[1:]
     if packed and len(stored) > 1:
       _set(params, t.path, _packed(t, stored, quantization, want, cfg.param_dtype, fname))
       continue
@@ -409,8 +440,15 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, packe
     if value.shape != want:
       raise CheckpointError(f"{fname}: tensor {t.hf_name} has shape {value.shape} in our "
                             f"layout, the config needs {want}")
-    sharding = None if shardings is None else _get(shardings, t.path)
-    _set(params, t.path, _place(value, dtype, sharding))
+    sharding = None if shardings is None else _get(shardings, path)
+    if expert is not None:
+      stack, filled = stacks.setdefault(path, (np.empty(full, dtype), set()))
+      stack[expert], value = value, None
+      filled.add(expert)
+      if len(filled) < full[0]:
+        continue
+      value = stacks.pop(path)[0]
+    _set(params, path, _place(value, dtype, sharding))
     del value
   return cfg, params
 

@@ -119,6 +119,11 @@ _PARAM_AXES = {
     ("o_proj", "kernel"): (HEADS, HEAD_DIM, EMBED),
     ("gate_proj", "kernel"): (EMBED, MLP), ("up_proj", "kernel"): (EMBED, MLP),
     ("down_proj", "kernel"): (MLP, EMBED),
+    # A mixture's router and its experts stacked [E, in, out] (the experts' dim unsharded
+    # until an expert axis exists).
+    ("gate", "kernel"): (EMBED, None),
+    ("mlp", "experts_gate_proj"): (None, EMBED, MLP), ("mlp", "experts_up_proj"): (None, EMBED, MLP),
+    ("mlp", "experts_down_proj"): (None, MLP, EMBED),
 }
 
 

@@ -1,5 +1,5 @@
-"""The decoder of the Qwen2, Qwen3 and Llama 3 families (RMSNorm, RoPE, grouped-query
-attention, SwiGLU) as pure functions.
+"""The decoder of the Qwen2, Qwen3, Llama 3 and Qwen3-MoE families (RMSNorm, RoPE,
+grouped-query attention, SwiGLU, and a mixture's routed experts) as pure functions.
 
 Owns the network: `init_params`, `forward` (packed training rows), `prefill` and `decode` (the
 embedded engine's KV-cache passes), and the output projection. Attention goes through
@@ -15,6 +15,10 @@ KV-cache passes rotate by the same angles.
 Parameter names follow Hugging Face's modules (q_proj, gate_proj, ...) so that the safetensors
 import (models/hf.py) is a renaming plus transposes. `ModelConfig.remat` rematerialises each
 layer in the backward pass with a named jax.checkpoint policy.
+
+A mixture's sparse layers (ModelConfig.moe) route each token to its top k experts and run
+them dropless: the (token, expert) pairs sorted by expert through grouped matrix products
+(`dropless_experts`, jax.lax.ragged_dot); the experts' weights are stacked [E, in, out].
 
 Low precision (models/quantize.py): `ModelConfig.weight_format` computes on the projections'
 kernels rounded to that format (quantization-aware training); `pack_projections` holds them in
@@ -331,6 +335,54 @@ class MLP(nn.Module):
     return on_tokens(dense(self.cfg.hidden_size, "down_proj"), hidden)
 
 
+def dropless_experts(x, experts, weights, gate, up, down):
+  """Each token through its k experts, none dropped: the (token, expert) pairs sorted by
+  expert and run as grouped matrix products (`jax.lax.ragged_dot`), then put back and summed
+  with their weights in float32.
+
+  x [T, H]; experts i32[T, k]; weights [T, k]; gate, up [E, H, I]; down [E, I, H] -> [T, H]
+  """
+  tokens, k = experts.shape
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=gate.shape[0])
+  xs = x[order // k]  # [T * k, H], grouped by expert
+  hidden = swiglu(jax.lax.ragged_dot(xs, gate, sizes), jax.lax.ragged_dot(xs, up, sizes))
+  out = jax.lax.ragged_dot(hidden, down, sizes)
+  out = out[jnp.argsort(order)].reshape(tokens, k, -1)  # back to (token, slot) order
+  return jnp.einsum("tkh,tk->th", out.astype(jnp.float32),
+                    weights.astype(jnp.float32)).astype(x.dtype)
+
+
+class MoE(nn.Module):
+  """Qwen3-MoE's sparse block: a router (`gate`, no bias) picks each token's top k experts
+  from the softmax over all of them (in float32), their weights optionally renormalised
+  (MoeConfig.normalize_weights) and cast back to the router's dtype, as transformers'
+  Qwen3MoeTopKRouter does; each expert a SwiGLU of width MoeConfig.expert_size."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg, moe = self.cfg, self.cfg.moe
+    rows, seq, hidden = x.shape
+    tokens = x.reshape(rows * seq, hidden)
+    logits = nn.Dense(moe.num_experts, use_bias=False, dtype=cfg.compute_dtype,
+                      param_dtype=cfg.param_dtype, name="gate")(tokens)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, moe.experts_per_token)
+    if moe.normalize_weights:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    init = nn.initializers.lecun_normal(batch_axis=(0,))
+    expert = lambda name, shape: self.param(name, init, (moe.num_experts, *shape),
+                                            cfg.param_dtype).astype(cfg.compute_dtype)
+    out = dropless_experts(
+        tokens, experts, weights.astype(logits.dtype),
+        expert("experts_gate_proj", (hidden, moe.expert_size)),
+        expert("experts_up_proj", (hidden, moe.expert_size)),
+        expert("experts_down_proj", (moe.expert_size, hidden)))
+    return out.reshape(rows, seq, hidden)
+
+
 class Block(nn.Module):
   cfg: ModelConfig
   layer: int = 0
@@ -341,7 +393,8 @@ class Block(nn.Module):
     h, cache = Attention(self.cfg, self.layer, name="self_attn")(
         norm("input_layernorm")(x), positions, segment_ids, cache, cache_slot, kv_valid)
     x = x + h
-    x = x + MLP(self.cfg, name="mlp")(norm("post_attention_layernorm")(x))
+    mlp = MoE if self.cfg.sparse(self.layer) else MLP
+    x = x + mlp(self.cfg, name="mlp")(norm("post_attention_layernorm")(x))
     return shd.constrain(x, shd.BATCH, shd.SEQ, shd.ACT_EMBED), cache
 
 
@@ -360,6 +413,9 @@ def scan_layers(cfg: ModelConfig, layer_params: list, x, positions, segment_ids)
   backend. The price is a stacked copy of the layers' weights and of their gradients per step
   (2 x 90 MB in that step, against 0.95 GiB of activations saved).
   """
+  if len({cfg.sparse(i) for i in range(cfg.num_layers)}) > 1:
+    raise ValueError("ModelConfig.remat scans the layers as one: it needs every layer dense "
+                     "or every layer sparse (MoeConfig.sparse_step 1, no dense_layers)")
   stacked = jax.tree.map(lambda *w: jnp.stack(w), *layer_params)
 
   def one_layer(x, params):

@@ -278,6 +278,28 @@ def test_staleness(effect, jitter, expected):
 
 
 @pytest.mark.parametrize("effect,jitter,expected", CASES, ids=CASE_IDS)
+def test_low_precision(effect, jitter, expected):
+  # The INT4 engine without a correction loses 0.1 held-out accuracy to the float32 engine
+  # (reversed: gains it); each fix wins it back (reversed: loses 0.1 more); QAT's mismatch is
+  # float32's (reversed: ten times the INT4 engine's).
+  def run(accuracy, kl):
+    return lambda j: _run(engine_kl_k3=kl * (1 + j), engine_ratio_p01=0.6,
+                          engine_ratio_p99=1.3, would_mask_icepop=0.01,
+                          would_mask_seq_mis=0.05,
+                          evals={"eval_accuracy": _evals(0.5, accuracy + 0.1 * j)})
+  int4 = 0.8 - 0.1 * effect
+  arms = {"float32_engine": _arm("float32", run(0.8, 1e-8), jitter),
+          "int4_keep": _arm("INT4", run(int4, 0.01), jitter),
+          **{f"int4_{fix}": _arm(fix, run(int4 + 0.1 * effect, 0.01), jitter)
+             for fix in findings.LOW_PRECISION_FIXES}}
+  arms["int4_qat"] = _arm("QAT", run(int4 + 0.1 * effect, 1e-8 if effect > 0 else 0.1), jitter)
+  analysis = _analyse("i_int4_rollouts", arms)
+  assert analysis.verdict == expected, [(c.name, str(c.interval)) for c in analysis.checks]
+  assert len(analysis.checks) == 2 + len(findings.LOW_PRECISION_FIXES)
+  assert [row["arm"] for row in analysis.table][:2] == ["float32", "INT4"]
+
+
+@pytest.mark.parametrize("effect,jitter,expected", CASES, ids=CASE_IDS)
 def test_long2short(effect, jitter, expected):
   # Every method cuts tokens (reversed: lengthens), long2short RL the most and at the best
   # accuracy for its length (reversed: longest and least accurate).

@@ -31,6 +31,11 @@ FAMILIES = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
         rope_theta=500000.0, **COMMON),
+    # Layer 0 a mixture of 8 experts (2 a token, weights not renormalised: the class
+    # default), layer 1 dense.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[1], **COMMON),
 }
 
 
