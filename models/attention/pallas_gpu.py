@@ -180,23 +180,25 @@ class _Layout:
                         lambda i, b, h: (b, 0, h // self.group, 0))
 
   def query_meta(self, whole: bool):  # q_seg, q_pos (, lse, delta with per_head)
-    if whole:
-      return (pl.BlockSpec((None, self.pq), lambda i, b, h: (b, 0)),
-              pl.BlockSpec((self.pq,), lambda i, b, h: (0,)))
-    return (pl.BlockSpec((None, TILE), lambda i, b, h: (b, i)),
-            pl.BlockSpec((TILE,), lambda i, b, h: (i,)))
+    return _meta_specs(self.pq if whole else None)
 
   def key_meta(self, whole: bool):
-    if whole:
-      return (pl.BlockSpec((None, self.pk), lambda i, b, h: (b, 0)),
-              pl.BlockSpec((self.pk,), lambda i, b, h: (0,)))
-    return (pl.BlockSpec((None, TILE), lambda i, b, h: (b, i)),
-            pl.BlockSpec((TILE,), lambda i, b, h: (i,)))
+    return _meta_specs(self.pk if whole else None)
 
   def per_head_spec(self, whole: bool):
     if whole:
       return pl.BlockSpec((None, None, self.pq), lambda i, b, h: (b, h, 0))
     return pl.BlockSpec((None, None, TILE), lambda i, b, h: (b, h, i))
+
+
+def _meta_specs(whole: int | None):
+  """BlockSpecs of one side's segment ids [b, length] and positions [length]: all `whole` of
+  them in each program, or (None) the program's tile."""
+  if whole:
+    return (pl.BlockSpec((None, whole), lambda i, b, h: (b, 0)),
+            pl.BlockSpec((whole,), lambda i, b, h: (0,)))
+  return (pl.BlockSpec((None, TILE), lambda i, b, h: (b, i)),
+          pl.BlockSpec((TILE,), lambda i, b, h: (i,)))
 
 
 def _interpret() -> bool:
