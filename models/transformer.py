@@ -241,9 +241,9 @@ def unpack_projections(params):
                       is_leaf=is_packed)
 
 
-def _apply(params, cfg: ModelConfig, *args):
+def _apply(params, cfg: ModelConfig, *args, **kwargs):
   """Decoder(cfg) on `params` (packed projections dequantized on the fly: unpack_projections)."""
-  return Decoder(cfg).apply({"params": unpack_projections(params)}, *args)
+  return Decoder(cfg).apply({"params": unpack_projections(params)}, *args, **kwargs)
 
 
 def _projection(cfg: ModelConfig, module, *args, **kwargs):
@@ -354,22 +354,66 @@ def dropless_experts(x, experts, weights, gate, up, down):
                     weights.astype(jnp.float32)).astype(x.dtype)
 
 
+class Route(NamedTuple):
+  """Where a mixture's sparse layers sent each token: per layer (axis 2 of a model's Route,
+  absent of one layer's) `experts` i32[rows, seq, (layers,) k] the experts it went to,
+  `native` the router's own top k (the same without replay), `entropy` f32[rows, seq,
+  (layers)] of the router's softmax over all experts."""
+  experts: jax.Array
+  native: jax.Array
+  entropy: jax.Array
+
+
+def routing_metrics(route: Route, mask, num_experts: int) -> dict[str, jax.Array]:
+  """A mixture's routing over the tokens `mask` (bool[rows, seq]) marks, from a model's Route
+  (layer axis 2), each a mean over the sparse layers:
+  expert_load_cv: the coefficient of variation of the assignments each expert got (0 when
+    balanced, sqrt(E - 1) when one expert takes all);
+  expert_load_max: the largest share of a layer's assignments one expert took, times E (1 when
+    balanced: a collapse shows as E / k or more);
+  router_entropy: of the router's softmax over all experts, per token;
+  routing_differs: the share of tokens whose experts (as a set) are not the router's own top
+    k (0 without replay; with it, how often the engine routed otherwise)."""
+  m = mask.astype(jnp.float32)
+  layers, k = route.experts.shape[2], route.experts.shape[3]
+  weights = jnp.broadcast_to(m[:, :, None], m.shape + (k,)).reshape(-1)
+  counts = jax.vmap(lambda e: jnp.bincount(e.reshape(-1), weights=weights, length=num_experts),
+                    in_axes=2)(route.experts)  # [layers, E]
+  total = jnp.maximum(jnp.sum(counts, axis=-1), 1.0)
+  mean = total / num_experts
+  tokens = jnp.maximum(jnp.sum(m), 1.0) * layers
+  differs = jnp.any(jnp.sort(route.experts, axis=-1) != jnp.sort(route.native, axis=-1), -1)
+  return {"expert_load_cv": jnp.mean(jnp.std(counts, axis=-1) / mean),
+          "expert_load_max": jnp.mean(jnp.max(counts, axis=-1) / mean),
+          "router_entropy": jnp.sum(route.entropy * m[:, :, None]) / tokens,
+          "routing_differs": jnp.sum(differs * m[:, :, None]) / tokens}
+
+
 class MoE(nn.Module):
   """Qwen3-MoE's sparse block: a router (`gate`, no bias) picks each token's top k experts
   from the softmax over all of them (in float32), their weights optionally renormalised
   (MoeConfig.normalize_weights) and cast back to the router's dtype, as transformers'
-  Qwen3MoeTopKRouter does; each expert a SwiGLU of width MoeConfig.expert_size."""
+  Qwen3MoeTopKRouter does; each expert a SwiGLU of width MoeConfig.expert_size.
+
+  `replay` i32[rows, seq, k] (rollout routing replay): the experts each token goes to, as the
+  engine chose them, its weights the trainer's softmax at those experts; a row with a negative
+  id routes natively. Returns (out, Route)."""
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, replay=None):
     cfg, moe = self.cfg, self.cfg.moe
     rows, seq, hidden = x.shape
     tokens = x.reshape(rows * seq, hidden)
     logits = nn.Dense(moe.num_experts, use_bias=False, dtype=cfg.compute_dtype,
                       param_dtype=cfg.param_dtype, name="gate")(tokens)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, moe.experts_per_token)
+    native = jax.lax.top_k(probs, moe.experts_per_token)[1]
+    experts = native
+    if replay is not None:
+      replay = replay.reshape(rows * seq, -1)
+      experts = jnp.where(jnp.all(replay >= 0, axis=-1, keepdims=True), replay, native)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
     if moe.normalize_weights:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     init = nn.initializers.lecun_normal(batch_axis=(0,))
@@ -380,7 +424,10 @@ class MoE(nn.Module):
         expert("experts_gate_proj", (hidden, moe.expert_size)),
         expert("experts_up_proj", (hidden, moe.expert_size)),
         expert("experts_down_proj", (moe.expert_size, hidden)))
-    return out.reshape(rows, seq, hidden)
+    entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
+    shaped = lambda a: a.reshape(rows, seq, *a.shape[1:])
+    return out.reshape(rows, seq, hidden), Route(shaped(experts), shaped(native),
+                                                 shaped(entropy))
 
 
 class Block(nn.Module):
@@ -388,23 +435,29 @@ class Block(nn.Module):
   layer: int = 0
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
+  def __call__(self, x, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None,
+               replay=None):
+    """-> (x, cache, the sparse layer's Route or None); `replay`: MoE's."""
     norm = lambda name: RMSNorm(self.cfg.rms_norm_eps, self.cfg.param_dtype, name=name)
     h, cache = Attention(self.cfg, self.layer, name="self_attn")(
         norm("input_layernorm")(x), positions, segment_ids, cache, cache_slot, kv_valid)
     x = x + h
-    mlp = MoE if self.cfg.sparse(self.layer) else MLP
-    x = x + mlp(self.cfg, name="mlp")(norm("post_attention_layernorm")(x))
-    return shd.constrain(x, shd.BATCH, shd.SEQ, shd.ACT_EMBED), cache
+    h, route = norm("post_attention_layernorm")(x), None
+    if self.cfg.sparse(self.layer):
+      h, route = MoE(self.cfg, name="mlp")(h, replay)
+    else:
+      h = MLP(self.cfg, name="mlp")(h)
+    return shd.constrain(x + h, shd.BATCH, shd.SEQ, shd.ACT_EMBED), cache, route
 
 
 _REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
           "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def scan_layers(cfg: ModelConfig, layer_params: list, x, positions, segment_ids):
+def scan_layers(cfg: ModelConfig, layer_params: list, x, positions, segment_ids, replay=None):
   """The blocks as one lax.scan over their stacked parameters, each rematerialised with the
-  policy `cfg.remat`: x f32[rows, seq, hidden] -> the last block's output.
+  policy `cfg.remat`: x f32[rows, seq, hidden] -> (the last block's output, the layers' Route
+  stacked on axis 2 or None); `replay` [rows, seq, layers, k] as Decoder's.
 
   Why a scan: XLA:CPU drops jax.checkpoint's optimization barriers and then merges the
   backward pass's recomputation with the forward pass, so over an unrolled stack of layers
@@ -418,13 +471,17 @@ def scan_layers(cfg: ModelConfig, layer_params: list, x, positions, segment_ids)
                      "or every layer sparse (MoeConfig.sparse_step 1, no dense_layers)")
   stacked = jax.tree.map(lambda *w: jnp.stack(w), *layer_params)
 
-  def one_layer(x, params):
+  def one_layer(x, params_and_replay):
+    params, replay = params_and_replay
     # parent=None: a free-standing module even when called from inside Decoder's methods.
-    x, _ = Block(cfg, parent=None).apply({"params": params}, x, positions, segment_ids)
-    return x, None
+    x, _, route = Block(cfg, parent=None).apply({"params": params}, x, positions, segment_ids,
+                                                replay=replay)
+    return x, route
 
   one_layer = jax.checkpoint(one_layer, policy=_REMAT[cfg.remat], prevent_cse=False)
-  return jax.lax.scan(one_layer, x, stacked)[0]
+  replays = None if replay is None else jnp.moveaxis(replay, 2, 0)
+  x, routes = jax.lax.scan(one_layer, x, (stacked, replays))
+  return x, None if routes is None else jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2), routes)
 
 
 class Decoder(nn.Module):
@@ -443,18 +500,26 @@ class Decoder(nn.Module):
       self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
                                 (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype)
 
-  def __call__(self, tokens, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
+  def __call__(self, tokens, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None,
+               replay=None):
+    """-> (final hidden states, cache, the sparse layers' Route stacked on axis 2 or None).
+    `replay` i32[rows, seq, sparse layers, k]: each sparse layer's MoE replay."""
     cfg = self.cfg
     x = shd.constrain(self.embed_tokens(tokens).astype(cfg.compute_dtype), shd.BATCH, shd.SEQ,
                       shd.ACT_EMBED)
     if cfg.remat != "none" and cache is None and not self.is_initializing():
       params = self.variables["params"]
-      x = scan_layers(cfg, [params[f"layers_{i}"] for i in range(cfg.num_layers)], x,
-                      positions, segment_ids)
-    else:
-      for layer in self.layers:
-        x, cache = layer(x, positions, segment_ids, cache, cache_slot, kv_valid)
-    return self.norm(x), cache
+      x, routes = scan_layers(cfg, [params[f"layers_{i}"] for i in range(cfg.num_layers)], x,
+                              positions, segment_ids, replay)
+      return self.norm(x), cache, routes
+    routes = []
+    for layer in self.layers:
+      one = None if replay is None or not cfg.sparse(layer.layer) else replay[:, :, len(routes)]
+      x, cache, route = layer(x, positions, segment_ids, cache, cache_slot, kv_valid, one)
+      if route is not None:
+        routes.append(route)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a, axis=2), *routes) if routes else None
+    return self.norm(x), cache, stacked
 
 
 def init_params(cfg: ModelConfig, key: jax.Array):
@@ -472,15 +537,24 @@ def forward(params, cfg: ModelConfig, tokens, positions, segment_ids):
   Under a mesh with a `context` axis of size C > 1 the rows run in ring attention's zigzag
   order (padded to a multiple of 2C); the result is in the original order.
   """
+  return forward_with_routes(params, cfg, tokens, positions, segment_ids)[0]
+
+
+def forward_with_routes(params, cfg: ModelConfig, tokens, positions, segment_ids, replay=None):
+  """`forward`, and where a mixture's sparse layers sent each token: (f32[rows, seq, hidden],
+  Route with a layer axis 2, or None for a dense model). `replay` i32[rows, seq, sparse
+  layers, k]: the experts each token goes to (rollout routing replay; a row of negative ids
+  routes natively)."""
   context = ring.context_size()
   seq = tokens.shape[1]
   if context > 1:
     tokens, positions, segment_ids = (ring.to_zigzag(x, context)
                                       for x in (tokens, positions, segment_ids))
-  hidden, _ = _apply(params, cfg, tokens, positions, segment_ids)
+    replay = None if replay is None else ring.to_zigzag(replay, context)
+  hidden, _, routes = _apply(params, cfg, tokens, positions, segment_ids, replay=replay)
   if context > 1:
-    hidden = ring.from_zigzag(hidden, seq, context)
-  return hidden.astype(jnp.float32)
+    hidden, routes = jax.tree.map(lambda a: ring.from_zigzag(a, seq, context), (hidden, routes))
+  return hidden.astype(jnp.float32), routes
 
 
 def prefill(params, cfg: ModelConfig, tokens, positions, segment_ids, cache: KVCache):
@@ -492,7 +566,7 @@ def prefill(params, cfg: ModelConfig, tokens, positions, segment_ids, cache: KVC
   if ring.context_size() > 1:
     raise ValueError("prefill runs on one device's rows; call it outside a mesh with a "
                      "`context` axis (the engine is not context-parallel)")
-  hidden, cache = _apply(params, cfg, tokens, positions, segment_ids, cache, 0)
+  hidden, cache, _ = _apply(params, cfg, tokens, positions, segment_ids, cache, 0)
   return hidden.astype(jnp.float32), cache
 
 
@@ -502,7 +576,7 @@ def decode(params, cfg: ModelConfig, tokens, positions, kv_valid, cache: KVCache
   tokens, positions: i32[batch, q_len]; kv_valid: bool[batch, cache_len] (after this write)
   -> (f32[batch, q_len, hidden], updated KVCache)
   """
-  hidden, cache = _apply(params, cfg, tokens, positions, None, cache, cache_slot, kv_valid)
+  hidden, cache, _ = _apply(params, cfg, tokens, positions, None, cache, cache_slot, kv_valid)
   return hidden.astype(jnp.float32), cache
 
 

@@ -35,6 +35,9 @@ The rules, with their defaults ("first window": the run's first `window` values)
   reward_hacking       median `eval_accuracy` of the last 3 evaluations 0.08 below its best,
                        while the median train `reward` of the last 5 steps is 0.02 above its
                        value at that best
+  expert_collapse      median `expert_load_max` (a mixture of experts: the busiest expert's
+                       share of its layer's assignments times their number) of the last 5
+                       steps > 2 x the first window's and > 2
 
 The defaults stay quiet on the noisy healthy runs of tests/test_monitors.py (held-out noise
 of 256 problems, wild single steps, one bad evaluation; over 500 of them only
@@ -314,11 +317,21 @@ def reward_hacking(*, min_drop: float = 0.08, min_rise: float = 0.02, window: in
                     min_drop=min_drop, min_rise=min_rise)
 
 
+def expert_collapse(*, factor: float = 2.0, floor: float = 2.0, window: int = 5) -> Monitor:
+  """Fires when the median `expert_load_max` (the busiest expert's share of a layer's
+  assignments times the number of experts, mean over layers: 1 when balanced, E / k when k
+  experts take every token) of the last `window` steps exceeds `factor` x its median over
+  the run's first `window` steps and `floor`: a few experts take the tokens and the others
+  stop learning. Silent for dense models (no such metric)."""
+  return _against_first("expert_collapse", "expert_load_max", window, ">", factor,
+                        floor=floor)
+
+
 MONITORS: dict[str, Callable[..., Monitor]] = {
     "entropy_collapse": entropy_collapse, "entropy_spike": entropy_spike,
     "length_collapse": length_collapse, "length_runaway": length_runaway,
     "pass_at_k_narrowing": pass_at_k_narrowing, "logp_mismatch": logp_mismatch,
-    "reward_hacking": reward_hacking,
+    "reward_hacking": reward_hacking, "expert_collapse": expert_collapse,
 }
 
 

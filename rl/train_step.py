@@ -41,14 +41,15 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
                logprob_chunk: int):
   """One micro-batch's gradient of the loss's total, its (total, count) sums (loss, entropy,
   logp_diff_mean, ratio_mean, kl_to_old, kl_to_reference, the loss's own metrics,
-  clip_fraction) and max |logp - old_logp| over loss tokens. With `ref_params`, mb.ref_logp is
+  clip_fraction, a mixture's routing metrics) and max |logp - old_logp| over loss tokens. With `ref_params`, mb.ref_logp is
   computed under them first."""
   if ref_params is not None:
     ref_logp, _ = policy_logprobs(ref_params, cfg, mb, chunk_size=logprob_chunk)
     mb = mb.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
 
   def objective(p):
-    hidden = transformer.forward(p, cfg, mb.tokens, mb.positions, mb.segment_ids)
+    hidden, routes = transformer.forward_with_routes(p, cfg, mb.tokens, mb.positions,
+                                                     mb.segment_ids)
     unembed = transformer.output_projection(p, cfg)
     logp, entropy = logprobs_lib.token_logprobs(hidden, unembed, mb.targets,
                                                 chunk_size=logprob_chunk)
@@ -57,9 +58,9 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
       batch = mb.replace(student_topk_logp=logprobs_lib.logprobs_of(
           hidden, unembed, mb.teacher_topk_ids, chunk_size=logprob_chunk))
     weighted, metrics = loss_fn(logp, batch)
-    return weighted.total, (weighted, metrics, logp, entropy)
+    return weighted.total, (weighted, metrics, logp, entropy, routes)
 
-  grads, (weighted, metrics, logp, entropy) = jax.grad(objective, has_aux=True)(params)
+  grads, (weighted, metrics, logp, entropy, routes) = jax.grad(objective, has_aux=True)(params)
   mask = mb.loss_mask
   diff = jnp.abs(logp - mb.old_logp) * mask
   tokens = jnp.sum(mask)
@@ -73,6 +74,12 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
     sums["kl_to_reference"] = masked_sum(kl_lib.k3(logp, mb.ref_logp))
   sums.update({k: (w.total, w.count) for k, w in metrics.items()})
   sums.setdefault("clip_fraction", (jnp.zeros(()), tokens))  # losses that never clip
+  if routes is not None:  # a mixture's routing over the micro-batch's real tokens
+    real = mb.segment_ids > 0
+    weight = jnp.sum(real).astype(jnp.float32)
+    routing = transformer.routing_metrics(routes, real, cfg.moe.num_experts)
+    sums.update({k: (routing[k] * weight, weight)
+                 for k in ("expert_load_cv", "expert_load_max", "router_entropy")})
   return grads, sums, jnp.max(diff)
 
 
@@ -84,7 +91,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
   ref_logp is computed under them (for losses with a KL to a reference policy).
   metrics: f32 scalars over loss tokens: loss, entropy, the loss's own metrics (clip_fraction
-  is 0 for losses that do not clip), grad_norm,
+  is 0 for losses that do not clip), grad_norm, for a mixture of experts its routing over the
+  real tokens (transformer.routing_metrics: expert_load_cv, expert_load_max, router_entropy),
   ratio_mean (pi / pi_old), kl_to_old and kl_to_reference (k3), and logp_diff_mean /
   logp_diff_max, |trainer - batch.old_logp|: on the first update of a rollout batch, the
   engine-vs-trainer mismatch.

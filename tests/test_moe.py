@@ -1,7 +1,8 @@
 """Mixtures of experts (models/transformer.py MoE, the qwen3_moe family): dropless expert
 computation against a token-by-token reference, Qwen3-MoE's logits against transformers in
-float32 on padded and packed rows, the engine and the trainer computing the same log-probs, and
-the configurations that cannot run refused. tests/test_hf.py runs the family through every
+float32 on padded and packed rows, the engine and the trainer computing the same log-probs,
+the routes a forward pass returns and routing replay, routing metrics, and the configurations
+that cannot run refused. tests/test_hf.py runs the family through every
 Hugging Face check the dense families pass (greedy generation, exports, bf16)."""
 
 import dataclasses
@@ -15,10 +16,13 @@ import transformers
 
 from models import hf, sharding, transformer
 from models.config import ModelConfig, MoeConfig
+from rl.config import RLConfig
 from rl.packing import trajectory_batch
+from rl.tasks.arithmetic import Arithmetic
 from rl.train_step import policy_logprobs
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
+from tests import helpers
 
 VOCAB = 96
 
@@ -146,3 +150,125 @@ def test_mixture_configs_that_cannot_run_are_refused():
     ModelConfig(**common, family="qwen3_moe")
   with pytest.raises(ValueError, match="experts_per_token=5 must be in"):
     MoeConfig(num_experts=4, experts_per_token=5, expert_size=8)
+
+
+def _rows():
+  tokens = np.random.default_rng(4).integers(0, VOCAB, (2, 10))
+  segments = np.ones((2, 10), np.int32)
+  segments[1, 7:] = 0  # padding
+  return tuple(map(jnp.asarray, (tokens, np.arange(10)[None].repeat(2, 0), segments)))
+
+
+def test_routes_are_returned_and_replayed_routes_are_followed(checkpoint):
+  """forward_with_routes gives the router's choices per sparse layer; replaying them changes
+  nothing, replaying others routes there (weights: the trainer's softmax at those experts,
+  renormalised), and a row of negative ids routes natively."""
+  cfg, params = hf.load(checkpoint[0])
+  tokens, positions, segments = _rows()
+  hidden, route = transformer.forward_with_routes(params, cfg, tokens, positions, segments)
+  assert route.experts.shape == (2, 10, 1, 2) and route.entropy.shape == (2, 10, 1)
+  np.testing.assert_array_equal(route.experts, route.native)
+  assert np.all((route.entropy > 0) & (route.entropy <= np.log(8) + 1e-5))
+  np.testing.assert_array_equal(
+      transformer.forward_with_routes(params, cfg, tokens, positions, segments,
+                                      replay=route.experts)[0], hidden)
+  # Every token of row 0 to experts 6 and 7; row 1 marked native (-1).
+  replay = np.full((2, 10, 1, 2), -1, np.int32)
+  replay[0] = [6, 7]
+  replayed, again = transformer.forward_with_routes(params, cfg, tokens, positions, segments,
+                                                    replay=jnp.asarray(replay))
+  np.testing.assert_array_equal(again.experts[0], np.broadcast_to([6, 7], (10, 1, 2)))
+  np.testing.assert_array_equal(again.experts[1], route.native[1])
+  np.testing.assert_array_equal(again.native, route.native)
+  np.testing.assert_allclose(replayed[1], hidden[1], atol=1e-6)
+  assert np.abs(np.asarray(replayed[0]) - np.asarray(hidden[0])).max() > 1e-3
+  # Row 0's sparse layer by hand: the dropless experts on 6 and 7, the softmax weights there.
+  mlp = params["layers_1"]["mlp"]
+  layer_in = _layer_input(params, cfg, tokens, positions, segments)[0]  # [10, H]
+  probs = jax.nn.softmax(layer_in @ mlp["gate"]["kernel"], axis=-1)[:, 6:8]
+  want = _reference_experts(layer_in, np.full((10, 2), [6, 7]),
+                            probs / probs.sum(-1, keepdims=True), mlp["experts_gate_proj"],
+                            mlp["experts_up_proj"], mlp["experts_down_proj"])
+  got = _sparse_output(params, cfg, layer_in, jnp.full((1, 10, 2), jnp.array([6, 7])))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # The router still learns under replay: its weights come from its softmax.
+  grad = jax.grad(lambda p: jnp.sum(transformer.forward_with_routes(
+      p, cfg, tokens, positions, segments, replay=jnp.asarray(replay))[0] ** 2))(params)
+  assert np.abs(np.asarray(grad["layers_1"]["mlp"]["gate"]["kernel"])).max() > 0
+
+
+def _layer_input(params, cfg, tokens, positions, segments):
+  """The sparse layer's (layer 1's) MoE input: layer 0, attention of layer 1, its norm."""
+  x = params["embed_tokens"]["embedding"][tokens]
+  x, _, _ = transformer.Block(cfg, 0).apply({"params": params["layers_0"]}, x, positions,
+                                            segments)
+  block = params["layers_1"]
+  norm = lambda name, x: transformer.RMSNorm(cfg.rms_norm_eps).apply(
+      {"params": block[name]}, x)
+  h, _ = transformer.Attention(cfg, 1).apply({"params": block["self_attn"]},
+                                             norm("input_layernorm", x), positions, segments)
+  return norm("post_attention_layernorm", x + h)
+
+
+def _sparse_output(params, cfg, layer_in, replay):
+  return transformer.MoE(cfg).apply({"params": params["layers_1"]["mlp"]}, layer_in[None],
+                                    replay)[0][0]
+
+
+def test_routes_and_replay_under_remat_equal_the_unrolled_layers(checkpoint):
+  cfg, params = hf.load(checkpoint[0])
+  sparse = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, sparse_step=1))
+  alike = {**params, **{f"layers_{i}": params["layers_1"] for i in range(3)}}
+  tokens, positions, segments = _rows()
+  replay = jnp.asarray(np.random.default_rng(5).permutation(8)[:2].reshape(1, 1, 1, 2)
+                       * np.ones((2, 10, 3, 1), np.int32), jnp.int32)
+  for r in (None, replay):
+    want = transformer.forward_with_routes(alike, sparse, tokens, positions, segments, r)
+    got = transformer.forward_with_routes(alike, dataclasses.replace(sparse, remat="full"),
+                                          tokens, positions, segments, r)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=0)
+    for a, b in zip(got[1], want[1]):
+      np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_routing_metrics_on_hand_made_routes():
+  # 2 rows x 4 tokens, one layer, k = 2 of E = 4; row 1's last two tokens are padding.
+  mask = jnp.array([[1, 1, 1, 1], [1, 1, 0, 0]], bool)
+  balanced = jnp.array([[[0, 1], [2, 3], [0, 1], [2, 3]],
+                        [[0, 2], [1, 3], [0, 0], [0, 0]]], jnp.int32)[:, :, None]
+  entropy = jnp.full((2, 4, 1), 0.5)
+  m = transformer.routing_metrics(transformer.Route(balanced, balanced, entropy), mask, 4)
+  assert float(m["expert_load_cv"]) == pytest.approx(0.0)
+  assert float(m["expert_load_max"]) == pytest.approx(1.0)
+  assert float(m["router_entropy"]) == pytest.approx(0.5)
+  assert float(m["routing_differs"]) == 0.0
+  # Every real token to experts 0 and 1 (two of four: max share 1/2, times E = 2); the
+  # router's own choice differs on 4 of the 6 real tokens (row 0's first lists 0 and 1 in the
+  # other order: not a difference).
+  collapsed = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (2, 4, 1, 2))
+  native = balanced.at[0, 0, 0].set(jnp.array([1, 0]))
+  m = transformer.routing_metrics(transformer.Route(collapsed, native, entropy), mask, 4)
+  assert float(m["expert_load_cv"]) == pytest.approx(1.0)  # counts 6, 6, 0, 0
+  assert float(m["expert_load_max"]) == pytest.approx(2.0)
+  assert float(m["routing_differs"]) == pytest.approx(4 / 6)
+
+
+def test_an_rl_step_on_a_mixture_logs_its_routing(tokenizer):
+  """The loop on a small Qwen3-MoE (embedded engine, k1.5): its train step logs the routing
+  over the batch's real tokens, and the router is trained."""
+  cfg = ModelConfig(family="qwen3_moe", vocab_size=tokenizer.vocab_size, hidden_size=32,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    intermediate_size=64, qkv_bias=False,
+                    moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=16,
+                                  dense_layers=(0,)))
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  config = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=6, seq_len=32)
+  steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params), tokenizer=tokenizer,
+                           task=Arithmetic(digits=1, operands=2), loss="k1.5", config=config)
+  record = next(steps)
+  assert 0.0 <= record.metrics["expert_load_cv"] <= np.sqrt(7)
+  assert 1.0 <= record.metrics["expert_load_max"] <= 8 / 2
+  assert 0.0 < record.metrics["router_entropy"] <= np.log(8)
+  trained = record.state.train.params["layers_1"]["mlp"]
+  assert np.abs(np.asarray(trained["gate"]["kernel"])
+                - np.asarray(params["layers_1"]["mlp"]["gate"]["kernel"])).max() > 0

@@ -19,9 +19,11 @@ ONSET = 100  # the step where a failing trajectory starts to fail
 def healthy(seed: int = 0, steps: int = 200, eval_every: int = 10) -> list[dict]:
   """metrics.jsonl of a run that learns, with the noise of real runs: reward and held-out
   accuracy rise along a logistic curve (held-out noise of 256 problems), entropy falls by
-  half, lengths drift up by a quarter, the engine mismatch wobbles around bf16's 0.01; three
-  wild steps and one bad evaluation on top."""
+  half, lengths drift up by a quarter, the engine mismatch wobbles around bf16's 0.01, a
+  mixture's busiest expert around 1.4 x its fair share; three wild steps and one bad
+  evaluation on top."""
   rng = np.random.default_rng(seed)
+  experts_rng = np.random.default_rng(seed + 1000)  # apart: the other draws stay as they were
   records = [{"step": 0, "eval_accuracy": 0.5, "eval_length": 30.0}]
   for step in range(1, steps + 1):
     t = step / steps
@@ -31,11 +33,12 @@ def healthy(seed: int = 0, steps: int = 200, eval_every: int = 10) -> list[dict]
          "entropy": float((0.45 + 0.45 * np.exp(-3 * t)) * rng.lognormal(0, 0.1)),
          "completion_length": float((120 + 30 * t) * rng.lognormal(0, 0.08)),
          "truncated": float(np.clip(0.03 + rng.normal(0, 0.02), 0, 1)),
-         "engine_logp_diff_mean": float(0.01 * rng.lognormal(0, 0.2)), "loss": 0.1}
+         "engine_logp_diff_mean": float(0.01 * rng.lognormal(0, 0.2)), "loss": 0.1,
+         "expert_load_max": float(1.4 * experts_rng.lognormal(0, 0.1))}
     if step in (40, 90, 150):  # one wild step: no trend
       r.update(entropy=3 * r["entropy"], completion_length=2.5 * r["completion_length"],
                engine_logp_diff_mean=10 * r["engine_logp_diff_mean"], truncated=0.9,
-               reward=1.0)
+               reward=1.0, expert_load_max=3 * r["expert_load_max"])
     if step % eval_every == 0:
       mean_at_8 = float(np.clip(0.45 + 0.3 * learned + rng.normal(0, 0.02), 0, 1))
       r.update({"eval_accuracy": float(np.clip(0.5 + 0.3 * learned + rng.normal(0, 0.03), 0, 1)),
@@ -72,6 +75,8 @@ FAILURES = {
         engine_logp_diff_mean=r["engine_logp_diff_mean"] * (1 + 9 * s)),
     "reward_hacking": lambda r, s: r.update(reward=min(1.0, r["reward"] + 0.2 * s)) or (
         "eval_accuracy" in r and r.update(eval_accuracy=r["eval_accuracy"] - 0.3 * s)),
+    "expert_collapse": lambda r, s: r.update(
+        expert_load_max=r["expert_load_max"] * (1 + 2 * min(1, 3 * s))),
 }
 
 

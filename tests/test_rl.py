@@ -152,9 +152,9 @@ def test_rl_through_the_server_drives_reward_to_one(rollout, tokenizer, digit_mo
   rl = RLConfig(prompts_per_step=1, samples_per_prompt=32, max_new_tokens=4, seq_len=16,
                 learning_rate=2e-3)
   partial = rollout == "partial"
-  # 8 requests in flight: once the budget is spent, the ones not yet sent wait for the
+  # 8 requests in flight (a server decodes 8 at once): once the budget is spent, the ones not yet sent wait for the
   # next iteration (aborted mid-generation ones are tested in test_sglang.py).
-  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path), max_in_flight=8)
+  engine = local_engine(cfg, params, 0, weights_dir=str(tmp_path), max_batch=8)
   try:
     steps, _ = helpers.steps(
         params, cfg, engine=engine, task=PickADigit(1), tokenizer=tokenizer, config=rl,
