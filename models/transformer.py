@@ -561,23 +561,25 @@ def prefill(params, cfg: ModelConfig, tokens, positions, segment_ids, cache: KVC
   """Run prompts and write their keys and values at cache slots [0, prompt_len).
 
   tokens, positions, segment_ids: i32[batch, prompt_len] (left padding has segment 0)
-  -> (f32[batch, prompt_len, hidden], updated KVCache)
+  -> (f32[batch, prompt_len, hidden], updated KVCache, a mixture's Route of the prompt
+  tokens or None)
   """
   if ring.context_size() > 1:
     raise ValueError("prefill runs on one device's rows; call it outside a mesh with a "
                      "`context` axis (the engine is not context-parallel)")
-  hidden, cache, _ = _apply(params, cfg, tokens, positions, segment_ids, cache, 0)
-  return hidden.astype(jnp.float32), cache
+  hidden, cache, routes = _apply(params, cfg, tokens, positions, segment_ids, cache, 0)
+  return hidden.astype(jnp.float32), cache, routes
 
 
 def decode(params, cfg: ModelConfig, tokens, positions, kv_valid, cache: KVCache, cache_slot):
   """Run `tokens` written at cache slots [cache_slot, cache_slot + q_len) against the cache.
 
   tokens, positions: i32[batch, q_len]; kv_valid: bool[batch, cache_len] (after this write)
-  -> (f32[batch, q_len, hidden], updated KVCache)
+  -> (f32[batch, q_len, hidden], updated KVCache, a mixture's Route of `tokens` or None)
   """
-  hidden, cache, _ = _apply(params, cfg, tokens, positions, None, cache, cache_slot, kv_valid)
-  return hidden.astype(jnp.float32), cache
+  hidden, cache, routes = _apply(params, cfg, tokens, positions, None, cache, cache_slot,
+                                 kv_valid)
+  return hidden.astype(jnp.float32), cache, routes
 
 
 def output_projection(params, cfg: ModelConfig):

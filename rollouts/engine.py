@@ -44,6 +44,10 @@ class Completion:
   policy_mask: bool[n] True on the tokens the policy generated, False on tokens an
     environment inserted (a multi-turn episode's observations: log-prob 0, out of the loss);
     None when every token is the policy's.
+  routed_experts: for a mixture of experts, i32[len(prompt) + n - 1, sparse layers, k]: the
+    experts each input token went to in the engine, the prompt's then the generated ones'
+    but the last (which predicts nothing kept): SGLang's routed_experts layout. None for a
+    dense model, or an engine that does not record them.
   """
 
   token_ids: np.ndarray
@@ -51,6 +55,7 @@ class Completion:
   finish_reason: FinishReason
   versions: np.ndarray
   policy_mask: np.ndarray | None = None
+  routed_experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,10 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
     prompt_lens: i32[batch] real prompt lengths (>= 1).
   Returns:
     tokens i32[batch, max_new] (0 after a row finished), logp f32[batch, max_new],
-    lengths i32[batch] tokens generated, stopped bool[batch] (ended on a stop token).
+    lengths i32[batch] tokens generated, stopped bool[batch] (ended on a stop token), and for
+    a mixture of experts the experts each token went to, i32[batch, prompt_len + max_new,
+    sparse layers, k] (the prompt's at their slots, each generated token's once it was fed
+    back; -1 where none), else None.
   """
   params = transformer.unpack_projections(params)  # once, not at every decode step
   batch, plen = prompts.shape
@@ -92,13 +95,17 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
       slots[None, :] >= pad[:, None])
   cache = transformer.init_cache(cfg, batch, plen + max_new)
   unembed = transformer.output_projection(params, cfg)
-  hidden, cache = transformer.prefill(params, cfg, prompts, positions,
-                                      kv_valid[:, :plen].astype(jnp.int32), cache)
+  hidden, cache, route = transformer.prefill(params, cfg, prompts, positions,
+                                             kv_valid[:, :plen].astype(jnp.int32), cache)
+  experts = None
+  if route is not None:  # rollout routing replay: what the trainer will route the same way
+    experts = jnp.full((batch, plen + max_new, *route.experts.shape[2:]), -1, jnp.int32)
+    experts = experts.at[:, :plen].set(route.experts)
   logits = hidden[:, -1] @ unembed
   stop_ids = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
 
   def step(carry):
-    i, logits, cache, kv_valid, tokens, logp, done, key = carry
+    i, logits, cache, kv_valid, tokens, logp, done, key, experts = carry
     key, sub = jax.random.split(key)
     token = choose_tokens(sub, logits, temperature, top_p)
     token_logp = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], -1)[:, 0]
@@ -106,19 +113,22 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
     logp = logp.at[:, i].set(jnp.where(done, 0.0, token_logp))
     kv_valid = kv_valid.at[:, plen + i].set(~done)
     done = done | jnp.isin(token, stop_ids)
-    hidden, cache = transformer.decode(
+    hidden, cache, route = transformer.decode(
         params, cfg, token[:, None], (prompt_lens + i)[:, None], kv_valid, cache, plen + i)
-    return i + 1, hidden[:, 0] @ unembed, cache, kv_valid, tokens, logp, done, key
+    if route is not None:
+      experts = experts.at[:, plen + i].set(route.experts[:, 0])
+    return i + 1, hidden[:, 0] @ unembed, cache, kv_valid, tokens, logp, done, key, experts
 
   def keep_going(carry):
-    i, *_, done, _ = carry
+    i, *_, done, _, _ = carry
     return (i < max_new) & ~jnp.all(done)
 
   init = (jnp.int32(0), logits, cache, kv_valid, jnp.zeros((batch, max_new), jnp.int32),
-          jnp.zeros((batch, max_new), jnp.float32), jnp.zeros((batch,), bool), key)
-  _, _, _, kv_valid, tokens, logp, stopped, _ = jax.lax.while_loop(keep_going, step, init)
+          jnp.zeros((batch, max_new), jnp.float32), jnp.zeros((batch,), bool), key, experts)
+  _, _, _, kv_valid, tokens, logp, stopped, _, experts = jax.lax.while_loop(keep_going, step,
+                                                                            init)
   lengths = jnp.sum(kv_valid[:, plen:], axis=1).astype(jnp.int32)
-  return tokens, logp, lengths, stopped
+  return tokens, logp, lengths, stopped, experts
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
@@ -455,23 +465,28 @@ class JaxEngine:
       out = sample(params, jnp.asarray(tokens), jnp.asarray(lens), key,
                    jnp.float32(sampling.temperature), jnp.float32(sampling.top_p),
                    cfg=self._cfg, max_new=max_new, stop_ids=tuple(sampling.stop_token_ids))
-      out_tokens, out_logp, lengths, stopped = jax.device_get(out)
+      out_tokens, out_logp, lengths, stopped, experts = jax.device_get(out)
     completions = []
-    for row in range(len(prompts)):
+    for row, p in enumerate(prompts):
       k = int(lengths[row])
       completions.append(Completion(
           token_ids=out_tokens[row, :k].copy(), logprobs=out_logp[row, :k].copy(),
           finish_reason="stop" if stopped[row] else "length",
-          versions=np.full((k,), version, np.int32)))
+          versions=np.full((k,), version, np.int32),
+          routed_experts=None if experts is None else
+          experts[row, plen - len(p):plen + k - 1].copy()))
     return completions
 
 
 def _cut(completion: Completion, limit: int) -> Completion:
   """`completion` with at most `limit` tokens (a longer one ends "length" there)."""
-  if len(completion.token_ids) <= limit:
+  extra = len(completion.token_ids) - limit
+  if extra <= 0:
     return completion
+  routes = completion.routed_experts
   return Completion(completion.token_ids[:limit], completion.logprobs[:limit], "length",
-                    completion.versions[:limit])
+                    completion.versions[:limit],
+                    routed_experts=None if routes is None else routes[:len(routes) - extra])
 
 
 def embedded_engine(cfg: ModelConfig, params, version: int, *, dtype: str | None = None,

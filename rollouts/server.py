@@ -263,8 +263,8 @@ def expand_request(body: dict, deterministic: bool = False, eos_ids: Sequence[in
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _prefill(params, prompts, positions, kv_valid, cache, *, cfg):
-  hidden, cache = transformer.prefill(params, cfg, prompts, positions,
-                                      kv_valid[:, :prompts.shape[1]].astype(jnp.int32), cache)
+  hidden, cache, _ = transformer.prefill(params, cfg, prompts, positions,
+                                         kv_valid[:, :prompts.shape[1]].astype(jnp.int32), cache)
   return hidden[:, -1] @ transformer.output_projection(params, cfg), cache
 
 
@@ -298,8 +298,8 @@ def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, 
   token = jnp.where(greedy, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
   logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], -1)[:, 0]
   kv_valid = kv_valid.at[:, slot].set(active)
-  hidden, cache = transformer.decode(params, cfg, token[:, None], positions[:, None], kv_valid,
-                                     cache, slot)
+  hidden, cache, _ = transformer.decode(params, cfg, token[:, None], positions[:, None],
+                                        kv_valid, cache, slot)
   return token, logp, hidden[:, 0] @ transformer.output_projection(params, cfg), cache, kv_valid
 
 

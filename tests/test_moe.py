@@ -272,3 +272,26 @@ def test_an_rl_step_on_a_mixture_logs_its_routing(tokenizer):
   trained = record.state.train.params["layers_1"]["mlp"]
   assert np.abs(np.asarray(trained["gate"]["kernel"])
                 - np.asarray(params["layers_1"]["mlp"]["gate"]["kernel"])).max() > 0
+
+
+def test_the_engine_records_where_it_routed_each_token_as_the_trainer_routes_it(checkpoint):
+  """Completion.routed_experts (SGLang's layout: prompt and completion tokens but the last)
+  from the embedded engine's prefill and decode steps equal the experts a forward pass over
+  prompt + completion chooses, prompts of different lengths in one batch (left padding),
+  limits cut alike; a dense model records none."""
+  cfg, params = hf.load(checkpoint[0])
+  prompts = [[5, 17, 33, 2], [40, 41], [7] * 9]
+  made = JaxEngine(cfg, params).generate(prompts, SamplingParams(12, temperature=1.0), seed=1,
+                                         max_new_tokens=[12, 5, 12])
+  for prompt, completion in zip(prompts, made):
+    sequence = np.concatenate([prompt, completion.token_ids])[None]
+    n = sequence.shape[1]
+    _, route = transformer.forward_with_routes(params, cfg, jnp.asarray(sequence),
+                                               jnp.arange(n)[None], jnp.ones((1, n), jnp.int32))
+    assert completion.routed_experts.shape == (n - 1, 1, 2)
+    np.testing.assert_array_equal(completion.routed_experts, route.native[0, :n - 1])
+  assert len(made[1].token_ids) == 5
+  dense = dataclasses.replace(cfg, family="qwen3", moe=None)
+  dense_params = {**params, "layers_1": params["layers_0"]}
+  assert JaxEngine(dense, dense_params).generate(
+      prompts, SamplingParams(4), seed=0)[0].routed_experts is None
