@@ -138,10 +138,6 @@ class Packed:
   contracted: int = struct.field(pytree_node=False)
   dtype: str = struct.field(pytree_node=False)
 
-  @property
-  def nbytes(self) -> int:
-    return sum(x.nbytes for x in self.stored)
-
 
 def kernel_matrix(kernel, contracted: int):
   """A flax kernel (its `contracted` input dims first) as the checkpoint's [out, in] matrix."""

@@ -235,8 +235,6 @@ def pack_projections(params, fmt: str):
 def unpack_projections(params):
   """`params` with every quantize.Packed kernel dequantized (the others as they are)."""
   is_packed = lambda x: isinstance(x, quantize.Packed)
-  if not any(map(is_packed, jax.tree.leaves(params, is_leaf=is_packed))):
-    return params
   return jax.tree.map(lambda x: quantize.unpack(x) if is_packed(x) else x, params,
                       is_leaf=is_packed)
 

@@ -222,8 +222,7 @@ def measure(batch: TrainBatch, trainer_logp) -> dict[str, float]:
   using one. With `keep` (the default) this is the metrics-only mode."""
   metrics = _mismatch(*_log_ratios(batch, trainer_logp))
   was = np.asarray(batch.loss_mask) > 0
-  for make in _WOULD_MASK:
-    correction = make()
+  for correction in _WOULD_MASK:
     corrected, _ = correction.apply(batch, step=0, trainer_logp=trainer_logp)
     dropped = was & ~(np.asarray(corrected.loss_mask) > 0)
     metrics[f"would_mask_{correction.name}"] = _share(dropped, was)
@@ -233,7 +232,8 @@ def measure(batch: TrainBatch, trainer_logp) -> dict[str, float]:
 CORRECTIONS: dict[str, Callable[..., Correction]] = {
     "keep": keep, "mask": mask_stale, "tis": tis, "trust_region": trust_region,
     "seq_tis": seq_tis, "mis": mis, "icepop": icepop, "geo_mask": geo_mask}
-_WOULD_MASK = (trust_region, mis, icepop, geo_mask, lambda: mis(level="sequence"))
+# The masking corrections at their defaults, whose shares `measure` logs.
+_WOULD_MASK = (trust_region(), mis(), icepop(), geo_mask(), mis(level="sequence"))
 
 
 def combine(metrics: list[dict[str, float]]) -> dict[str, float]:

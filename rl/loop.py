@@ -239,13 +239,13 @@ def _update(parts: Parts, state: LoopState, trajectories, adv, keep, fields, ste
   batches = batch_lib.minibatches(trajectories, adv, batch_lib.train_masks(trajectories, keep),
                                   parts.context.config, fields)
   corrected, measured = [], []
-  measuring = parts.trainer_logprobs is not None
   for batch in batches:
     # The step's starting params for every minibatch: the PPO ratio of a later minibatch then
     # sees the updates before it, and the engine mismatch is the engine's. All before the
     # first update, which may take (donate) those params' buffers.
-    trainer_logp = (parts.trainer_logprobs(state.train.params, batch)
-                    if measuring or parts.correction.trainer_logp else None)
+    # (Parts.check: a correction that reads them has trainer_logprobs.)
+    trainer_logp = (None if parts.trainer_logprobs is None
+                    else parts.trainer_logprobs(state.train.params, batch))
     mismatch = {} if trainer_logp is None else corrections_lib.measure(batch, trainer_logp)
     batch, correction_metrics = parts.correction.apply(batch, step=step,
                                                        trainer_logp=trainer_logp)

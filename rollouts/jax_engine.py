@@ -283,7 +283,9 @@ class JaxEngine:
       raise ValueError(f"JaxEngine: kv_cache_gib must be > 0, got {kv_cache_gib}")
     if layout not in ("replicas", "training"):
       raise ValueError(f"JaxEngine: layout must be 'replicas' or 'training', got {layout!r}")
-    self._cfg = cfg
+    # Held in a format, the weights are rounded already: the model must not round them again
+    # (a quantization-aware trainer's cfg rounds its own).
+    self._cfg = cfg if weight_format is None else dataclasses.replace(cfg, weight_format=None)
     self._dtype = None if dtype is None else jnp.dtype(dtype)
     self._mesh = _mesh_of(params) if layout == "replicas" else None
     if weight_format is not None and _mesh_of(params) is not None:
@@ -500,9 +502,7 @@ def embedded_engine(cfg: ModelConfig, params, version: int, *, dtype: str | None
   and computes on its weights in that format, as an engine serving a quantized checkpoint
   does (models/hf.py `save(..., quantization=...)`), while the trainer's model stays as
   configured (set the model's weight_format too for quantization-aware training: the trainer
-  then computes on the same rounding, so the engine's cfg drops it not to round twice)."""
-  if weight_format is not None:
-    cfg = dataclasses.replace(cfg, weight_format=None)
+  then computes on the same rounding)."""
   return JaxEngine(cfg, params, version=version, dtype=dtype, kv_cache_gib=kv_cache_gib,
                    layout=layout, weight_format=weight_format)
 
