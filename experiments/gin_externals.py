@@ -64,7 +64,8 @@ _REGISTERED = {
     "corrections": [corrections.keep, corrections.mask_stale, corrections.tis,
                     corrections.trust_region, corrections.seq_tis, corrections.mis,
                     corrections.icepop, corrections.geo_mask],
-    "models": [config.tiny, config.ModelConfig, tokenizer.CharTokenizer, sharding.make_mesh],
+    "models": [config.tiny, config.ModelConfig, config.MoeConfig, tokenizer.CharTokenizer,
+               sharding.make_mesh],
     "tasks": [arithmetic.Arithmetic, mixture.Mixture, math_task.MathTask, code_task.CodeTask,
               effort.EffortTask, agentic.ToolArithmetic, needle.Needle],
     "envs": list(envs.ENVIRONMENTS.values()),  # every registered environment

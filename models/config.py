@@ -177,10 +177,13 @@ class ModelConfig:
 def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,
          num_heads: int = 4, num_kv_heads: int = 2,
          intermediate_size: int = 384, attention: str = "auto",
-         remat: str = "none", weight_format: str | None = None) -> ModelConfig:
-  """A model small enough to train on a 2-core CPU in minutes."""
+         remat: str = "none", weight_format: str | None = None,
+         moe: MoeConfig | None = None) -> ModelConfig:
+  """A model small enough to train on a 2-core CPU in minutes: a Qwen2, or with `moe` a
+  Qwen3-MoE (its sparse layers' experts as `moe` says)."""
   return ModelConfig(
       vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
       num_heads=num_heads, num_kv_heads=num_kv_heads,
       head_dim=hidden_size // num_heads, intermediate_size=intermediate_size,
-      attention=attention, remat=remat, weight_format=weight_format)
+      attention=attention, remat=remat, weight_format=weight_format, moe=moe,
+      family="qwen2" if moe is None else "qwen3_moe", qkv_bias=moe is None)

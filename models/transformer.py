@@ -362,16 +362,19 @@ class Route(NamedTuple):
   entropy: jax.Array
 
 
-def routing_metrics(route: Route, mask, num_experts: int) -> dict[str, jax.Array]:
+def routing_metrics(route: Route, mask, num_experts: int, engine=None) -> dict[str, jax.Array]:
   """A mixture's routing over the tokens `mask` (bool[rows, seq]) marks, from a model's Route
   (layer axis 2), each a mean over the sparse layers:
   expert_load_cv: the coefficient of variation of the assignments each expert got (0 when
     balanced, sqrt(E - 1) when one expert takes all);
   expert_load_max: the largest share of a layer's assignments one expert took, times E (1 when
     balanced: a collapse shows as E / k or more);
-  router_entropy: of the router's softmax over all experts, per token;
-  routing_differs: the share of tokens whose experts (as a set) are not the router's own top
-    k (0 without replay; with it, how often the engine routed otherwise)."""
+  router_entropy: of the router's softmax over all experts, per token.
+  With `engine` i32[rows, seq, sparse layers, k], the experts the engine chose (negative: not
+  recorded), over the masked tokens it recorded, the share of tokens whose experts (as a set)
+  are not the engine's in at least one sparse layer:
+  routing_differs: the experts the token went to (0 under routing replay);
+  router_differs: the router's own top k (what it would have been without replay)."""
   m = mask.astype(jnp.float32)
   layers, k = route.experts.shape[2], route.experts.shape[3]
   weights = jnp.broadcast_to(m[:, :, None], m.shape + (k,)).reshape(-1)
@@ -379,12 +382,19 @@ def routing_metrics(route: Route, mask, num_experts: int) -> dict[str, jax.Array
                     in_axes=2)(route.experts)  # [layers, E]
   total = jnp.maximum(jnp.sum(counts, axis=-1), 1.0)
   mean = total / num_experts
-  tokens = jnp.maximum(jnp.sum(m), 1.0) * layers
-  differs = jnp.any(jnp.sort(route.experts, axis=-1) != jnp.sort(route.native, axis=-1), -1)
-  return {"expert_load_cv": jnp.mean(jnp.std(counts, axis=-1) / mean),
-          "expert_load_max": jnp.mean(jnp.max(counts, axis=-1) / mean),
-          "router_entropy": jnp.sum(route.entropy * m[:, :, None]) / tokens,
-          "routing_differs": jnp.sum(differs * m[:, :, None]) / tokens}
+  out = {"expert_load_cv": jnp.mean(jnp.std(counts, axis=-1) / mean),
+         "expert_load_max": jnp.mean(jnp.max(counts, axis=-1) / mean),
+         "router_entropy": jnp.sum(route.entropy * m[:, :, None]) / (
+             jnp.maximum(jnp.sum(m), 1.0) * layers)}
+  if engine is not None:
+    recorded = m * jnp.all(engine >= 0, axis=(2, 3))
+    tokens = jnp.maximum(jnp.sum(recorded), 1.0)
+    engine = jnp.sort(engine, axis=-1)
+    share = lambda experts: jnp.sum(jnp.any(jnp.sort(experts, axis=-1) != engine, (2, 3))
+                                    * recorded) / tokens
+    out["routing_differs"] = share(route.experts)
+    out["router_differs"] = share(route.native)
+  return out
 
 
 class MoE(nn.Module):

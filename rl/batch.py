@@ -29,9 +29,18 @@ def train_masks(trajectories: Sequence[Trajectory], keep) -> list[np.ndarray]:
 
 
 def trajectory_fields(trajectories: Sequence[Trajectory], reads) -> dict[str, list]:
-  """The optional fields among `reads` that trajectories fill themselves, per trajectory."""
-  return {name: [t.token_field(name) for t in trajectories] for name in sorted(reads)
-          if OPTIONAL_FIELDS[name]["source"] == "trajectory"}
+  """The optional fields among `reads` that trajectories fill themselves, per trajectory,
+  and a mixture's routed_experts whenever the engine reported any (all -1, routed by the
+  trainer's router, for a trajectory it reported none of: one finished before a resume)."""
+  fields = {name: [t.token_field(name) for t in trajectories] for name in sorted(reads)
+            if OPTIONAL_FIELDS[name]["source"] == "trajectory" and name != "routed_experts"}
+  routes = [t.token_field("routed_experts") for t in trajectories]
+  reported = next((r for r in routes if r is not None), None)
+  if reported is not None:
+    fields["routed_experts"] = [
+        np.full((len(t.prompt_ids) + len(t.token_ids) - 1,) + reported.shape[1:], -1, np.int32)
+        if r is None else r for t, r in zip(trajectories, routes)]
+  return fields
 
 
 def minibatches(trajectories: Sequence[Trajectory], advantages: np.ndarray, masks: list,
@@ -50,7 +59,7 @@ def minibatches(trajectories: Sequence[Trajectory], advantages: np.ndarray, mask
         pick([t.prompt_ids for t in trajectories]), pick([t.token_ids for t in trajectories]),
         pick([t.logprobs for t in trajectories]), advantages[share], pick(masks),
         config.seq_len, row_multiple=config.row_multiple * config.micro_batches,
-        completion_fields={name: pick(values) for name, values in fields.items()})
+        token_fields={name: pick(values) for name, values in fields.items()})
     out.append(batch)
   return out
 

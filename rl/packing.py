@@ -61,19 +61,21 @@ def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
                      completion_logp: Sequence[np.ndarray], advantages: Sequence[float],
                      train_mask: Sequence, seq_len: int, *, row_multiple: int = 1,
                      token_weights: Sequence[np.ndarray] | None = None,
-                     completion_fields: Mapping[str, Sequence[np.ndarray] | None] = {}):
+                     token_fields: Mapping[str, Sequence[np.ndarray] | None] = {}):
   """A TrainBatch (numpy) of prompt + completion trajectories.
 
   The inputs are trajectory[:-1] and the targets trajectory[1:]; the loss mask covers the
   completion's targets (all zero when train_mask is False; a train_mask entry may also be a
   bool[n] per completion token). token_weights (f32[n] per completion, e.g. importance
-  weights) multiply the advantage of each completion token. completion_fields name further
-  TrainBatch fields given per completion token, [n] or [n, k] per completion, zero on the
-  prompt: teacher_logp (a teacher's log-probs), teacher_topk_ids and teacher_topk_logp (its
-  top k), turn_rewards (an episode's per-turn rewards); a None entry is left out.
+  weights) multiply the advantage of each completion token. token_fields name further
+  TrainBatch fields given per completion token, [n, ...] per completion, zero on the prompt
+  (teacher_logp: a teacher's log-probs, teacher_topk_ids and teacher_topk_logp: its top k,
+  turn_rewards: an episode's per-turn rewards), or per input token of the whole trajectory,
+  [len(prompt) + n - 1, ...] (routed_experts); each is aligned with the trajectory's end. A
+  None entry is left out.
   Returns (batch, placements).
   """
-  fields = {name: values for name, values in completion_fields.items() if values is not None}
+  fields = {name: values for name, values in token_fields.items() if values is not None}
   sequences = []
   weights = token_weights if token_weights is not None else [1.0] * len(prompts)
   for i, (prompt, completion, logp, adv, keep, weight) in enumerate(zip(
@@ -90,8 +92,11 @@ def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
                 "old_logp": old_logp, "advantages": token_adv}
     for name, values in fields.items():
       value = np.asarray(values[i])
+      if len(value) not in (n - p + 1, n):
+        raise ValueError(f"trajectory_batch: {name} of trajectory {i} has {len(value)} entries; "
+                         f"its completion has {n - p + 1} tokens and its inputs {n}")
       sequence[name] = np.zeros((n,) + value.shape[1:], value.dtype)
-      sequence[name][p - 1:] = value
+      sequence[name][n - len(value):] = value
     sequences.append(sequence)
   packed, placements = pack(sequences, seq_len, row_multiple=row_multiple)
   return TrainBatch(**packed), placements

@@ -30,26 +30,45 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
   return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
-def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: int = 2048):
-  """(logp, entropy) f32[rows, seq] of batch.targets under `params`."""
-  hidden = transformer.forward(params, cfg, batch.tokens, batch.positions, batch.segment_ids)
+def replayed_routes(batch: TrainBatch, replay: bool):
+  """The experts the forward pass routes batch's tokens to: the engine's (routing replay), or
+  None (the router's own)."""
+  if not replay:
+    return None
+  if batch.routed_experts is None:
+    raise ValueError("routing replay needs the experts the engine routed each token to "
+                     "(TrainBatch.routed_experts), and the engine reported none: a mixture "
+                     "of experts on an engine that records its routing (SGLang: "
+                     "--enable-return-routed-experts)")
+  return batch.routed_experts
+
+
+def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: int = 2048,
+                    replay: bool = False):
+  """(logp, entropy) f32[rows, seq] of batch.targets under `params`; with `replay`, a
+  mixture's tokens routed to batch.routed_experts."""
+  hidden, _ = transformer.forward_with_routes(params, cfg, batch.tokens, batch.positions,
+                                              batch.segment_ids,
+                                              replayed_routes(batch, replay))
   return logprobs_lib.token_logprobs(hidden, transformer.output_projection(params, cfg),
                                      batch.targets, chunk_size=chunk_size)
 
 
 def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn: Callable,
-               logprob_chunk: int):
+               logprob_chunk: int, replay: bool = False):
   """One micro-batch's gradient of the loss's total, its (total, count) sums (loss, entropy,
   logp_diff_mean, ratio_mean, kl_to_old, kl_to_reference, the loss's own metrics,
-  clip_fraction, a mixture's routing metrics) and max |logp - old_logp| over loss tokens. With `ref_params`, mb.ref_logp is
-  computed under them first."""
+  clip_fraction, a mixture's routing metrics) and max |logp - old_logp| over loss tokens.
+  With `ref_params`, mb.ref_logp is computed under them first (routed by the reference's own
+  router); with `replay`, the policy's tokens go to mb.routed_experts."""
   if ref_params is not None:
     ref_logp, _ = policy_logprobs(ref_params, cfg, mb, chunk_size=logprob_chunk)
     mb = mb.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
+  replay_to = replayed_routes(mb, replay)
 
   def objective(p):
     hidden, routes = transformer.forward_with_routes(p, cfg, mb.tokens, mb.positions,
-                                                     mb.segment_ids)
+                                                     mb.segment_ids, replay_to)
     unembed = transformer.output_projection(p, cfg)
     logp, entropy = logprobs_lib.token_logprobs(hidden, unembed, mb.targets,
                                                 chunk_size=logprob_chunk)
@@ -77,24 +96,28 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
   if routes is not None:  # a mixture's routing over the micro-batch's real tokens
     real = mb.segment_ids > 0
     weight = jnp.sum(real).astype(jnp.float32)
-    routing = transformer.routing_metrics(routes, real, cfg.moe.num_experts)
-    sums.update({k: (routing[k] * weight, weight)
-                 for k in ("expert_load_cv", "expert_load_max", "router_entropy")})
+    routing = transformer.routing_metrics(routes, real, cfg.moe.num_experts,
+                                          mb.routed_experts)
+    sums.update({k: (v * weight, weight) for k, v in routing.items()})
   return grads, sums, jnp.max(diff)
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
                     loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048,
-                    state_shardings=None, donate_state: bool = False):
+                    state_shardings=None, donate_state: bool = False, replay: bool = False):
   """A jitted `step(state, batch, ref_params=None) -> (state, metrics)`.
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
   ref_logp is computed under them (for losses with a KL to a reference policy).
+  replay: rollout routing replay: a mixture's tokens go to the experts the engine chose
+  (batch.routed_experts), their gate weights the trainer's router's at those experts.
   metrics: f32 scalars over loss tokens: loss, entropy, the loss's own metrics (clip_fraction
   is 0 for losses that do not clip), grad_norm, for a mixture of experts its routing over the
-  real tokens (transformer.routing_metrics: expert_load_cv, expert_load_max, router_entropy),
-  ratio_mean (pi / pi_old), kl_to_old and kl_to_reference (k3), and logp_diff_mean /
-  logp_diff_max, |trainer - batch.old_logp|: on the first update of a rollout batch, the
+  real tokens (transformer.routing_metrics: expert_load_cv, expert_load_max, router_entropy,
+  and when the batch carries the engine's routes routing_differs / router_differs, the
+  share of tokens the trainer routed / its router would route otherwise than the engine:
+  the first 0 with replay), ratio_mean (pi / pi_old), kl_to_old and kl_to_reference (k3),
+  and logp_diff_mean / logp_diff_max, |trainer - batch.old_logp|: on the first update of a rollout batch, the
   engine-vs-trainer mismatch.
   state_shardings (models.sharding.state_shardings): keeps the updated state sharded like
   its input; call the step inside the mesh (models.sharding.on_mesh).
@@ -117,7 +140,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
 
     def accumulate(carry, mb):
       grads, sums, diff_max = micro_step(state.params, ref_params, mb, cfg=cfg, loss_fn=loss_fn,
-                                         logprob_chunk=logprob_chunk)
+                                         logprob_chunk=logprob_chunk, replay=replay)
       if carry is None:
         return grads, sums, diff_max
       add = lambda a, b: jax.tree.map(jnp.add, a, b)

@@ -70,9 +70,11 @@ class Objective:
   """What a step optimizes: the loss (a registered name, with `loss_hparams` and an
   `advantage` estimator overriding the one it is registered with), the reward transform
   (default: correctness), the prompt sampler (default: uniform), the KL to the reference in
-  the reward, the off-policy correction of each minibatch (rl/corrections.py; default keep)
-  and, for distillation, `teachers(cfg)` scoring every trajectory (e.g.
-  rl.distill.from_checkpoints)."""
+  the reward, the off-policy correction of each minibatch (rl/corrections.py; default keep),
+  for distillation `teachers(cfg)` scoring every trajectory (e.g.
+  rl.distill.from_checkpoints), and for a mixture of experts `routing_replay`: the trainer
+  routes each token to the experts the engine chose (rollout routing replay, R3; the
+  trainer's log-probs for the mismatch and the corrections too, not the reference's)."""
   loss: str = "k1.5"
   loss_hparams: Optional[Mapping[str, Any]] = None
   advantage: Optional[str] = None
@@ -81,6 +83,7 @@ class Objective:
   kl_reward: Optional[KLReward] = None
   correction: Optional[corrections_lib.Correction] = None
   teachers: Optional[Callable[[ModelConfig], distill.Teachers]] = None
+  routing_replay: bool = False
 
 
 class _StartKeptInRun:
@@ -468,6 +471,9 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
   if objective.kl_reward is not None:
     objective.kl_reward.check()
   cfg = model(tokenizer.vocab_size)
+  if objective.routing_replay and cfg.moe is None:
+    raise ConfigError(f"Objective.routing_replay is for a mixture of experts; the model "
+                      f"({cfg.family}) is dense")
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                       f"{tokenizer.vocab_size}")
@@ -615,6 +621,7 @@ def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
   state_shardings = None if mesh is None else sharding.state_shardings(
       run.state.train, optimizer, mesh)
   logprobs_fn = sharding.on_mesh(mesh, _POLICY_LOGPROBS)
+  replay = objective.routing_replay
   kl_reward = objective.kl_reward if objective.kl_reward and objective.kl_reward.coef else None
   reference = reference_logprobs = None
   if "ref_logp" in loss.reads or kl_reward is not None:
@@ -623,34 +630,34 @@ def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
     reference_logprobs = lambda batch: distributed.host_copy(
         logprobs_fn(reference, cfg, place_rows(batch))[0])
   step_fn = _train_step(cfg, optimizer, loss, run.config.micro_batches, mesh,
-                        state_shardings)
+                        state_shardings, replay)
   return dataclasses.replace(
       run.parts, train_step=lambda train, batch, ref: step_fn(train, place_rows(batch), ref),
       correction=plan.correction,
       trainer_logprobs=lambda params, batch: distributed.host_copy(
-          logprobs_fn(params, cfg, place_rows(batch))[0]),
+          logprobs_fn(params, cfg, place_rows(batch), replay=replay)[0]),
       kl_reward=kl_reward, reference_logprobs=reference_logprobs,
       ref_params=reference if "ref_logp" in loss.reads else None, teachers=teachers)
 
 
 # Jitted once per process: runs built one after another (a notebook, findings' tiny runs in one
 # process) reuse the compiled programs instead of tracing them again.
-_POLICY_LOGPROBS = jax.jit(policy_logprobs, static_argnums=1)
+_POLICY_LOGPROBS = jax.jit(policy_logprobs, static_argnums=1, static_argnames="replay")
 _TRAIN_STEPS: dict[tuple, Callable] = {}
 
 
 def _train_step(cfg: ModelConfig, optimizer, loss: losses.BoundLoss, micro_batches: int,
-                mesh: Optional[Mesh], state_shardings) -> Callable:
-  """The jitted train step, donating its state: one copy of the params and moments less at
-  each update's peak (nothing reads a state after its update; an orbax save still reading one
-  keeps it: JAX then copies instead of donating). Without a mesh, one per (model config,
-  optimizer, loss, micro-batches) in this process."""
+                mesh: Optional[Mesh], state_shardings, replay: bool) -> Callable:
+  """The jitted train step (routing replay: `replay`), donating its state: one copy of the
+  params and moments less at each update's peak (nothing reads a state after its update; an
+  orbax save still reading one keeps it: JAX then copies instead of donating). Without a
+  mesh, one per (model config, optimizer, loss, micro-batches, replay) in this process."""
   make = lambda: sharding.on_mesh(mesh, make_train_step(
       cfg, optimizer, loss, micro_batches=micro_batches, state_shardings=state_shardings,
-      donate_state=True))
+      donate_state=True, replay=replay))
   if mesh is not None:
     return make()
-  key = (cfg, optimizer, loss.name, repr(sorted(loss.hparams.items())), micro_batches)
+  key = (cfg, optimizer, loss.name, repr(sorted(loss.hparams.items())), micro_batches, replay)
   if key not in _TRAIN_STEPS:
     _TRAIN_STEPS[key] = make()
   return _TRAIN_STEPS[key]

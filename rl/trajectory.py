@@ -65,7 +65,9 @@ class Trajectory:
   policy's. turn_start: where the current turn begins; turn_ends / turn_rewards: per ended
   turn, one past its last policy token and its reward (None: none); counts: the
   environment's counters. finish: None while it runs, then "stop" or "length";
-  budget_truncated: a token budget ended it.
+  budget_truncated: a token budget ended it. routed_experts: a mixture's experts of the
+  sequence's input tokens from the engine's last call for it (Completion.routed_experts:
+  that call's prompt was the whole sequence so far), or None.
   text, correct, well_formed: the verdict, filled by rl.rollout.verify.
   """
   record: dict[str, Any]
@@ -85,6 +87,7 @@ class Trajectory:
   counts: dict[str, int] = dataclasses.field(default_factory=dict)
   finish: str | None = None
   budget_truncated: bool = False
+  routed_experts: np.ndarray | None = None
   text: str = ""
   correct: bool = False
   well_formed: bool = False
@@ -111,14 +114,24 @@ class Trajectory:
                    turn_ends=tuple(self.turn_ends), turn_rewards=tuple(self.turn_rewards),
                    counts=dict(self.counts), budget_truncated=self.budget_truncated)
 
-  def token_field(self, name: str) -> np.ndarray:
-    """A per-continuation-token TrainBatch field filled from the trajectory itself
-    (rl.types.optional_field "trajectory"): turn_rewards (each turn's reward on its last
-    policy token) or versions."""
+  def token_field(self, name: str) -> np.ndarray | None:
+    """A TrainBatch field filled from the trajectory itself (rl.types.optional_field
+    "trajectory"), per continuation token: turn_rewards (each turn's reward on its last policy
+    token) or versions; or per input token of the whole sequence: routed_experts, -1 on the
+    tokens the engine routed after its last report (an environment's last observation), None
+    when it reported none."""
     if name == "turn_rewards":
       return self.episode().turn_reward_tokens()
     if name == "versions":
       return np.array(self.versions, np.int32)
+    if name == "routed_experts":
+      if self.routed_experts is None:
+        return None
+      routes = np.asarray(self.routed_experts, np.int32)
+      out = np.full((len(self.prompt_ids) + len(self.token_ids) - 1,) + routes.shape[1:], -1,
+                    np.int32)
+      out[:len(routes)] = routes[:len(out)]
+      return out
     raise KeyError(f"Trajectory has no per-token field {name!r}")
 
 

@@ -41,8 +41,8 @@ class Rollouts:
 
 def optional_field(source: str, *, dtype=jnp.float32, top_k: bool = False):
   """A TrainBatch field that is None unless a piece of the step reads it (a loss or an
-  off-policy correction names it in its `reads`): per token [rows, seq], with a trailing
-  top-k axis when `top_k`. `source` says who fills it:
+  off-policy correction names it in its `reads`; routed_experts whenever the engine reports
+  them): per token [rows, seq], with a trailing top-k axis when `top_k`. `source` says who fills it:
     "trajectory": the rollout itself (rl.rollout.Trajectory.token_field),
     "teacher":    the teachers' scoring of each trajectory (rl/distill.py),
     "reference":  the train step, from the reference policy's params,
@@ -75,6 +75,10 @@ class TrainBatch:
     its turn's last policy token (0 elsewhere and for single-turn completions).
   versions: i32[rows, seq] the weight version that generated each completion target (the
     off-policy corrections of rl/corrections.py compare it with the step's).
+  routed_experts: i32[rows, seq, sparse layers, k] the experts a mixture's engine sent each
+    input token to (-1: not reported; 0 on padding), carried whenever the engine reports
+    them: the train step measures how often its router differs and, with routing replay,
+    routes the tokens the same way (rl.train_step.make_train_step).
   """
 
   tokens: jax.Array
@@ -92,6 +96,7 @@ class TrainBatch:
   student_topk_logp: Optional[jax.Array] = optional_field("train_step", top_k=True)
   turn_rewards: Optional[jax.Array] = optional_field("trajectory")
   versions: Optional[jax.Array] = optional_field("trajectory", dtype=jnp.int32)
+  routed_experts: Optional[jax.Array] = optional_field("trajectory", dtype=jnp.int32)
 
 
 # name -> metadata (source, dtype, top_k) of every optional TrainBatch field.

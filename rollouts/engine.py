@@ -57,6 +57,18 @@ class Completion:
   policy_mask: np.ndarray | None = None
   routed_experts: np.ndarray | None = None
 
+  def cut(self, limit: int) -> "Completion":
+    """At most `limit` tokens (a longer one ends "length" there), its routes cut with them."""
+    extra = len(self.token_ids) - limit
+    if extra <= 0:
+      return self
+    routes = self.routed_experts
+    return dataclasses.replace(
+        self, token_ids=self.token_ids[:limit], logprobs=self.logprobs[:limit],
+        finish_reason="length", versions=self.versions[:limit],
+        policy_mask=None if self.policy_mask is None else self.policy_mask[:limit],
+        routed_experts=None if routes is None else routes[:len(routes) - extra])
+
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:

@@ -423,7 +423,7 @@ class JaxEngine:
         key = jax.random.fold_in(key, max_new)
       made = self._sample(params, version, [prompts[r] for r in rows], sampling, max_new, key)
       for row, completion in zip(rows, made):
-        completions[row] = _cut(completion, limits[row])
+        completions[row] = completion.cut(limits[row])
     if on_ready is not None:  # one batch: all are done together
       on_ready(dict(enumerate(completions)))
     return completions
@@ -478,17 +478,6 @@ class JaxEngine:
           routed_experts=None if experts is None else
           experts[row, plen - len(p):plen + k - 1].copy()))
     return completions
-
-
-def _cut(completion: Completion, limit: int) -> Completion:
-  """`completion` with at most `limit` tokens (a longer one ends "length" there)."""
-  extra = len(completion.token_ids) - limit
-  if extra <= 0:
-    return completion
-  routes = completion.routed_experts
-  return Completion(completion.token_ids[:limit], completion.logprobs[:limit], "length",
-                    completion.versions[:limit],
-                    routed_experts=None if routes is None else routes[:len(routes) - extra])
 
 
 def embedded_engine(cfg: ModelConfig, params, version: int, *, dtype: str | None = None,

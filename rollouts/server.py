@@ -8,10 +8,11 @@ rid, or all; partial output), /pause_generation (abort, retract, in_place),
 /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache,
 /release_memory_occupation, /resume_memory_occupation (a hybrid deployment's turns: weights and
 KV cache freed while the trainer runs), /model_info, /server_info, /health, /health_generate,
-/ready, /v1/loads. It lets the SGLang client (rollouts/sglang.py) run for real in CI, where
-SGLang itself cannot, and behaves as SGLang where a client can go wrong (docs/sglang.md,
-section 3): an unknown rid's abort does nothing, a live rid is refused, the entry at
-logprob_start_len is null, /health generates (so it blocks while paused or updating), requests
+/ready, /v1/loads, and return_routed_experts (a mixture's, with
+--enable-return-routed-experts). It lets the SGLang client (rollouts/sglang.py) run for real
+in CI, where SGLang itself cannot, and behaves as SGLang where a client can go wrong
+(docs/sglang.md, section 3): an unknown rid's abort does nothing, a live rid is refused, the
+entry at logprob_start_len is null, /health generates (so it blocks while paused or updating), requests
 arriving while paused or updating wait outside the scheduler, sampling_seed counts only with
 --deterministic, --dtype auto serves float32 in float16, requests stop at the checkpoint's eos
 ids, and a release while busy, a resume of what was not released, or a request or weight load
@@ -26,6 +27,7 @@ Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabu
                            [--max_batch 64] [--warmup_len TOKENS] [--deterministic]
                            [--dtype auto|float32|bfloat16|float16]
                            [--enable-memory-saver] [--enable-weights-cpu-backup]
+                           [--enable-return-routed-experts]
   python -m experiments.serve --gin FILE [--gin_param B] [the options above]
 
 (the second serves a model bound in gin, e.g. `load_model.model = @tiny`: gin is the entry
@@ -53,6 +55,7 @@ as long on the quickstart's model; full ones, and a trainer's steps, nothing mea
 """
 
 import argparse
+import base64
 import dataclasses
 import functools
 import http.server
@@ -137,6 +140,8 @@ class Request:
   seed: int
   return_logprob: bool
   logprob_start_len: int = -1  # >= 0: also the log-probs of input tokens from there on
+  return_routed_experts: bool = False  # with --enable-return-routed-experts: meta_info's
+  routed_experts_start_len: int = 0  # routed_experts, from this input position on
   top_logprobs_num: int = 0  # > 0 (scoring only): also the top tokens at each input position
   input_logprobs: list = dataclasses.field(default_factory=list)  # [logprob | None, token]
   input_top_logprobs: list = dataclasses.field(default_factory=list)  # [[logprob, token]] | None
@@ -147,6 +152,10 @@ class Request:
   aborted: str | None = None  # the abort message once aborted
   abort_sent: bool = False  # an abort by its rid came (SGLang passes on only the first)
   cached_tokens: int = 0  # input tokens whose keys and values came from the prefix cache
+  # A mixture's experts of each token fed so far (prompt, then generated), i32[sparse
+  # layers, k] each, when the server records them.
+  routes: list = dataclasses.field(default_factory=list)
+  routed_experts: str | None = None  # meta_info's, once finished (Scheduler._finish)
   started: float = dataclasses.field(default_factory=time.time)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -236,6 +245,10 @@ def expand_request(body: dict, deterministic: bool = False, eos_ids: Sequence[in
     top_num = [top_num] * len(prompts)
   if not all(type(k) is int and k >= 0 for k in top_num):
     raise BadRequest("top_logprobs_num must be an integer >= 0")
+  # One value for the whole batch, copied into each request (io_struct.py L1000-1002).
+  routes_start = body.get("routed_experts_start_len", 0)
+  if type(routes_start) is not int:
+    raise BadRequest("routed_experts_start_len must be an integer")
   requests = []
   for prompt, params, item_rid, want_logprob, start, top in zip(
       prompts, per_item, rids, return_logprob, start_len, top_num):
@@ -257,15 +270,21 @@ def expand_request(body: dict, deterministic: bool = False, eos_ids: Sequence[in
           seed=(int(seed) % 2**32 if seed is not None
                 else int.from_bytes(os.urandom(4), "little")),
           return_logprob=bool(want_logprob), logprob_start_len=start,
-          top_logprobs_num=top))
+          top_logprobs_num=top,
+          return_routed_experts=bool(body.get("return_routed_experts", False)),
+          routed_experts_start_len=routes_start))
   return requests, batched or n > 1
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _prefill(params, prompts, positions, kv_valid, cache, *, cfg):
-  hidden, cache, _ = transformer.prefill(params, cfg, prompts, positions,
-                                         kv_valid[:, :prompts.shape[1]].astype(jnp.int32), cache)
-  return hidden[:, -1] @ transformer.output_projection(params, cfg), cache
+  """(next-token logits, cache, a mixture's experts of the prompt tokens i32[rows, width,
+  sparse layers, k] or None)."""
+  hidden, cache, routes = transformer.prefill(params, cfg, prompts, positions,
+                                              kv_valid[:, :prompts.shape[1]].astype(jnp.int32),
+                                              cache)
+  return (hidden[:, -1] @ transformer.output_projection(params, cfg), cache,
+          None if routes is None else routes.experts)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -285,7 +304,8 @@ def _request_keys(seeds):
 def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, slot, active,
           i, *, cfg):
   """Choose token i of each row (per-row temperature, top-p and PRNG key), score it as
-  SGLang does, and run the decode step that feeds it back."""
+  SGLang does, and run the decode step that feeds it back (a mixture's experts of it:
+  i32[rows, sparse layers, k], or None)."""
   keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
   greedy = temperature < GREEDY_BELOW
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
@@ -298,19 +318,24 @@ def _step(params, logits, cache, kv_valid, keys, temperature, top_p, positions, 
   token = jnp.where(greedy, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
   logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], -1)[:, 0]
   kv_valid = kv_valid.at[:, slot].set(active)
-  hidden, cache, _ = transformer.decode(params, cfg, token[:, None], positions[:, None],
-                                        kv_valid, cache, slot)
-  return token, logp, hidden[:, 0] @ transformer.output_projection(params, cfg), cache, kv_valid
+  hidden, cache, routes = transformer.decode(params, cfg, token[:, None], positions[:, None],
+                                             kv_valid, cache, slot)
+  return (token, logp, hidden[:, 0] @ transformer.output_projection(params, cfg), cache,
+          kv_valid, None if routes is None else routes.experts[:, 0])
 
 
 @dataclasses.dataclass
 class CachedPrefix:
   """The keys and values of an aborted request's tokens (prompt + generated, all fed to the
-  model): f32[num_layers, num_kv_heads, n, head_dim] each, and the logits for the next token
-  f32[vocab]. A request resumed with exactly these tokens as input_ids skips its prefill."""
+  model): f32[num_layers, num_kv_heads, n, head_dim] each, the logits for the next token
+  f32[vocab] and, when the server records them, a mixture's experts of the n tokens
+  (i32[n, sparse layers, k]: a cache hit returns the routes recorded when the prefix was
+  computed, as SGLang's, whose capture buffer is indexed by KV slot). A request resumed with
+  exactly these tokens as input_ids skips its prefill."""
   k: np.ndarray
   v: np.ndarray
   logits: np.ndarray
+  routes: np.ndarray | None = None
 
 
 def _layout(r: Request) -> tuple[int, int]:
@@ -332,8 +357,13 @@ class Scheduler:
 
   def __init__(self, cfg: ModelConfig, params, *, weight_version: str = "default",
                model_path: str = "", max_batch: int = 64, deterministic: bool = False,
-               memory_saver: bool = False, weights_cpu_backup: bool = False):
+               memory_saver: bool = False, weights_cpu_backup: bool = False,
+               return_routed_experts: bool = False):
     self.cfg, self.params = cfg, params
+    # SGLang's --enable-return-routed-experts: without it a request asking for them gets
+    # none, and no error (moe.md section 4.1); a dense model has none to record.
+    self.return_routed_experts = return_routed_experts
+    self.records_routes = return_routed_experts and cfg.moe is not None
     self.weight_version, self.model_path = weight_version, model_path
     self.max_batch, self.deterministic = max_batch, deterministic
     self.eos_ids = checkpoint_eos_ids(model_path)  # read at start, as SGLang does
@@ -380,6 +410,15 @@ class Scheduler:
         raise RequestError(f"req.logprob_start_len={r.logprob_start_len} is higher than the "
                            f"number of input tokens len(req.origin_input_ids)="
                            f"{len(r.input_ids)}. Please use a smaller logprob_start_len.")
+      start = r.routed_experts_start_len
+      if r.return_routed_experts and start < 0:  # scheduler.py L3300-3318
+        raise RequestError(f"recv_req.routed_experts_start_len={start} is lower than 0. "
+                           "Please use a non-negative routed_experts_start_len.")
+      if r.return_routed_experts and start > len(r.input_ids):
+        raise RequestError(f"recv_req.routed_experts_start_len={start} is higher than the "
+                           f"number of input tokens len(req.origin_input_ids)="
+                           f"{len(r.input_ids)}. Please use a smaller "
+                           "routed_experts_start_len.")
     scored = [r for r in requests if r.return_logprob and 0 <= r.logprob_start_len]
     if scored:  # a prefill of the inputs (teacher scoring: max_new_tokens 0)
       with self.lock:  # not while paused or updating, like any request
@@ -649,8 +688,21 @@ class Scheduler:
 
   def _finish(self, r: Request, reason: dict):
     r.finish_reason = reason
+    if r.return_routed_experts and r.routes:
+      r.routed_experts = self._routed_experts(r)
     self.last_output = time.time()
     r.done.set()
+
+  def _routed_experts(self, r: Request) -> str:
+    """meta_info.routed_experts of a finished request, as SGLang encodes it: the base64 of
+    int32 [rows, num_layers, k] bytes, row j the experts of input token start_len + j (the
+    prompt's and the generated ones' but the last, which was never fed: rows = prompt +
+    completion - 1 - start_len), every decoder layer's, a dense layer's 0
+    (batch_result_processor.py L136-180, tokenizer_manager.py L2602-2609, moe.md 4.2-4.3)."""
+    rows = np.stack(r.routes)[:len(r.input_ids) + len(r.tokens) - 1][r.routed_experts_start_len:]
+    full = np.zeros((len(rows), self.cfg.num_layers, rows.shape[-1]), "<i4")
+    full[:, [l for l in range(self.cfg.num_layers) if self.cfg.sparse(l)]] = rows
+    return base64.b64encode(full.tobytes()).decode("ascii")
 
   def _loop(self):
     try:
@@ -735,8 +787,12 @@ class Scheduler:
     for i in cached:
       batch[i].cached_tokens = len(batch[i].input_ids)
     t0 = time.perf_counter()
-    logits, cache = self._prefill_missing(params, prompts, positions, kv_valid, lens, cached,
-                                          size)
+    logits, cache, routes = self._prefill_missing(params, prompts, positions, kv_valid, lens,
+                                                  cached, size)
+    if self.records_routes:
+      routes = np.asarray(routes)
+      for i, r in enumerate(batch):
+        r.routes = list(routes[i, plen - lens[i]:])
     if os.environ.get("LONGRL_SERVER_DEBUG"):
       jax.block_until_ready(logits)
       print(f"  prefill of {rows} rows x {plen} ({len(cached)} cached) in "
@@ -772,22 +828,25 @@ class Scheduler:
         grown = shape_bucket(size + 1, 64)
         cache, kv_valid = _grow(cache, kv_valid, grown - size)
         size = grown
-      token, logp, logits, cache, kv_valid = _step(
+      token, logp, logits, cache, kv_valid, routes = _step(
           params, logits, cache, kv_valid, keys, temperature, top_p, jnp.asarray(lens + i),
           plen + i, jnp.asarray(active), i, cfg=self.cfg)
-      self._take(batch, active, np.asarray(token), np.asarray(logp), version)
+      self._take(batch, active, np.asarray(token), np.asarray(logp), version,
+                 np.asarray(routes) if self.records_routes else None)
     self._keep_prefixes(batch, stopped_at, cache, plen, lens, version)
     return max_new
 
   def _take(self, batch: list[Request], active: np.ndarray, token: np.ndarray,
-            logp: np.ndarray, version: int) -> None:
-    """One decode step's tokens into the active requests (`active` updated in place); those
-    that stop or reach their length finish."""
+            logp: np.ndarray, version: int, routes: np.ndarray | None) -> None:
+    """One decode step's tokens (and, recorded, the experts they were fed to) into the active
+    requests (`active` updated in place); those that stop or reach their length finish."""
     with self.lock:
       for row, r in enumerate(batch):
         if not active[row]:
           continue
         r.tokens.append(int(token[row]))
+        if routes is not None:
+          r.routes.append(routes[row])
         self.last_output = time.time()
         r.logprobs.append(float(logp[row]))
         r.versions.append(version)
@@ -800,20 +859,26 @@ class Scheduler:
       self.lock.notify_all()
 
   def _prefill_missing(self, params, prompts, positions, kv_valid, lens, cached, size):
-    """(logits f32[rows, vocab], KVCache of `size` slots) for the batch: prefill for the rows
-    without a cached prefix (all rows when none has one), the cached keys, values and logits
-    placed for the others, left-padded like a prefill would."""
+    """(logits f32[rows, vocab], KVCache of `size` slots, a mixture's experts of the prompt
+    tokens i32[rows, plen, sparse layers, k] or None) for the batch: prefill for the rows
+    without a cached prefix (all rows when none has one), the cached keys, values, logits
+    and routes placed for the others, left-padded like a prefill would."""
     rows, plen = prompts.shape
     missing = [i for i in range(rows) if i not in cached]
     if not cached:  # prefilled at the prompts' width, whatever the cache's: fewer shapes
-      logits, cache = _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
-                               jnp.asarray(kv_valid[:, :plen]),
-                               transformer.init_cache(self.cfg, rows, plen), cfg=self.cfg)
-      return logits, _grow(cache, kv_valid[:, :plen], size - plen)[0]
+      logits, cache, routes = _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
+                                       jnp.asarray(kv_valid[:, :plen]),
+                                       transformer.init_cache(self.cfg, rows, plen),
+                                       cfg=self.cfg)
+      return logits, _grow(cache, kv_valid[:, :plen], size - plen)[0], routes
     logits = np.zeros((rows, self.cfg.vocab_size), np.float32)
     k = np.zeros((self.cfg.num_layers, rows, self.cfg.num_kv_heads, size,
                   self.cfg.head_dim), np.dtype(self.cfg.compute_dtype))
     v = np.zeros_like(k)
+    routes = None
+    if self.records_routes:
+      sparse = sum(self.cfg.sparse(l) for l in range(self.cfg.num_layers))
+      routes = np.zeros((rows, plen, sparse, self.cfg.moe.experts_per_token), np.int32)
     if missing:
       # Only as wide as the longest missing prompt (fresh prompts are short, resumed ones
       # long): its columns are the last `width` of the batch's left-padded layout.
@@ -822,7 +887,7 @@ class Scheduler:
       # already compiled, instead of a new one for every count of missing rows.
       pick = np.array(missing + [missing[0]] * (rows - len(missing)))
       cols = slice(plen - width, plen)
-      part_logits, part = _prefill(params, jnp.asarray(prompts[pick, cols]),
+      part_logits, part, part_routes = _prefill(params, jnp.asarray(prompts[pick, cols]),
                                    jnp.asarray(positions[pick, cols]),
                                    jnp.asarray(kv_valid[pick, cols]),
                                    transformer.init_cache(self.cfg, rows, width), cfg=self.cfg)
@@ -830,11 +895,15 @@ class Scheduler:
       logits[missing] = np.asarray(part_logits)[:n]
       k[:, missing, :, cols] = np.stack(part.k)[:, :n]
       v[:, missing, :, cols] = np.stack(part.v)[:, :n]
+      if routes is not None:
+        routes[missing, cols] = np.asarray(part_routes)[:n]
     for i, c in cached.items():
       k[:, i, :, plen - lens[i]:plen], v[:, i, :, plen - lens[i]:plen] = c.k, c.v
       logits[i] = c.logits
+      if routes is not None:
+        routes[i, plen - lens[i]:plen] = c.routes
     return jnp.asarray(logits), transformer.KVCache(tuple(map(jnp.asarray, k)),
-                                                    tuple(map(jnp.asarray, v)))
+                                                    tuple(map(jnp.asarray, v))), routes
 
   def _cached_prefix(self, tokens: tuple[int, ...]) -> CachedPrefix | None:
     """The cached prefix of exactly `tokens`, made the most recent; call under the lock."""
@@ -856,7 +925,8 @@ class Scheduler:
         r = batch[row]
         span = slice(plen - lens[row], plen + fed)
         self.prefixes[tuple(r.input_ids) + tuple(r.tokens[:fed])] = CachedPrefix(
-            k[:, row, :, span].copy(), v[:, row, :, span].copy(), logits)
+            k[:, row, :, span].copy(), v[:, row, :, span].copy(), logits,
+            np.stack(r.routes[:lens[row] + fed]) if self.records_routes else None)
       while len(self.prefixes) > PREFIX_CACHE_ENTRIES:
         self.prefixes.pop(next(iter(self.prefixes)))
 
@@ -887,6 +957,8 @@ def response(r: Request, weight_version: str) -> dict:
       meta["output_top_logprobs"] = []
     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.tokens)]
     meta["output_token_logprobs_length"] = len(r.tokens)
+  if r.routed_experts is not None:
+    meta["routed_experts"] = r.routed_experts
   return {"output_ids": list(r.tokens), "meta_info": meta}
 
 
@@ -1029,6 +1101,7 @@ class Server(http.server.ThreadingHTTPServer):
                   "enable_deterministic_inference": s.deterministic, "dtype": s.cfg.dtype,
                   "enable_memory_saver": s.memory_saver,
                   "enable_weights_cpu_backup": s.weights_cpu_backup,
+                  "enable_return_routed_experts": s.return_routed_experts,
                   "internal_states": [s.loads()], "version": "0.5.23 (longrl embedded)"})
 
   def v1_loads(self, h: Handler):
@@ -1171,13 +1244,15 @@ def _memory_tags(body: dict) -> list[str] | None:
 def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
           weight_version: str = "default", model_path: str = "", max_batch: int = 64,
           warmup_len: int = 0, deterministic: bool = False, memory_saver: bool = False,
-          weights_cpu_backup: bool = False) -> Server:
+          weights_cpu_backup: bool = False, return_routed_experts: bool = False) -> Server:
   """A running server (on a background thread); `server.server_address` has the port.
   With warmup_len > 0, every batch shape for requests of up to that many tokens is compiled
-  first (Scheduler.warmup). `memory_saver`, `weights_cpu_backup`: Scheduler.release_memory."""
+  first (Scheduler.warmup). `memory_saver`, `weights_cpu_backup`: Scheduler.release_memory.
+  `return_routed_experts`: a mixture's routes are recorded for requests that ask."""
   scheduler = Scheduler(cfg, params, weight_version=weight_version, model_path=model_path,
                         max_batch=max_batch, deterministic=deterministic,
-                        memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup)
+                        memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup,
+                        return_routed_experts=return_routed_experts)
   if warmup_len > 0:
     scheduler.warmup(warmup_len)
   server = Server((host, port), scheduler)
@@ -1248,6 +1323,10 @@ def main(argv=None, *, load=None):
   parser.add_argument("--enable-weights-cpu-backup", "--enable_weights_cpu_backup",
                       action="store_true", help="released weights are kept in host memory "
                       "and come back on resume (without: undefined until an update)")
+  parser.add_argument("--enable-return-routed-experts", "--enable_return_routed_experts",
+                      action="store_true", help="a mixture's experts of every token are "
+                      "recorded and returned to requests with return_routed_experts "
+                      "(SGLang's flag; without it they get none)")
   parser.add_argument("--exit_with_parent", action="store_true",
                       help="stop when the process that started this one exits (launch sets it)")
   args = parser.parse_args(argv)
@@ -1275,7 +1354,8 @@ def main(argv=None, *, load=None):
                  weight_version=args.weight_version, model_path=path, max_batch=args.max_batch,
                  warmup_len=args.warmup_len, deterministic=args.deterministic,
                  memory_saver=args.enable_memory_saver,
-                 weights_cpu_backup=args.enable_weights_cpu_backup)
+                 weights_cpu_backup=args.enable_weights_cpu_backup,
+                 return_routed_experts=args.enable_return_routed_experts)
   server.scheduler.on_crash = lambda: os._exit(1)  # as SGLang's server goes down
   del params  # the scheduler's is then the only reference: a release frees the weights
   host, port = server.server_address[:2]
@@ -1341,7 +1421,8 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   --enable-memory-saver (RLConfig.hybrid: they free their memory between generations).
   `weight_format` ("fp8" or "int4"): they start from, and are refit with, quantized exports
   (SGLangEngine), the starting weights included: from `checkpoint` too they start from its
-  quantized export, the quantization being fixed when a server starts."""
+  quantized export, the quantization being fixed when a server starts. A mixture of
+  experts' servers start with --enable-return-routed-experts (rollout routing replay)."""
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
   os.makedirs(weights_dir, exist_ok=True)
   export_dtype = export_dtype or cfg.dtype
@@ -1354,7 +1435,8 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
     for _ in range(servers):
       process, url = launch(["--hf_checkpoint", start, "--weight_version", str(version),
                              "--max_batch", str(max_batch), "--dtype", export_dtype,
-                             *(["--enable-memory-saver"] if memory_saver else [])],
+                             *(["--enable-memory-saver"] if memory_saver else []),
+                             *(["--enable-return-routed-experts"] if cfg.moe else [])],
                             cores=cores)
       processes.append(process)
       urls.append(url)

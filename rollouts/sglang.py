@@ -19,6 +19,7 @@ top-p; at temperature 1 that is what the trainer recomputes.
 """
 
 import asyncio
+import base64
 import dataclasses
 import itertools
 import json
@@ -65,18 +66,48 @@ class Request:
   sampling_seed: int | None = None
 
 
-def request_body(request: Request, sampling: SamplingParams) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class RoutesLayout:
+  """How to read a mixture's meta_info.routed_experts: the model's decoder layers, its sparse
+  ones, experts per token."""
+  num_layers: int
+  sparse_layers: tuple[int, ...]
+  k: int
+
+  @classmethod
+  def of(cls, cfg) -> "RoutesLayout | None":
+    """The layout of `cfg`'s routes (None for a dense model)."""
+    if cfg.moe is None:
+      return None
+    return cls(cfg.num_layers, tuple(l for l in range(cfg.num_layers) if cfg.sparse(l)),
+               cfg.moe.experts_per_token)
+
+  def decode(self, text: str) -> np.ndarray:
+    """i32[rows, sparse layers, k] from SGLang's encoding: base64 of int32 bytes [rows,
+    num_layers, k], every decoder layer's (a dense one's 0) (tokenizer_manager.py
+    L2602-2609; routed_experts.py L166-174 decodes it so)."""
+    flat = np.frombuffer(base64.b64decode(text), "<i4")
+    return flat.reshape(-1, self.num_layers, self.k)[:, list(self.sparse_layers)].astype(np.int32)
+
+
+def request_body(request: Request, sampling: SamplingParams, *,
+                 routed_experts: bool = False) -> dict[str, Any]:
   """The /generate body: only keys SGLang's contract accepts (an unknown sampling key is a
-  400 there), the shape slime and AReaL send."""
+  400 there), the shape slime and AReaL send; `routed_experts`: also return_routed_experts
+  (GenerateReqInput's, io_struct.py L263-268: FastAPI parses the body into it, so it gets
+  through though the JSON contract does not list it), from the first input token on."""
   params = {"max_new_tokens": request.max_new_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_k": -1, "min_p": 0.0,
             "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
             "no_stop_trim": True, "n": 1}
   if request.sampling_seed is not None:
     params["sampling_seed"] = request.sampling_seed
-  return {"rid": request.rid, "input_ids": list(request.input_ids), "sampling_params": params,
+  body = {"rid": request.rid, "input_ids": list(request.input_ids), "sampling_params": params,
           "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 0,
           "return_text_in_logprobs": False, "stream": False}
+  if routed_experts:
+    body.update(return_routed_experts=True, routed_experts_start_len=0)
+  return body
 
 
 def _version(text: str | None) -> int:
@@ -86,8 +117,10 @@ def _version(text: str | None) -> int:
     return -1  # "default" (a server started without --weight-version)
 
 
-def parse_response(server: str, body: Any) -> Completion:
-  """A Completion from a /generate response; ServerError if the shape is wrong."""
+def parse_response(server: str, body: Any, routes: RoutesLayout | None = None) -> Completion:
+  """A Completion from a /generate response (with `routes`, its routed_experts where the
+  server returned them: one started with --enable-return-routed-experts); ServerError if
+  the shape is wrong."""
   def wrong(what):
     return ServerError(f"{server}/generate answered JSON of the wrong shape ({what}): "
                        f"{str(body)[:300]}")
@@ -111,8 +144,15 @@ def parse_response(server: str, body: Any) -> Completion:
   versions = np.full(len(tokens), _version(meta.get("weight_version")), np.int32)
   for span in meta.get("weight_versions") or []:
     versions[span["start"]:span["end"]] = _version(span["version"])
+  routed = meta.get("routed_experts") if routes is not None else None
+  if routed is not None:
+    try:
+      routed = routes.decode(routed)
+    except (ValueError, TypeError) as error:
+      raise wrong(f"routed_experts is not base64 int32 [rows, {routes.num_layers}, "
+                  f"{routes.k}]: {error}") from None
   return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason["type"],
-                    versions=versions)
+                    versions=versions, routed_experts=routed)
 
 
 def parse_scores(server: str, body: Any, tokens: Sequence[int], top_k: int = 0
@@ -347,7 +387,8 @@ class SGLangClient:
 
   async def _generate(self, requests: Sequence[Request], sampling: SamplingParams,
                       stop_when: Callable[[int, Completion], bool] | None,
-                      on_ready: Callable[[dict[int, Completion]], None] | None):
+                      on_ready: Callable[[dict[int, Completion]], None] | None,
+                      routes: RoutesLayout | None):
     results: dict[int, Completion] = {}
     in_flight: dict[str, str] = {}
     stopping = False
@@ -356,14 +397,14 @@ class SGLangClient:
 
     async def one(index: int, request: Request):
       nonlocal stopping
-      sent = await self._post_generate(request_body(request, sampling), request.affinity,
-                                       limits, results, len(requests), in_flight,
-                                       lambda: stopping)
+      sent = await self._post_generate(
+          request_body(request, sampling, routed_experts=routes is not None),
+          request.affinity, limits, results, len(requests), in_flight, lambda: stopping)
       if sent is None:  # the iteration ended before this request was sent
         completion = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort",
                                 np.zeros(0, np.int32))
       else:
-        completion = parse_response(*sent)
+        completion = parse_response(*sent, routes)
       results[index] = completion
       if on_ready is not None:
         on_ready({index: completion})
@@ -408,14 +449,15 @@ class SGLangClient:
 
   def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
                stop_when: Callable[[int, Completion], bool] | None = None,
-               on_ready: Callable[[dict[int, Completion]], None] | None = None
-               ) -> list[Completion]:
-    """Completions in request order. `on_ready({index: completion})` is called (on the
+               on_ready: Callable[[dict[int, Completion]], None] | None = None,
+               routes: RoutesLayout | None = None) -> list[Completion]:
+    """Completions in request order; with `routes`, a mixture's routed experts asked for
+    and read so. `on_ready({index: completion})` is called (on the
     client's event-loop thread) as each one arrives. `stop_when(index, completion)` is
     asked as each one arrives; once it says True, requests not yet sent are not sent and
     those in flight are aborted by their rids: they return "abort" with the tokens generated
     so far (partial rollouts)."""
-    return self._run(self._generate(requests, sampling, stop_when, on_ready))
+    return self._run(self._generate(requests, sampling, stop_when, on_ready, routes))
 
   # --- control, sent to every worker
 
@@ -604,7 +646,10 @@ CAPABILITIES = Capabilities(abort=True, pause=True, serves_all_processes=True,
 class SGLangEngine:
   """The RolloutEngine over SGLang servers. `update_weights` writes a Hugging Face
   checkpoint to `weights_dir/v<version>` (a directory the servers can read; config and,
-  from `copy_from`, tokenizer files included) and syncs every server to it."""
+  from `copy_from`, tokenizer files included) and syncs every server to it. For a mixture
+  of experts every generate asks for the experts each token was routed to
+  (Completion.routed_experts, for rollout routing replay); servers started with
+  --enable-return-routed-experts return them, others none (and no error: moe.md 4.1)."""
 
   def __init__(self, client: SGLangClient, cfg, *, weights_dir: str,
                copy_from: str | None = None, version: int = 0, rid_prefix: str = "longrl",
@@ -676,7 +721,8 @@ class SGLangEngine:
       return []
     limits = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
     return self.client.generate(self.requests(prompts, limits, seed, affinity=affinity),
-                                sampling, on_ready=on_ready, stop_when=stop_when)
+                                sampling, on_ready=on_ready, stop_when=stop_when,
+                                routes=RoutesLayout.of(self.cfg))
 
   def score(self, prompts: Sequence[Sequence[int]],
             continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:

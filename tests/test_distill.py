@@ -169,7 +169,7 @@ def test_top_k_teacher_scores_and_the_students_top_k_term(tiny_cfg, tiny_params)
     np.testing.assert_allclose(from_top, s, atol=1e-6)  # the same prefill
   batch, _ = trajectory_batch(prompts, continuations,
                               _trainer_logprobs(tiny_params, tiny_cfg, prompts, continuations),
-                              [0.0] * 4, [True] * 4, 64, completion_fields={
+                              [0.0] * 4, [True] * 4, 64, token_fields={
                                   "teacher_logp": scores,
                                   "teacher_topk_ids": [ids for _, ids, _ in top],
                                   "teacher_topk_logp": [logp for _, _, logp in top]})

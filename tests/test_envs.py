@@ -185,7 +185,7 @@ def test_scripted_round_trip_masks_exactly_the_policy_tokens(tokenizer):
   # Training: the loss mask is the policy mask, shifted onto targets.
   masks = batch_lib.train_masks([episode], np.array([True]))
   batch, _ = trajectory_batch([prompt], [episode.token_ids], [episode.logprobs], [1.0], masks,
-                              32, completion_fields={
+                              32, token_fields={
                                   "turn_rewards": [episode.turn_reward_tokens()],
                                   "versions": [episode.versions]})
   p, n = len(prompt), len(transcript)
@@ -219,7 +219,7 @@ def test_a_loss_reads_the_per_turn_rewards_in_the_train_step(tokenizer, tiny_cfg
                                  seed=0)
   batch, _ = trajectory_batch([prompt], [episode.token_ids], [episode.logprobs], [1.0],
                               batch_lib.train_masks([episode], np.array([True])), 16,
-                              completion_fields={"turn_rewards": [episode.turn_reward_tokens()]})
+                              token_fields={"turn_rewards": [episode.turn_reward_tokens()]})
   optimizer = loop.rl_optimizer(1e-2)
   # Registered for this test only: the tests over every registered loss run single-turn.
   losses.register("turn_credit", advantage="group_normalized",

@@ -4,7 +4,6 @@ releases its weights and KV cache after generating (SGLang's /release_memory_occ
 waits in pinned host memory meanwhile (RLConfig.hybrid), and each step reports its switch
 seconds. Our server's release and resume behave as SGLang's (docs/sglang.md, 3(h))."""
 
-import contextlib
 import json
 import os
 import subprocess
@@ -23,26 +22,13 @@ from rl import ConfigError, sources
 from rl.config import RLConfig
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import launch, local_engine, serve
+from rollouts.server import launch, local_engine
 from rollouts.sglang import ServerError
 from tests import helpers
 from tests.test_rl import PickADigit, digit_model  # noqa: F401 - the fixture
 
 SIZES = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=4, seq_len=16)
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
-
-
-@contextlib.contextmanager
-def _serving(cfg, params, path, **options):
-  """A server in this process on checkpoint `path`: its base URL, stopped after."""
-  server = serve(cfg, params, weight_version="0", model_path=path, **options)
-  try:
-    yield f"http://127.0.0.1:{server.server_address[1]}", server.scheduler
-  finally:
-    server.shutdown()
-    with server.scheduler.lock:
-      server.scheduler.stopped = True
-      server.scheduler.lock.notify_all()
 
 
 def _generate(url, sampling=GREEDY):
@@ -67,7 +53,8 @@ def test_release_and_resume_behave_as_sglang(tiny_cfg, tiny_params, checkpoint):
   an update, SGLang's weights are undefined (ours zeros: every token 0 at log(1/vocab));
   with --enable-weights-cpu-backup they come back as they were. Without
   --enable-memory-saver a release frees nothing, and generation goes on."""
-  with _serving(tiny_cfg, tiny_params, checkpoint, memory_saver=True) as (url, scheduler):
+  with helpers.serving(tiny_cfg, tiny_params, model_path=checkpoint,
+                       memory_saver=True) as (url, scheduler):
     before = _generate(url).json()
     assert httpx.get(url + "/server_info").json()["enable_memory_saver"] is True
     _post(url, "/pause_generation", {"mode": "abort"})
@@ -90,14 +77,14 @@ def test_release_and_resume_behave_as_sglang(tiny_cfg, tiny_params, checkpoint):
     np.testing.assert_allclose([lp for lp, *_ in undefined["meta_info"][
         "output_token_logprobs"]], -np.log(tiny_cfg.vocab_size), rtol=1e-5)
 
-  with _serving(tiny_cfg, tiny_params, checkpoint, memory_saver=True,
-                weights_cpu_backup=True) as (url, _):
+  with helpers.serving(tiny_cfg, tiny_params, model_path=checkpoint, memory_saver=True,
+                       weights_cpu_backup=True) as (url, _):
     for path in ("/pause_generation", "/release_memory_occupation",
                  "/resume_memory_occupation", "/continue_generation"):
       _post(url, path)
     assert _generate(url).json()["output_ids"] == before["output_ids"]
 
-  with _serving(tiny_cfg, tiny_params, checkpoint) as (url, scheduler):
+  with helpers.serving(tiny_cfg, tiny_params, model_path=checkpoint) as (url, scheduler):
     _post(url, "/release_memory_occupation")  # idle: no pause needed
     assert scheduler.params is not None
     assert _generate(url).json()["output_ids"] == before["output_ids"]
@@ -111,7 +98,8 @@ def test_what_takes_a_released_server_down(tiny_cfg, tiny_params, checkpoint, mi
   --enable-memory-saver) a request or a weight load on released memory, such as the
   router's health check when the server was not paused first. Ours fails the call with a
   500 and answers 503 to /health from then on (launched, its process exits)."""
-  with _serving(tiny_cfg, tiny_params, checkpoint, memory_saver=True) as (url, scheduler):
+  with helpers.serving(tiny_cfg, tiny_params, model_path=checkpoint,
+                       memory_saver=True) as (url, scheduler):
     if misuse == "busy":
       long = threading.Thread(target=_generate, args=(url, {"max_new_tokens": 2000}),
                               daemon=True)

@@ -229,7 +229,7 @@ def test_train_step_is_invariant_to_micro_batching_and_packing(name, tiny_cfg, t
     pick = lambda xs: [xs[i] for i in order]
     batch, _ = trajectory_batch(pick(prompts), pick(completions), pick(logp), pick(adv),
                                 pick(keep), seq_len=16, row_multiple=row_multiple,
-                                completion_fields={k: pick(v) for k, v in fields.items()})
+                                token_fields={k: pick(v) for k, v in fields.items()})
     step = steps[micro]
     state, metrics = step(init_train_state(tiny_params, optimizer),
                           jax.tree.map(jnp.asarray, batch), tiny_params)

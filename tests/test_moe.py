@@ -5,8 +5,12 @@ the routes a forward pass returns and routing replay, routing metrics, and the c
 that cannot run refused. tests/test_hf.py runs the family through every
 Hugging Face check the dense families pass (greedy generation, exports, bf16)."""
 
+import base64
 import dataclasses
+import threading
+import time
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,13 +19,16 @@ import torch  # the test extra pins the CPU wheel
 import transformers
 
 from models import hf, sharding, transformer
-from models.config import ModelConfig, MoeConfig
+from models.config import ModelConfig, MoeConfig, tiny
+from rl import batch as batch_lib
 from rl.config import RLConfig
 from rl.packing import trajectory_batch
 from rl.tasks.arithmetic import Arithmetic
-from rl.train_step import policy_logprobs
+from rl.train_step import policy_logprobs, replayed_routes
+from rl.trajectory import Trajectory
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
+from rollouts.sglang import SGLangClient, SGLangEngine
 from tests import helpers
 
 VOCAB = 96
@@ -241,26 +248,36 @@ def test_routing_metrics_on_hand_made_routes():
   assert float(m["expert_load_cv"]) == pytest.approx(0.0)
   assert float(m["expert_load_max"]) == pytest.approx(1.0)
   assert float(m["router_entropy"]) == pytest.approx(0.5)
-  assert float(m["routing_differs"]) == 0.0
-  # Every real token to experts 0 and 1 (two of four: max share 1/2, times E = 2); the
-  # router's own choice differs on 4 of the 6 real tokens (row 0's first lists 0 and 1 in the
-  # other order: not a difference).
+  assert "routing_differs" not in m  # no engine routes to compare with
+  # Every real token to experts 0 and 1 (two of four: max share 1/2, times E = 2).
   collapsed = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (2, 4, 1, 2))
-  native = balanced.at[0, 0, 0].set(jnp.array([1, 0]))
-  m = transformer.routing_metrics(transformer.Route(collapsed, native, entropy), mask, 4)
+  m = transformer.routing_metrics(transformer.Route(collapsed, balanced, entropy), mask, 4)
   assert float(m["expert_load_cv"]) == pytest.approx(1.0)  # counts 6, 6, 0, 0
   assert float(m["expert_load_max"]) == pytest.approx(2.0)
-  assert float(m["routing_differs"]) == pytest.approx(4 / 6)
+  # The engine's routes: row 0's first token lists 0 and 1 in the other order (the same
+  # set), row 0's last was not recorded (-1), row 1's padding is anything. Of the 5 recorded
+  # real tokens, the experts taken (collapsed) differ on 3 ([2, 3], [0, 2], [1, 2]) and the
+  # router's own (balanced) on 1 (row 1's second, [1, 3] against [1, 2]).
+  engine = balanced.at[0, 0, 0].set(jnp.array([1, 0])).at[0, 3, 0].set(-1)
+  engine = engine.at[1, 1, 0].set(jnp.array([1, 2])).at[1, 2, 0].set(jnp.array([3, 3]))
+  m = transformer.routing_metrics(transformer.Route(collapsed, balanced, entropy), mask, 4,
+                                  engine)
+  assert float(m["routing_differs"]) == pytest.approx(3 / 5)
+  assert float(m["router_differs"]) == pytest.approx(1 / 5)
+
+
+def _small_mixture(vocab_size: int) -> ModelConfig:
+  """The tiny config's Qwen3-MoE at the size of the tests' tiny model: layer 1 sparse, 8
+  experts, 2 a token."""
+  return tiny(vocab_size, hidden_size=32, intermediate_size=64,
+              moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=16,
+                            dense_layers=(0,)))
 
 
 def test_an_rl_step_on_a_mixture_logs_its_routing(tokenizer):
   """The loop on a small Qwen3-MoE (embedded engine, k1.5): its train step logs the routing
   over the batch's real tokens, and the router is trained."""
-  cfg = ModelConfig(family="qwen3_moe", vocab_size=tokenizer.vocab_size, hidden_size=32,
-                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                    intermediate_size=64, qkv_bias=False,
-                    moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=16,
-                                  dense_layers=(0,)))
+  cfg = _small_mixture(tokenizer.vocab_size)
   params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   config = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=6, seq_len=32)
   steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params), tokenizer=tokenizer,
@@ -272,6 +289,148 @@ def test_an_rl_step_on_a_mixture_logs_its_routing(tokenizer):
   trained = record.state.train.params["layers_1"]["mlp"]
   assert np.abs(np.asarray(trained["gate"]["kernel"])
                 - np.asarray(params["layers_1"]["mlp"]["gate"]["kernel"])).max() > 0
+
+
+def test_routing_replay_in_the_loop(tokenizer):
+  """The embedded engine in bf16, the trainer in float32: the same first step (the same
+  rollouts) without and with routing replay. The trajectories keep the engine's routes of
+  every input token, the batch carries them; without replay the trainer routes some tokens
+  otherwise than the engine did and its log-probs differ more; with replay it routes none
+  otherwise, while its router alone would route the same tokens otherwise as before (one
+  sparse layer: the replay cannot change its input)."""
+  cfg = _small_mixture(tokenizer.vocab_size)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(1))
+  config = RLConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, seq_len=32,
+                    minibatches=1)
+  first = {}
+  for replay in (False, True):
+    steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params, dtype="bfloat16"),
+                             tokenizer=tokenizer, task=Arithmetic(digits=1, operands=2),
+                             loss="k1.5", config=config, replay=replay)
+    first[replay] = next(steps)
+  off, on = first[False], first[True]
+  assert [t.token_ids for t in off.trajectories] == [t.token_ids for t in on.trajectories]
+  for t in on.trajectories:
+    assert t.routed_experts.shape == (len(t.prompt_ids) + len(t.token_ids) - 1, 1, 2)
+  assert off.metrics["routing_differs"] > 0
+  assert off.metrics["router_differs"] == off.metrics["routing_differs"]
+  assert on.metrics["routing_differs"] == 0.0
+  assert on.metrics["router_differs"] == pytest.approx(off.metrics["routing_differs"])
+  assert on.metrics["engine_logp_diff_mean"] < off.metrics["engine_logp_diff_mean"]
+  assert on.metrics["engine_logp_diff_max"] < off.metrics["engine_logp_diff_max"]
+
+
+def test_the_batch_carries_each_trajectorys_routes_at_its_tokens():
+  """rl.batch packs routed_experts with the tokens they routed: a trajectory's whole
+  sequence (prompt and continuation but the last token), -1 past what the engine reported
+  (an environment's last observation) and for a trajectory it reported none of; 0 on
+  padding. Replay then needs them: a batch without any is refused."""
+  layers, k = 2, 3
+  reported = [np.arange(8 * layers * k, dtype=np.int32).reshape(8, layers, k),
+              np.full((3, layers, k), 7, np.int32)]
+  trajectories = [
+      Trajectory({}, (1, 2, 3), group=0, token_ids=[4, 5, 6, 7, 8, 9], logprobs=[0.0] * 6,
+                  versions=[0] * 6, policy_mask=[True] * 6, routed_experts=reported[0]),
+      Trajectory({}, (1, 2), group=0, token_ids=[4, 5, 6], logprobs=[0.0] * 3,
+                  versions=[0] * 3, policy_mask=[True, True, False], routed_experts=reported[1]),
+      Trajectory({}, (1, 2), group=0, token_ids=[4], logprobs=[0.0], versions=[0],
+                  policy_mask=[True])]
+  fields = batch_lib.trajectory_fields(trajectories, frozenset())
+  [batch] = batch_lib.minibatches(trajectories, np.zeros(3), [np.ones(len(t.token_ids), bool)
+                                                              for t in trajectories],
+                                  RLConfig(seq_len=16), fields)
+  routes = np.asarray(batch.routed_experts)
+  assert routes.shape == batch.tokens.shape + (layers, k)
+  want = [reported[0], np.concatenate([reported[1], np.full((1, layers, k), -1)]),
+          np.full((2, layers, k), -1)]
+  segments = {}  # a segment's input tokens -> its routes
+  for row, ids in enumerate(np.asarray(batch.segment_ids)):
+    for segment in set(ids.tolist()) - {0}:
+      where = np.flatnonzero(ids == segment)
+      segments[tuple(np.asarray(batch.tokens)[row, where].tolist())] = routes[row, where]
+  for t, expected in zip(trajectories, want):
+    inputs = (list(t.prompt_ids) + t.token_ids)[:-1]
+    np.testing.assert_array_equal(segments[tuple(inputs)], expected)
+  np.testing.assert_array_equal(routes[np.asarray(batch.segment_ids) == 0], 0)
+  assert "routed_experts" not in batch_lib.trajectory_fields(trajectories[2:], frozenset())
+  with pytest.raises(ValueError, match="engine reported none"):
+    replayed_routes(batch.replace(routed_experts=None), True)
+
+
+def _routes_of(params, cfg, sequence) -> np.ndarray:
+  """The experts a forward pass over `sequence` sends each token but the last to, as sets:
+  i32[len - 1, sparse layers, k] sorted along k."""
+  n = len(sequence)
+  _, route = transformer.forward_with_routes(params, cfg, jnp.asarray([sequence]),
+                                             jnp.arange(n)[None], jnp.ones((1, n), jnp.int32))
+  return np.sort(np.asarray(route.experts[0, :n - 1]), axis=-1)
+
+
+def test_the_server_returns_routed_experts_as_sglang_does(checkpoint, tmp_path):
+  """rollouts.server with --enable-return-routed-experts answers return_routed_experts as
+  SGLang 0.5.23 does (moe.md section 4): meta_info.routed_experts, base64 of int32 [prompt +
+  completion - 1 - start_len, every layer, k] (the dense layers' 0), from
+  routed_experts_start_len on, a start past the prompt refused with SGLang's message; a
+  resumed request's prefix from the cache keeps the routes it was computed with; without the
+  flag, or without asking, no field. The client reads them into Completion.routed_experts
+  (the sparse layers'), which equal the experts a forward pass chooses."""
+  cfg, params = hf.load(checkpoint[0])
+  prompt = [5, 17, 33, 2]
+
+  def ask(url, **extra):
+    return httpx.post(url + "/generate", timeout=60, json={
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 1.0},
+        **extra})
+
+  with helpers.serving(cfg, params, return_routed_experts=True) as (url, _):
+    reply = ask(url, return_routed_experts=True).json()
+    sequence = prompt + reply["output_ids"]
+    rows = np.frombuffer(base64.b64decode(reply["meta_info"]["routed_experts"]), "<i4")
+    rows = rows.reshape(len(sequence) - 1, 3, 2)
+    assert not rows[:, [0, 2]].any()  # layers 0 and 2 are dense
+    np.testing.assert_array_equal(np.sort(rows[:, 1:2], -1), _routes_of(params, cfg, sequence))
+    late = ask(url, return_routed_experts=True, routed_experts_start_len=3).json()
+    assert len(base64.b64decode(late["meta_info"]["routed_experts"])) == (
+        len(prompt) + len(late["output_ids"]) - 1 - 3) * 3 * 2 * 4
+    refused = ask(url, return_routed_experts=True, routed_experts_start_len=5)
+    assert refused.status_code == 400
+    assert "routed_experts_start_len=5 is higher than the number of input tokens" in (
+        refused.json()["error"]["message"])
+    assert "routed_experts" not in ask(url).json()["meta_info"]
+    assert httpx.get(url + "/server_info").json()["enable_return_routed_experts"] is True
+    # A request aborted mid-way leaves its prefix cached; resumed, the routes come from there.
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(reply=ask(
+        url, rid="long", return_routed_experts=True,
+        sampling_params={"max_new_tokens": 1000}).json()))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not httpx.get(url + "/v1/loads").json()["loads"][0]["num_running_reqs"]:
+      assert time.monotonic() < deadline, "the long request never ran"
+      time.sleep(0.02)
+    httpx.post(url + "/abort_request", json={"rid": "long"})
+    thread.join(60)
+    partial = out["reply"]
+    assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+    resumed = ask(url, input_ids=prompt + partial["output_ids"], return_routed_experts=True)
+    resumed = resumed.json()
+    assert resumed["meta_info"]["cached_tokens"] == len(prompt) + len(partial["output_ids"])
+    for sent, reply in ((prompt, partial), (prompt + partial["output_ids"], resumed)):
+      sequence = sent + reply["output_ids"]
+      rows = np.frombuffer(base64.b64decode(reply["meta_info"]["routed_experts"]), "<i4")
+      np.testing.assert_array_equal(np.sort(rows.reshape(-1, 3, 2)[:, 1:2], -1),
+                                    _routes_of(params, cfg, sequence))
+    engine = SGLangEngine(SGLangClient([url]), cfg, weights_dir=str(tmp_path))
+    try:
+      made = engine.generate([prompt, prompt[:2]], SamplingParams(5), seed=0)
+    finally:
+      engine.close()
+    for sent, completion in zip((prompt, prompt[:2]), made):
+      np.testing.assert_array_equal(
+          np.sort(completion.routed_experts, -1),
+          _routes_of(params, cfg, sent + completion.token_ids.tolist()))
+  with helpers.serving(cfg, params) as (url, _):
+    assert "routed_experts" not in ask(url, return_routed_experts=True).json()["meta_info"]
 
 
 def test_the_engine_records_where_it_routed_each_token_as_the_trainer_routes_it(checkpoint):

@@ -19,6 +19,7 @@ PARTIAL_LAMBDA = os.path.join(ROOT, "experiments/configs/partial_lambda.gin")
 EFFORT = os.path.join(ROOT, "experiments/configs/effort.gin")
 EFFORT_EVAL = os.path.join(ROOT, "experiments/configs/effort_eval.gin")
 LONG_CONTEXT = os.path.join(ROOT, "experiments/configs/long_context.gin")
+QUICKSTART_MOE = os.path.join(ROOT, "experiments/configs/quickstart_moe.gin")
 
 
 def run(*args, env_extra=None):
@@ -43,6 +44,8 @@ def run(*args, env_extra=None):
     (["--gin", QUICKSTART, "--gin", CONTEXT_PARALLEL, "--gin_param", "tiny.attention = 'dense'"],
      "attention='dense' cannot run context-parallel"),
     (["--gin", QUICKSTART, "--gin", PARTIAL], "an engine that can abort requests"),
+    (["--gin", QUICKSTART, "--gin_param", "Objective.routing_replay = True"],
+     "routing_replay is for a mixture of experts"),
     (["--gin", QUICKSTART, "--gin_param", "Objective.correction = @drop()"],
      "No configurable matching reference '@drop()'"),
     (["--gin", QUICKSTART, "--gin_param", "train.rollouts = @Ahead()",
@@ -126,6 +129,21 @@ def test_an_int4_engine_run_logs_its_mismatch_with_the_trainer(tmp_path):
   step = next(r for r in records if "train_s" in r)
   assert step["engine_kl_k3"] > 1e-4
   assert 0.0 <= step["would_mask_icepop"] <= 1.0
+
+
+def test_the_moe_quickstart_replays_the_engines_routing(tmp_path):
+  """quickstart_moe.gin shrunk: a tiny Qwen3-MoE, the embedded engine in bf16, routing
+  replay: no token routed otherwise than the engine, and the router's own disagreement
+  logged beside it."""
+  run_dir = tmp_path / "run"
+  result = run("--gin", QUICKSTART_MOE, "--gin", TINY, "--run_dir", str(run_dir),
+               "--gin_param", "Hooks.progress = False", "--gin_param", "RLConfig.num_steps = 1")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+  step = next(r for r in records if "train_s" in r)
+  assert step["routing_differs"] == 0.0
+  assert 0.0 <= step["router_differs"] <= 1.0
+  assert 0.0 < step["router_entropy"] <= np.log(8)
 
 
 def test_long_context_config_runs_its_rl_step(tmp_path):

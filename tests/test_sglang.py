@@ -670,7 +670,7 @@ def test_offpolicy_tokens_masked_or_importance_weighted():
   assert [m.tolist() for m in masks] == [[True] * 4, [False] * 2]
   batch, _ = trajectory_batch([[1, 2], [1]], [[5, 6, 7, 8], [5, 6]],
                               [np.log([0.5, 0.5, 0.5, 0.5]), np.log([0.5, 0.5])], [2.0, 2.0],
-                              masks, 16, completion_fields=batch_lib.trajectory_fields(
+                              masks, 16, token_fields=batch_lib.trajectory_fields(
                                   trajectories, {"versions"}))
   # "mask" drops the tokens older than the step's version: only version 4's stay.
   masked, _ = corrections.mask_stale().apply(batch, step=4, trainer_logp=None)

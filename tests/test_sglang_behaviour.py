@@ -4,7 +4,6 @@ the lines of SGLang behind every one): aborts by exact live rid, duplicate rids 
 /health blocking while paused (and the router's 503 meanwhile), a failed update, deadlines on
 control calls, sampling_seed only with deterministic inference, the served dtype."""
 
-import contextlib
 import dataclasses
 import os
 import signal
@@ -21,23 +20,11 @@ from models import hf
 from rollouts import router
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import launch, serve, served_dtype
+from rollouts.server import launch, served_dtype
 from rollouts.sglang import Request, SGLangClient, SGLangEngine, ServerError, remote_engine
+from tests import helpers
 
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
-
-
-@contextlib.contextmanager
-def _serving(cfg, params, **options):
-  """A server in this process (rollouts.server.serve): its base URL, stopped after."""
-  server = serve(cfg, params, weight_version="0", **options)
-  try:
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-  finally:
-    server.shutdown()
-    with server.scheduler.lock:
-      server.scheduler.stopped = True
-      server.scheduler.lock.notify_all()
 
 
 def _in_background(function):
@@ -77,7 +64,7 @@ def test_only_an_exact_live_rid_aborts_and_partial_rollouts_keep_their_budget(ti
                                                                                 tmp_path):
   """SGLang's /abort_request drops a rid it does not hold (a prefix aborts nothing); the
   client aborts a call's requests in flight by their own rids, so a token budget holds."""
-  with _serving(tiny_cfg, tiny_params) as url:
+  with helpers.serving(tiny_cfg, tiny_params) as (url, _):
     thread, out = _in_background(lambda: _generate(url, "long-1", 300).json())
     _wait(lambda: _running(url), what="the request running")
     for rid in ("long-", "", "long-1#0", "other"):
@@ -106,7 +93,7 @@ def test_only_an_exact_live_rid_aborts_and_partial_rollouts_keep_their_budget(ti
 def test_a_live_rid_is_refused_and_a_retry_goes_under_a_fresh_one(tiny_cfg, tiny_params):
   """SGLang refuses a rid it still holds (400, "Duplicate request ID detected"), also while
   paused; the client's retry after a read timeout sends the request under a rid of its own."""
-  with _serving(tiny_cfg, tiny_params) as url:
+  with helpers.serving(tiny_cfg, tiny_params) as (url, _):
     assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}).json() == PAUSED
     first, _ = _in_background(lambda: _generate(url, "dup", 4))
     time.sleep(0.3)
@@ -130,7 +117,7 @@ def test_a_live_rid_is_refused_and_a_retry_goes_under_a_fresh_one(tiny_cfg, tiny
 def test_a_failed_weight_update_leaves_the_server_serving(tiny_cfg, tiny_params, tmp_path):
   """The update fails (no checkpoint there): the client resumes the worker it paused before
   it reports the error (a paused SGLang worker makes every later request wait)."""
-  with _serving(tiny_cfg, tiny_params) as url:
+  with helpers.serving(tiny_cfg, tiny_params) as (url, _):
     client = SGLangClient([url], retries=0)
     try:
       with pytest.raises(ServerError, match="update_weights_from_disk"):
@@ -148,7 +135,7 @@ def test_an_update_whose_cache_flush_is_refused_fails(tiny_cfg, tiny_params, tmp
   version stays (weight_updater.py L120-133); /flush_cache is refused alike until the
   request is let go and finishes. Paused with abort (as the client pauses) it succeeds."""
   path = hf.save(tiny_params, tiny_cfg, str(tmp_path / "v1"))
-  with _serving(tiny_cfg, tiny_params) as url:
+  with helpers.serving(tiny_cfg, tiny_params) as (url, _):
     thread, out = _in_background(lambda: _generate(url, "long", 1000).json())
     _wait(lambda: _running(url) == 1, what="the request running")
     httpx.post(url + "/pause_generation", json={"mode": "in_place"})
@@ -176,7 +163,7 @@ def test_ready_stays_503_after_a_failed_health_check_until_one_passes(tiny_cfg, 
   SGLANG_HEALTH_CHECK_TIMEOUT), and /ready answers 503 until a check passes again, even
   after /continue_generation (http_server.py L784-798, tokenizer_manager.py L728-734)."""
   monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "0.5")
-  with _serving(tiny_cfg, tiny_params) as url:
+  with helpers.serving(tiny_cfg, tiny_params) as (url, _):
     assert httpx.get(url + "/ready").status_code == 200
     httpx.post(url + "/pause_generation", json={"mode": "abort"})
     assert httpx.get(url + "/health", timeout=30).status_code == 503
@@ -191,7 +178,7 @@ def test_health_blocks_while_paused_and_the_router_is_waited_out(tiny_cfg, tiny_
   """SGLang's /health generates a token: it blocks while the worker is paused (or loads
   weights) and answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT; /ready is 503 while paused.
   The router then marks the worker unhealthy and answers 503: the client waits that out."""
-  with _serving(tiny_cfg, tiny_params) as url:
+  with helpers.serving(tiny_cfg, tiny_params) as (url, _):
     assert httpx.get(url + "/health", timeout=30).status_code == 200  # compiles its shape
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
     httpx.post(url + "/pause_generation", json={"mode": "abort"})
@@ -255,12 +242,12 @@ def test_sampling_seed_is_honoured_only_with_deterministic_inference(tiny_cfg, t
     return [_generate(url, f"s{i}-{seed}", 12, sampling=sampling).json()["output_ids"]
             for i in range(2)]
 
-  with _serving(tiny_cfg, tiny_params) as url:
+  with helpers.serving(tiny_cfg, tiny_params) as (url, _):
     assert twice(url, 7)[0] != twice(url, 7)[1]  # 12 tokens from a near-uniform model
     monkeypatch.setenv("LONGRL_DETERMINISTIC", "1")
     with pytest.raises(ServerError, match="enable-deterministic-inference"):
       remote_engine(tiny_cfg, tiny_params, 0, urls=[url], weights_dir="unused")
-  with _serving(tiny_cfg, tiny_params, deterministic=True) as url:
+  with helpers.serving(tiny_cfg, tiny_params, deterministic=True) as (url, _):
     same = twice(url, 7)
     assert same[0] == same[1] and twice(url, None)[0] == twice(url, 42)[0]
     engine = remote_engine(tiny_cfg, tiny_params, 0, urls=[url], weights_dir=str(tmp_path))
@@ -296,7 +283,7 @@ def test_held_requests_last_vocabulary_ids_and_empty_spans_as_sglang_has_them(ti
   pause is lost (it runs once let through); an input id >= vocab_size - 1 comes back as 0 in
   input_token_logprobs (teacher scoring copes); a response without tokens has one empty
   weight-version span."""
-  with _serving(tiny_cfg, tiny_params) as url:
+  with helpers.serving(tiny_cfg, tiny_params) as (url, _):
     httpx.post(url + "/pause_generation", json={"mode": "in_place"})
     thread, out = _in_background(lambda: _generate(url, "held", 5).json())
     time.sleep(0.3)

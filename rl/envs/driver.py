@@ -152,6 +152,8 @@ def _extend(t: Trajectory, completion: Completion) -> None:
   t.versions += [int(v) for v in completion.versions]
   t.policy_mask += [True] * n
   t.policy_count += n
+  if completion.routed_experts is not None and n:  # the sequence's inputs so far
+    t.routed_experts = completion.routed_experts
 
 
 def _answer(t: Trajectory, state: Any, observation: Observation, limits: _Limits) -> None:
@@ -202,10 +204,7 @@ class _Wave:
       for index, completion in ready.items():
         t, allowance = self.members[index], self.allowances[index]
         self.arrived.add(index)
-        if len(completion.token_ids) > allowance:  # an engine that ignored its limit
-          completion = Completion(completion.token_ids[:allowance],
-                                  completion.logprobs[:allowance], "length",
-                                  completion.versions[:allowance])
+        completion = completion.cut(allowance)  # for an engine that ignored its limit
         self.generated += len(completion.token_ids)
         _extend(t, completion)
         reason = _turn_ended(t, completion, self.stops, self.tokenizer,
