@@ -60,7 +60,7 @@ CONFIGS = os.path.join(ROOT, "experiments/configs/findings")
 NOTEBOOKS = os.path.join(ROOT, "experiments/notebooks/findings")
 TINY = ["experiments/configs/tiny.gin"]
 # The long model of finding h must solve some prompts even in the smoke test: more SFT.
-TINY_BINDINGS = ["Arithmetic.filler = 1", "BUDGET = 10", "Evaluation.every = 1",
+TINY_BINDINGS = ["Arithmetic.filler = 1", "BUDGET = 10", "Evaluation.every = 2",
                  "WarmStart.steps = 300", "Hooks.checkpoint_every = 100",
                  "Arithmetic.num_train = 2000",
                  "RLConfig.num_steps = 2", "SampledEval.samples = 4", "SampledEval.ks = (1, 4)",

@@ -10,8 +10,9 @@ seed<k>, skipping finished ones). Per step each logs the engine-trainer log-prob
 over the completion tokens before the update (engine_logp_diff_mean / _max), the share of
 tokens the trainer routed otherwise than the engine (routing_differs) and where its router
 alone would have (router_differs); each run's summary holds its held-out greedy accuracy
-after SFT and after RL. Per seed, the medians over steps and the accuracies go to
-DOCS/results.json, seed 0's curves to DOCS/plot.png, and a table to stdout.
+after SFT and after RL. Per seed, the medians, means and maxima over steps and the
+accuracies go to DOCS/results.json, seed 0's curves to DOCS/plot.png, and a table of the
+means (and the largest engine_logp_diff_max) to stdout.
 """
 
 import argparse
@@ -37,14 +38,15 @@ METRICS = ("engine_logp_diff_mean", "engine_logp_diff_max", "routing_differs",
 
 
 def read_run(run_dir: str) -> dict:
-  """A run's per-step METRICS, their medians over steps, and its accuracies after SFT and
-  after RL."""
+  """A run's per-step METRICS, their medians, means and maxima over steps, and its
+  accuracies after SFT and after RL."""
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   steps = [r for r in records if "train_s" in r]
   summary = json.load(open(os.path.join(run_dir, "summary.json")))
   curves = {m: [r[m] for r in steps] for m in METRICS}
   return {"curves": {"step": [r["step"] for r in steps], **curves},
-          "median": {m: float(np.median(v)) for m, v in curves.items()},
+          **{stat: {m: float(f(v)) for m, v in curves.items()}
+             for stat, f in (("median", np.median), ("mean", np.mean), ("max", np.max))},
           "sft_accuracy": summary["sft_accuracy"], "rl_accuracy": summary["rl_accuracy"]}
 
 
@@ -91,11 +93,12 @@ def main(argv=None) -> None:
                                                       if k != "curves"} for run in seeds]
                                              for name, seeds in runs.items()}}, f, indent=1)
   plot({name: seeds[0] for name, seeds in runs.items()}, os.path.join(args.docs, "plot.png"))
-  print(f"{'replay':8s}{'seed':>5s}" + "".join(f"{m:>23s}" for m in METRICS)
-        + f"{'sft -> rl':>16s}")
+  print(f"{'replay':8s}{'seed':>5s}" + "".join(f"{'mean ' + m:>28s}" for m in METRICS)
+        + f"{'largest diff_max':>18s}{'sft -> rl':>16s}")
   for name, seeds in runs.items():
     for k, run in enumerate(seeds):
-      print(f"{name:8s}{k:5d}" + "".join(f"{run['median'][m]:23.4g}" for m in METRICS)
+      print(f"{name:8s}{k:5d}" + "".join(f"{run['mean'][m]:28.4g}" for m in METRICS)
+            + f"{run['max']['engine_logp_diff_max']:18.4g}"
             + f"{run['sft_accuracy']:10.3f} -> {run['rl_accuracy']:.3f}")
 
 

@@ -12,6 +12,7 @@ models/transformer.py computes their frequencies.
 """
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -93,18 +94,53 @@ class MoeConfig:
   """The sparse layers of a mixture of experts (Qwen3-MoE's spelling in config.json:
   num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
   decoder_sparse_step, mlp_only_layers). Layer l is sparse when l is not in `dense_layers`
-  and (l + 1) % sparse_step == 0; the others are the dense MLP of intermediate_size."""
+  and (l + 1) % sparse_step == 0; the others are the dense MLP of intermediate_size.
+
+  DeepSeek-V3's router (n_group, topk_group, routed_scaling_factor, n_shared_experts,
+  first_k_dense_replace in its config.json): `scoring` "sigmoid" scores each expert on its
+  own; with a `correction_bias` (e_score_correction_bias, which loss-free balancing moves)
+  added to the scores for choosing only; the experts in `groups` groups of which the
+  `top_groups` best (each by its two best scores) are eligible; the k weights, renormalised
+  or not, times `scaling`; and beside the routed experts a shared SwiGLU of width
+  `shared_size` that every token goes through.
+
+  capacity_factor: None runs every (token, expert) pair (dropless); a factor f gives each
+  expert room for ceil(f * T * k / E) of a forward pass's T tokens' pairs and drops the rest
+  (GShard's capacity; padding tokens take room too), for backends without grouped matrix
+  products (XLA:CPU: bench/moe.py)."""
   num_experts: int
   experts_per_token: int
   expert_size: int  # each expert's SwiGLU width
   normalize_weights: bool = False  # the k routing weights renormalised to sum to 1
   sparse_step: int = 1
   dense_layers: tuple[int, ...] = ()
+  scoring: str = "softmax"  # or "sigmoid"
+  correction_bias: bool = False
+  groups: int = 1
+  top_groups: int = 1
+  scaling: float = 1.0
+  shared_size: int = 0
+  capacity_factor: float | None = None
+
+  def capacity(self, tokens: int) -> int:
+    """Pairs an expert has room for in a forward pass over `tokens` tokens."""
+    return math.ceil(self.capacity_factor * tokens * self.experts_per_token / self.num_experts)
 
   def __post_init__(self):
     if not 0 < self.experts_per_token <= self.num_experts:
       raise ValueError(f"MoeConfig: experts_per_token={self.experts_per_token} must be in "
                        f"[1, num_experts={self.num_experts}]")
+    if self.scoring not in ("softmax", "sigmoid"):
+      raise ValueError(f"MoeConfig.scoring={self.scoring!r}; choose 'softmax' or 'sigmoid'")
+    if self.num_experts % self.groups or not 0 < self.top_groups <= self.groups:
+      raise ValueError(f"MoeConfig: groups={self.groups} must divide num_experts="
+                       f"{self.num_experts}, and top_groups={self.top_groups} be in [1, groups]")
+    if self.capacity_factor is not None and self.capacity_factor <= 0:
+      raise ValueError(f"MoeConfig.capacity_factor={self.capacity_factor} must be > 0 (None: "
+                       "dropless)")
+    if self.experts_per_token > self.top_groups * (self.num_experts // self.groups):
+      raise ValueError(f"MoeConfig: {self.top_groups} of {self.groups} groups hold fewer than "
+                       f"experts_per_token={self.experts_per_token} experts")
 
 
 @dataclasses.dataclass(frozen=True)

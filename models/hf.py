@@ -196,6 +196,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     hf["mlp_bias"] = False
   if cfg.moe is not None:
     m = cfg.moe
+    if (m.scoring, m.correction_bias, m.groups, m.scaling, m.shared_size) != (
+        "softmax", False, 1, 1.0, 0):
+      raise ValueError("hf.save: Qwen3-MoE's config.json holds no sigmoid scoring, correction "
+                       "bias, expert groups, routed scaling or shared experts (DeepSeek-V3's "
+                       f"router), and this MoeConfig has them: {m}")
     hf.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
               moe_intermediate_size=m.expert_size, norm_topk_prob=m.normalize_weights,
               decoder_sparse_step=m.sparse_step, mlp_only_layers=list(m.dense_layers),
@@ -489,6 +494,7 @@ def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ValueError(f"hf.save: unknown quantization {quantization!r}; choose one of "
                      f"{sorted(QUANTIZATIONS)} or None")
+  hf_config = config_to_hf(cfg)  # first: it refuses what no config.json could say
   os.makedirs(out_dir, exist_ok=True)
   dtype = np.dtype(_DTYPES[cfg.param_dtype])
   plan: list[list[_Tensor]] = [[]]
@@ -518,7 +524,6 @@ def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2
     with open(os.path.join(out_dir, INDEX), "w") as f:
       json.dump({"metadata": {"total_size": total},
                  "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-  hf_config = config_to_hf(cfg)
   if quantization is not None:
     hf_config["quantization_config"] = QUANTIZATIONS[quantization]
   with open(os.path.join(out_dir, "config.json"), "w") as f:

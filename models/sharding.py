@@ -124,6 +124,7 @@ _PARAM_AXES = {
     ("gate", "kernel"): (EMBED, None),
     ("mlp", "experts_gate_proj"): (None, EMBED, MLP), ("mlp", "experts_up_proj"): (None, EMBED, MLP),
     ("mlp", "experts_down_proj"): (None, MLP, EMBED),
+    ("mlp", "e_score_correction_bias"): (None,),  # DeepSeek-V3's, [E]
 }
 
 

@@ -39,8 +39,8 @@ import numpy as np
 from models import quantize
 from models import sharding as shd
 from models.attention import dispatch, ring
-from models.config import (DynamicRope, Llama3Rope, LinearRope, ModelConfig, RopeScaling,
-                           YarnRope)
+from models.config import (DynamicRope, Llama3Rope, LinearRope, ModelConfig, MoeConfig,
+                           RopeScaling, YarnRope)
 
 
 class KVCache(NamedTuple):
@@ -320,15 +320,18 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nn.Module):
+  """The SwiGLU MLP, of width `size` (default cfg.intermediate_size)."""
   cfg: ModelConfig
+  size: int | None = None
 
   @nn.compact
   def __call__(self, x):
     dense = lambda size, name: _projection(
         self.cfg, nn.Dense, size, use_bias=False, dtype=self.cfg.compute_dtype,
         param_dtype=self.cfg.param_dtype, name=name)
-    hidden = swiglu(on_tokens(dense(self.cfg.intermediate_size, "gate_proj"), x),
-                    on_tokens(dense(self.cfg.intermediate_size, "up_proj"), x))
+    size = self.size or self.cfg.intermediate_size
+    hidden = swiglu(on_tokens(dense(size, "gate_proj"), x),
+                    on_tokens(dense(size, "up_proj"), x))
     hidden = shd.constrain(hidden, shd.BATCH, shd.SEQ, shd.ACT_MLP)
     return on_tokens(dense(self.cfg.hidden_size, "down_proj"), hidden)
 
@@ -352,14 +355,70 @@ def dropless_experts(x, experts, weights, gate, up, down):
                     weights.astype(jnp.float32)).astype(x.dtype)
 
 
+def capacity_experts(x, experts, weights, gate, up, down, capacity: int):
+  """dropless_experts with room for `capacity` (token, expert) pairs an expert (GShard's
+  capacity factor): each expert's pairs, in token order, fill its [capacity, H] buffer and
+  those past it are dropped (they add nothing; the token keeps its other experts and the
+  residual). The experts then run as one batched product over [E, capacity, H], capacity /
+  (T k / E) times the FLOPs of the pairs, where a backend without grouped products (XLA:CPU
+  masks every group over all rows) computes dropless_experts at E times. Equal to
+  dropless_experts when no expert gets more than `capacity` pairs.
+
+  x [T, H]; experts i32[T, k]; weights [T, k]; gate, up [E, H, I]; down [E, I, H] -> [T, H]
+  """
+  tokens, k = experts.shape
+  num_experts = gate.shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts)
+  starts = jnp.cumsum(sizes) - sizes
+  # Each pair's place in its expert's queue; past the capacity it lands out of bounds, and
+  # the scatter drops it (and the gather below reads 0 for it).
+  slot = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size) - starts[flat[order]])
+  slot = jnp.where(slot < capacity, slot, capacity)
+  xs = jnp.zeros((num_experts, capacity, x.shape[1]), x.dtype)
+  xs = xs.at[flat, slot].set(jnp.repeat(x, k, axis=0), mode="drop")
+  hidden = swiglu(jnp.einsum("ech,ehi->eci", xs, gate), jnp.einsum("ech,ehi->eci", xs, up))
+  out = jnp.einsum("eci,eih->ech", hidden, down)
+  out = out.at[flat, slot].get(mode="fill", fill_value=0).reshape(tokens, k, -1)
+  return jnp.einsum("tkh,tk->th", out.astype(jnp.float32),
+                    weights.astype(jnp.float32)).astype(x.dtype)
+
+
 class Route(NamedTuple):
   """Where a mixture's sparse layers sent each token: per layer (axis 2 of a model's Route,
   absent of one layer's) `experts` i32[rows, seq, (layers,) k] the experts it went to,
   `native` the router's own top k (the same without replay), `entropy` f32[rows, seq,
-  (layers)] of the router's softmax over all experts."""
+  (layers)] of the router's scores normalised over all experts."""
   experts: jax.Array
   native: jax.Array
   entropy: jax.Array
+
+
+def expert_counts(route: Route, mask, num_experts: int):
+  """f32[sparse layers, E]: the tokens `mask` (bool[rows, seq]) marks that each layer sent to
+  each expert, from a model's Route (layer axis 2)."""
+  k = route.experts.shape[3]
+  weights = jnp.broadcast_to(mask.astype(jnp.float32)[:, :, None], mask.shape + (k,))
+  return jax.vmap(lambda e: jnp.bincount(e.reshape(-1), weights=weights.reshape(-1),
+                                         length=num_experts), in_axes=2)(route.experts)
+
+
+def balance_experts(params, cfg: ModelConfig, counts, rate: float):
+  """DeepSeek-V3's loss-free balancing: `params` with each sparse layer's correction bias
+  moved by `rate` against its load, b_e += rate * sign(mean load - load_e) (`counts`
+  f32[sparse layers, E], expert_counts summed over a step): an expert that took more tokens
+  than the mean is chosen less often after, one that took fewer more often."""
+  sparse = [layer for layer in range(cfg.num_layers) if cfg.sparse(layer)]
+  params = dict(params)
+  for j, layer in enumerate(sparse):
+    name = f"layers_{layer}"
+    mlp = dict(params[name]["mlp"])
+    load = counts[j]
+    mlp["e_score_correction_bias"] = mlp["e_score_correction_bias"] + rate * jnp.sign(
+        jnp.mean(load) - load)
+    params[name] = {**params[name], "mlp": mlp}
+  return params
 
 
 def routing_metrics(route: Route, mask, num_experts: int, engine=None) -> dict[str, jax.Array]:
@@ -369,17 +428,16 @@ def routing_metrics(route: Route, mask, num_experts: int, engine=None) -> dict[s
     balanced, sqrt(E - 1) when one expert takes all);
   expert_load_max: the largest share of a layer's assignments one expert took, times E (1 when
     balanced: a collapse shows as E / k or more);
-  router_entropy: of the router's softmax over all experts, per token.
+  router_entropy: of the router's scores normalised over all experts (Qwen3-MoE's softmax),
+    per token.
   With `engine` i32[rows, seq, sparse layers, k], the experts the engine chose (negative: not
   recorded), over the masked tokens it recorded, the share of tokens whose experts (as a set)
   are not the engine's in at least one sparse layer:
   routing_differs: the experts the token went to (0 under routing replay);
   router_differs: the router's own top k (what it would have been without replay)."""
   m = mask.astype(jnp.float32)
-  layers, k = route.experts.shape[2], route.experts.shape[3]
-  weights = jnp.broadcast_to(m[:, :, None], m.shape + (k,)).reshape(-1)
-  counts = jax.vmap(lambda e: jnp.bincount(e.reshape(-1), weights=weights, length=num_experts),
-                    in_axes=2)(route.experts)  # [layers, E]
+  layers = route.experts.shape[2]
+  counts = expert_counts(route, mask, num_experts)
   total = jnp.maximum(jnp.sum(counts, axis=-1), 1.0)
   mean = total / num_experts
   out = {"expert_load_cv": jnp.mean(jnp.std(counts, axis=-1) / mean),
@@ -397,14 +455,43 @@ def routing_metrics(route: Route, mask, num_experts: int, engine=None) -> dict[s
   return out
 
 
+def router_scores(logits, moe: MoeConfig, bias=None):
+  """(scores f32[T, E], the router's own top k i32[T, k]) from router logits [T, E]: the
+  softmax over the experts or each one's sigmoid (MoeConfig.scoring); the k chosen by the
+  scores plus `bias` f32[E] (DeepSeek-V3's correction bias, for choosing only) among the
+  experts of the MoeConfig.top_groups groups whose two best biased scores sum highest, as
+  transformers' Qwen3MoeTopKRouter and DeepseekV3TopkRouter choose them."""
+  logits = logits.astype(jnp.float32)
+  scores = (jax.nn.softmax(logits, axis=-1) if moe.scoring == "softmax"
+            else jax.nn.sigmoid(logits))
+  choice = scores if bias is None else scores + bias.astype(jnp.float32)
+  if moe.groups > 1:
+    grouped = choice.reshape(choice.shape[0], moe.groups, -1)
+    best = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)  # [T, G]
+    kept = jax.nn.one_hot(jax.lax.top_k(best, moe.top_groups)[1], moe.groups).sum(-2) > 0
+    choice = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
+  return scores, jax.lax.top_k(choice, moe.experts_per_token)[1]
+
+
+def route_weights(scores, experts, moe: MoeConfig):
+  """The k gate weights f32[T, k] of `experts` i32[T, k]: their scores, renormalised to sum
+  to 1 when MoeConfig.normalize_weights, times MoeConfig.scaling."""
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if moe.normalize_weights:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return weights * moe.scaling
+
+
 class MoE(nn.Module):
-  """Qwen3-MoE's sparse block: a router (`gate`, no bias) picks each token's top k experts
-  from the softmax over all of them (in float32), their weights optionally renormalised
-  (MoeConfig.normalize_weights) and cast back to the router's dtype, as transformers'
-  Qwen3MoeTopKRouter does; each expert a SwiGLU of width MoeConfig.expert_size.
+  """A sparse block: a router (`gate`, no bias) picks each token's top k experts by its
+  scores in float32 (router_scores: Qwen3-MoE's softmax, or DeepSeek-V3's sigmoid with a
+  correction bias and groups), their weights (route_weights) cast back to the router's dtype;
+  each expert a SwiGLU of width MoeConfig.expert_size, run dropless or, with
+  MoeConfig.capacity_factor, with room for so many tokens an expert (capacity_experts); plus
+  DeepSeek-V3's shared experts when MoeConfig.shared_size.
 
   `replay` i32[rows, seq, k] (rollout routing replay): the experts each token goes to, as the
-  engine chose them, its weights the trainer's softmax at those experts; a row with a negative
+  engine chose them, its weights the trainer's scores at those experts; a row with a negative
   id routes natively. Returns (out, Route)."""
   cfg: ModelConfig
 
@@ -415,23 +502,29 @@ class MoE(nn.Module):
     tokens = x.reshape(rows * seq, hidden)
     logits = nn.Dense(moe.num_experts, use_bias=False, dtype=cfg.compute_dtype,
                       param_dtype=cfg.param_dtype, name="gate")(tokens)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    native = jax.lax.top_k(probs, moe.experts_per_token)[1]
+    # Not trained by gradient (the choice it shifts has none): loss-free balancing moves it.
+    bias = self.param("e_score_correction_bias", nn.initializers.zeros, (moe.num_experts,),
+                      jnp.float32) if moe.correction_bias else None
+    scores, native = router_scores(logits, moe, bias)
     experts = native
     if replay is not None:
       replay = replay.reshape(rows * seq, -1)
       experts = jnp.where(jnp.all(replay >= 0, axis=-1, keepdims=True), replay, native)
-    weights = jnp.take_along_axis(probs, experts, axis=-1)
-    if moe.normalize_weights:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = route_weights(scores, experts, moe)
     init = nn.initializers.lecun_normal(batch_axis=(0,))
     expert = lambda name, shape: self.param(name, init, (moe.num_experts, *shape),
                                             cfg.param_dtype).astype(cfg.compute_dtype)
-    out = dropless_experts(
-        tokens, experts, weights.astype(logits.dtype),
-        expert("experts_gate_proj", (hidden, moe.expert_size)),
-        expert("experts_up_proj", (hidden, moe.expert_size)),
-        expert("experts_down_proj", (moe.expert_size, hidden)))
+    weights_of = (expert("experts_gate_proj", (hidden, moe.expert_size)),
+                  expert("experts_up_proj", (hidden, moe.expert_size)),
+                  expert("experts_down_proj", (moe.expert_size, hidden)))
+    if moe.capacity_factor is None:
+      out = dropless_experts(tokens, experts, weights.astype(logits.dtype), *weights_of)
+    else:
+      out = capacity_experts(tokens, experts, weights.astype(logits.dtype), *weights_of,
+                             capacity=moe.capacity(rows * seq))
+    if moe.shared_size:
+      out = out + MLP(cfg, moe.shared_size, name="shared_experts")(x).reshape(tokens.shape)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
     shaped = lambda a: a.reshape(rows, seq, *a.shape[1:])
     return out.reshape(rows, seq, hidden), Route(shaped(experts), shaped(native),

@@ -99,18 +99,24 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
     routing = transformer.routing_metrics(routes, real, cfg.moe.num_experts,
                                           mb.routed_experts)
     sums.update({k: (v * weight, weight) for k, v in routing.items()})
+    if cfg.moe.correction_bias:  # for loss-free balancing (make_train_step)
+      sums["expert_counts"] = (transformer.expert_counts(routes, real, cfg.moe.num_experts),
+                               weight)
   return grads, sums, jnp.max(diff)
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
                     loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048,
-                    state_shardings=None, donate_state: bool = False, replay: bool = False):
+                    state_shardings=None, donate_state: bool = False, replay: bool = False,
+                    expert_bias_rate: float = 0.0):
   """A jitted `step(state, batch, ref_params=None) -> (state, metrics)`.
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
   ref_logp is computed under them (for losses with a KL to a reference policy).
   replay: rollout routing replay: a mixture's tokens go to the experts the engine chose
   (batch.routed_experts), their gate weights the trainer's router's at those experts.
+  expert_bias_rate: after the update, a mixture's correction biases move by it against the
+  step's load (transformer.balance_experts: DeepSeek-V3's loss-free balancing, 0.001 there).
   metrics: f32 scalars over loss tokens: loss, entropy, the loss's own metrics (clip_fraction
   is 0 for losses that do not clip), grad_norm, for a mixture of experts its routing over the
   real tokens (transformer.routing_metrics: expert_load_cv, expert_load_max, router_entropy,
@@ -130,6 +136,10 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   update_weights, a reference policy sharing them); an orbax save still reading them is safe,
   as JAX then copies instead of donating.
   """
+
+  if expert_bias_rate and (cfg.moe is None or not cfg.moe.correction_bias):
+    raise ValueError(f"expert_bias_rate={expert_bias_rate} moves a mixture's correction bias "
+                     "(MoeConfig.correction_bias); the model has none")
 
   def step(state: TrainState, batch: TrainBatch, ref_params=None):
     rows = batch.tokens.shape[0]
@@ -152,12 +162,15 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
       rest = jax.tree.map(lambda x: x[1:], split)
       carry, _ = jax.lax.scan(lambda c, mb: (accumulate(c, mb), None), carry, rest)
     grads, sums, diff_max = carry
+    counts = sums.pop("expert_counts", (None,))[0]
     count = jnp.maximum(sums["loss"][1], 1.0)
     # In the params' dtype: a float32 count would promote bf16 gradients, and with them
     # AdamW's first moment (optax keeps it in the gradients' dtype), to float32.
     grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if expert_bias_rate and counts is not None:
+      params = transformer.balance_experts(params, cfg, counts, expert_bias_rate)
     metrics = {k: total / jnp.maximum(n, 1.0) for k, (total, n) in sums.items()}
     metrics["logp_diff_max"] = diff_max
     metrics["grad_norm"] = optax.tree.norm(grads)

@@ -74,7 +74,9 @@ class Objective:
   for distillation `teachers(cfg)` scoring every trajectory (e.g.
   rl.distill.from_checkpoints), and for a mixture of experts `routing_replay`: the trainer
   routes each token to the experts the engine chose (rollout routing replay, R3; the
-  trainer's log-probs for the mismatch and the corrections too, not the reference's)."""
+  trainer's log-probs for the mismatch and the corrections too, not the reference's), and
+  `expert_bias_rate`: with DeepSeek-V3's correction bias, loss-free balancing moves it by
+  this much after every update (transformer.balance_experts; 0.001 in DeepSeek-V3)."""
   loss: str = "k1.5"
   loss_hparams: Optional[Mapping[str, Any]] = None
   advantage: Optional[str] = None
@@ -84,6 +86,7 @@ class Objective:
   correction: Optional[corrections_lib.Correction] = None
   teachers: Optional[Callable[[ModelConfig], distill.Teachers]] = None
   routing_replay: bool = False
+  expert_bias_rate: float = 0.0
 
 
 class _StartKeptInRun:
@@ -474,6 +477,9 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
   if objective.routing_replay and cfg.moe is None:
     raise ConfigError(f"Objective.routing_replay is for a mixture of experts; the model "
                       f"({cfg.family}) is dense")
+  if objective.expert_bias_rate and (cfg.moe is None or not cfg.moe.correction_bias):
+    raise ConfigError(f"Objective.expert_bias_rate={objective.expert_bias_rate} moves a "
+                      "mixture's correction bias (DeepSeek-V3's router); the model has none")
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                       f"{tokenizer.vocab_size}")
@@ -630,7 +636,7 @@ def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
     reference_logprobs = lambda batch: distributed.host_copy(
         logprobs_fn(reference, cfg, place_rows(batch))[0])
   step_fn = _train_step(cfg, optimizer, loss, run.config.micro_batches, mesh,
-                        state_shardings, replay)
+                        state_shardings, replay, objective.expert_bias_rate)
   return dataclasses.replace(
       run.parts, train_step=lambda train, batch, ref: step_fn(train, place_rows(batch), ref),
       correction=plan.correction,
@@ -647,17 +653,20 @@ _TRAIN_STEPS: dict[tuple, Callable] = {}
 
 
 def _train_step(cfg: ModelConfig, optimizer, loss: losses.BoundLoss, micro_batches: int,
-                mesh: Optional[Mesh], state_shardings, replay: bool) -> Callable:
-  """The jitted train step (routing replay: `replay`), donating its state: one copy of the
-  params and moments less at each update's peak (nothing reads a state after its update; an
-  orbax save still reading one keeps it: JAX then copies instead of donating). Without a
-  mesh, one per (model config, optimizer, loss, micro-batches, replay) in this process."""
+                mesh: Optional[Mesh], state_shardings, replay: bool,
+                expert_bias_rate: float) -> Callable:
+  """The jitted train step (routing replay and loss-free balancing as make_train_step's),
+  donating its state: one copy of the params and moments less at each update's peak (nothing
+  reads a state after its update; an orbax save still reading one keeps it: JAX then copies
+  instead of donating). Without a mesh, one per (model config, optimizer, loss,
+  micro-batches, replay, rate) in this process."""
   make = lambda: sharding.on_mesh(mesh, make_train_step(
       cfg, optimizer, loss, micro_batches=micro_batches, state_shardings=state_shardings,
-      donate_state=True, replay=replay))
+      donate_state=True, replay=replay, expert_bias_rate=expert_bias_rate))
   if mesh is not None:
     return make()
-  key = (cfg, optimizer, loss.name, repr(sorted(loss.hparams.items())), micro_batches, replay)
+  key = (cfg, optimizer, loss.name, repr(sorted(loss.hparams.items())), micro_batches, replay,
+         expert_bias_rate)
   if key not in _TRAIN_STEPS:
     _TRAIN_STEPS[key] = make()
   return _TRAIN_STEPS[key]

@@ -7,6 +7,7 @@ Hugging Face check the dense families pass (greedy generation, exports, bf16).""
 
 import base64
 import dataclasses
+import functools
 import threading
 import time
 
@@ -14,6 +15,7 @@ import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch  # the test extra pins the CPU wheel
 import transformers
@@ -21,10 +23,11 @@ import transformers
 from models import hf, sharding, transformer
 from models.config import ModelConfig, MoeConfig, tiny
 from rl import batch as batch_lib
+from rl import losses
 from rl.config import RLConfig
 from rl.packing import trajectory_batch
 from rl.tasks.arithmetic import Arithmetic
-from rl.train_step import policy_logprobs, replayed_routes
+from rl.train_step import init_train_state, make_train_step, policy_logprobs, replayed_routes
 from rl.trajectory import Trajectory
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
@@ -65,6 +68,37 @@ def test_dropless_experts_equal_each_token_through_its_experts_and_differentiate
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
   assert np.all(np.asarray(got[2][4]) == 0)  # an expert no token chose gets no gradient
+
+
+def test_capacity_experts_equal_dropless_with_room_and_drop_the_overflow_in_token_order():
+  keys = jax.random.split(jax.random.PRNGKey(1), 5)
+  tokens, hidden, size, num_experts = 13, 8, 6, 5
+  x = jax.random.normal(keys[0], (tokens, hidden))
+  experts = jnp.array([[0, 1], [0, 2], [3, 0], [1, 0], [0, 3], [2, 1], [0, 1], [1, 2], [3, 2],
+                       [0, 2], [2, 0], [1, 3], [0, 1]], jnp.int32)  # expert 0 gets 9 pairs
+  weights = jax.nn.softmax(jax.random.normal(keys[1], (tokens, 2)))
+  gate, up = (jax.random.normal(key, (num_experts, hidden, size)) for key in keys[2:4])
+  down = jax.random.normal(keys[4], (num_experts, size, hidden))
+  args = (x, experts, weights, gate, up, down)
+  np.testing.assert_allclose(transformer.capacity_experts(*args, capacity=9),
+                             transformer.dropless_experts(*args), rtol=1e-5, atol=1e-5)
+  # Room for 4 an expert: each expert's pairs past its 4th, in token order, drop (as if
+  # their weight were 0): 5 of expert 0's 9, 3 of expert 1's 7, 2 of expert 2's 6.
+  kept, taken = np.ones((tokens, 2), np.float32), np.zeros(num_experts, int)
+  for t, slot in np.ndindex(tokens, 2):
+    e = int(experts[t, slot])
+    kept[t, slot] = taken[e] < 4
+    taken[e] += 1
+  assert kept.size - kept.sum() == 10
+  want = _reference_experts(x, experts, weights * kept, gate, up, down)
+  np.testing.assert_allclose(transformer.capacity_experts(*args, capacity=4), want, rtol=1e-5,
+                             atol=1e-5)
+  loss = lambda f: lambda x, g: jnp.sum(f(x, experts, weights, g, up, down) ** 2)
+  got = jax.grad(loss(functools.partial(transformer.capacity_experts, capacity=9)),
+                 (0, 1))(x, gate)
+  expected = jax.grad(loss(transformer.dropless_experts), (0, 1))(x, gate)
+  for g, w in zip(got, expected):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +191,12 @@ def test_mixture_configs_that_cannot_run_are_refused():
     ModelConfig(**common, family="qwen3_moe")
   with pytest.raises(ValueError, match="experts_per_token=5 must be in"):
     MoeConfig(num_experts=4, experts_per_token=5, expert_size=8)
+  with pytest.raises(ValueError, match="scoring='tanh'"):
+    MoeConfig(num_experts=4, experts_per_token=2, expert_size=8, scoring="tanh")
+  with pytest.raises(ValueError, match="groups=3 must divide num_experts=4"):
+    MoeConfig(num_experts=4, experts_per_token=2, expert_size=8, groups=3)
+  with pytest.raises(ValueError, match="1 of 4 groups hold fewer than experts_per_token=2"):
+    MoeConfig(num_experts=4, experts_per_token=2, expert_size=8, groups=4, top_groups=1)
 
 
 def _rows():
@@ -264,6 +304,84 @@ def test_routing_metrics_on_hand_made_routes():
                                   engine)
   assert float(m["routing_differs"]) == pytest.approx(3 / 5)
   assert float(m["router_differs"]) == pytest.approx(1 / 5)
+
+
+def test_deepseek_v3_routing_and_shared_experts_equal_transformers():
+  """MoE with DeepSeek-V3's router (sigmoid scores, a correction bias for the choice only,
+  the experts of the best 2 of 4 groups eligible, renormalised weights times 2.5) and a
+  shared expert equals transformers' DeepseekV3MoE in float32, and chooses its experts."""
+  from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+  hidden, size, experts = 16, 8, 8
+  config = transformers.DeepseekV3Config(
+      hidden_size=hidden, moe_intermediate_size=size, n_routed_experts=experts,
+      num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+      routed_scaling_factor=2.5, norm_topk_prob=True)
+  torch.manual_seed(0)
+  theirs = deepseek.DeepseekV3MoE(config).eval()
+  with torch.no_grad():
+    for p in theirs.parameters():
+      p.normal_(0.0, 0.5)
+    theirs.gate.e_score_correction_bias.normal_(0.0, 0.3)
+  t = {k: v.detach().numpy() for k, v in theirs.state_dict().items()}
+  ours = {"gate": {"kernel": t["gate.weight"].T},
+          "e_score_correction_bias": t["gate.e_score_correction_bias"],
+          "experts_gate_proj": t["experts.gate_up_proj"][:, :size].transpose(0, 2, 1),
+          "experts_up_proj": t["experts.gate_up_proj"][:, size:].transpose(0, 2, 1),
+          "experts_down_proj": t["experts.down_proj"].transpose(0, 2, 1),
+          "shared_experts": {name: {"kernel": t[f"shared_experts.{name}.weight"].T}
+                             for name in ("gate_proj", "up_proj", "down_proj")}}
+  moe = MoeConfig(num_experts=experts, experts_per_token=2, expert_size=size,
+                  normalize_weights=True, scoring="sigmoid", correction_bias=True, groups=4,
+                  top_groups=2, scaling=2.5, shared_size=size)
+  cfg = ModelConfig(family="qwen3_moe", vocab_size=VOCAB, hidden_size=hidden, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                    qkv_bias=False, moe=moe)
+  x = np.random.default_rng(0).normal(size=(2, 5, hidden)).astype(np.float32)
+  out, route = transformer.MoE(cfg).apply({"params": ours}, jnp.asarray(x))
+  with torch.no_grad():
+    want = theirs(torch.tensor(x)).numpy()
+    _, _, chosen = theirs.gate(torch.tensor(x))
+  np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(np.sort(np.asarray(route.native).reshape(-1, 2), -1),
+                                np.sort(chosen.numpy(), -1))
+  # The groups mattered: some token's two best biased scores lie outside its best groups.
+  biased = 1 / (1 + np.exp(-x.reshape(-1, hidden) @ t["gate.weight"].T))
+  biased += t["gate.e_score_correction_bias"]
+  ungrouped = np.sort(np.argsort(-biased, -1)[:, :2], -1)
+  assert (ungrouped != np.sort(chosen.numpy(), -1)).any()
+
+
+def test_loss_free_balancing_moves_the_correction_bias_against_the_load():
+  """make_train_step(expert_bias_rate=r) on DeepSeek-V3's router: after the update each
+  sparse layer's correction bias is its old value + r * sign(mean load - load), the loads
+  counted over the real tokens of every micro-batch at the step's starting params; the
+  gradient never moves it (without the rate it stays 0); a model without one is refused."""
+  moe = MoeConfig(num_experts=8, experts_per_token=2, expert_size=16, scoring="sigmoid",
+                  correction_bias=True, groups=2, top_groups=1, dense_layers=(0,))
+  cfg = tiny(VOCAB, hidden_size=32, intermediate_size=64, moe=moe)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(2))
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(1, VOCAB, 6).tolist() for _ in range(6)]
+  completions = [rng.integers(1, VOCAB, n).tolist() for n in (9, 4, 12, 7, 3, 10)]
+  batch, _ = trajectory_batch(prompts, completions, [np.full(len(c), -2.0) for c in completions],
+                              rng.normal(size=6), [True] * 6, 24, row_multiple=4)
+  batch = jax.tree.map(jnp.asarray, batch)
+  _, route = transformer.forward_with_routes(params, cfg, batch.tokens, batch.positions,
+                                             batch.segment_ids)
+  load = np.asarray(transformer.expert_counts(route, batch.segment_ids > 0, 8))[0]
+  want = 0.01 * np.sign(load.mean() - load)
+  assert (want > 0).any() and (want < 0).any()
+  optimizer = optax.adamw(1e-3)
+  for rate, expected in ((0.01, want), (0.0, np.zeros(8))):
+    step = make_train_step(cfg, optimizer, losses.bind("k1.5"), micro_batches=2,
+                           expert_bias_rate=rate)
+    state, _ = step(init_train_state(params, optimizer), batch)
+    np.testing.assert_allclose(state.params["layers_1"]["mlp"]["e_score_correction_bias"],
+                               expected, atol=1e-7)
+  with pytest.raises(ValueError, match="the model has none"):
+    make_train_step(_small_mixture(VOCAB), optimizer, losses.bind("k1.5"), expert_bias_rate=0.1)
+  with pytest.raises(ValueError, match="Qwen3-MoE's config.json holds no sigmoid scoring"):
+    hf.save(params, cfg, "/nonexistent")  # refused before anything is written
 
 
 def _small_mixture(vocab_size: int) -> ModelConfig:

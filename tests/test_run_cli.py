@@ -46,6 +46,8 @@ def run(*args, env_extra=None):
     (["--gin", QUICKSTART, "--gin", PARTIAL], "an engine that can abort requests"),
     (["--gin", QUICKSTART, "--gin_param", "Objective.routing_replay = True"],
      "routing_replay is for a mixture of experts"),
+    (["--gin", QUICKSTART_MOE, "--gin_param", "Objective.expert_bias_rate = 0.001"],
+     "moves a mixture's correction bias"),
     (["--gin", QUICKSTART, "--gin_param", "Objective.correction = @drop()"],
      "No configurable matching reference '@drop()'"),
     (["--gin", QUICKSTART, "--gin_param", "train.rollouts = @Ahead()",
