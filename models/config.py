@@ -209,6 +209,11 @@ class ModelConfig:
     return (m is not None and layer not in m.dense_layers
             and (layer + 1) % m.sparse_step == 0)
 
+  @property
+  def sparse_layers(self) -> tuple[int, ...]:
+    """The decoder layers that are mixtures of experts, in order (a Route's layer axis)."""
+    return tuple(layer for layer in range(self.num_layers) if self.sparse(layer))
+
 
 def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,
          num_heads: int = 4, num_kv_heads: int = 2,

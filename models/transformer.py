@@ -409,9 +409,8 @@ def balance_experts(params, cfg: ModelConfig, counts, rate: float):
   moved by `rate` against its load, b_e += rate * sign(mean load - load_e) (`counts`
   f32[sparse layers, E], expert_counts summed over a step): an expert that took more tokens
   than the mean is chosen less often after, one that took fewer more often."""
-  sparse = [layer for layer in range(cfg.num_layers) if cfg.sparse(layer)]
   params = dict(params)
-  for j, layer in enumerate(sparse):
+  for j, layer in enumerate(cfg.sparse_layers):
     name = f"layers_{layer}"
     mlp = dict(params[name]["mlp"])
     load = counts[j]
@@ -567,7 +566,7 @@ def scan_layers(cfg: ModelConfig, layer_params: list, x, positions, segment_ids,
   backend. The price is a stacked copy of the layers' weights and of their gradients per step
   (2 x 90 MB in that step, against 0.95 GiB of activations saved).
   """
-  if len({cfg.sparse(i) for i in range(cfg.num_layers)}) > 1:
+  if 0 < len(cfg.sparse_layers) < cfg.num_layers:
     raise ValueError("ModelConfig.remat scans the layers as one: it needs every layer dense "
                      "or every layer sparse (MoeConfig.sparse_step 1, no dense_layers)")
   stacked = jax.tree.map(lambda *w: jnp.stack(w), *layer_params)

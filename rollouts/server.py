@@ -12,13 +12,13 @@ KV cache freed while the trainer runs), /model_info, /server_info, /health, /hea
 --enable-return-routed-experts). It lets the SGLang client (rollouts/sglang.py) run for real
 in CI, where SGLang itself cannot, and behaves as SGLang where a client can go wrong
 (docs/sglang.md, section 3): an unknown rid's abort does nothing, a live rid is refused, the
-entry at logprob_start_len is null, /health generates (so it blocks while paused or updating), requests
-arriving while paused or updating wait outside the scheduler, sampling_seed counts only with
---deterministic, --dtype auto serves float32 in float16, requests stop at the checkpoint's eos
-ids, and a release while busy, a resume of what was not released, or a request or weight load
-on released memory takes the server down. A quantized checkpoint (FP8 blocks or
-compressed-tensors INT4, models/hf.py) is served as SGLang serves it: its projections held as
-stored, dequantized at every step (the model's unpack_projections).
+entry at logprob_start_len is null, /health generates (so it blocks while paused or updating),
+requests arriving while paused or updating wait outside the scheduler, sampling_seed counts
+only with --deterministic, --dtype auto serves float32 in float16, requests stop at the
+checkpoint's eos ids, and a release while busy, a resume of what was not released, or a
+request or weight load on released memory takes the server down. A quantized checkpoint (FP8
+blocks or compressed-tensors INT4, models/hf.py) is served as SGLang serves it: its projections
+held as stored, dequantized at every step (the model's unpack_projections).
 
 Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabulary
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
@@ -701,7 +701,7 @@ class Scheduler:
     (batch_result_processor.py L136-180, tokenizer_manager.py L2602-2609, moe.md 4.2-4.3)."""
     rows = np.stack(r.routes)[:len(r.input_ids) + len(r.tokens) - 1][r.routed_experts_start_len:]
     full = np.zeros((len(rows), self.cfg.num_layers, rows.shape[-1]), "<i4")
-    full[:, [l for l in range(self.cfg.num_layers) if self.cfg.sparse(l)]] = rows
+    full[:, list(self.cfg.sparse_layers)] = rows
     return base64.b64encode(full.tobytes()).decode("ascii")
 
   def _loop(self):
@@ -877,8 +877,8 @@ class Scheduler:
     v = np.zeros_like(k)
     routes = None
     if self.records_routes:
-      sparse = sum(self.cfg.sparse(l) for l in range(self.cfg.num_layers))
-      routes = np.zeros((rows, plen, sparse, self.cfg.moe.experts_per_token), np.int32)
+      routes = np.zeros((rows, plen, len(self.cfg.sparse_layers),
+                         self.cfg.moe.experts_per_token), np.int32)
     if missing:
       # Only as wide as the longest missing prompt (fresh prompts are short, resumed ones
       # long): its columns are the last `width` of the batch's left-padded layout.

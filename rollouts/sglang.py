@@ -79,8 +79,7 @@ class RoutesLayout:
     """The layout of `cfg`'s routes (None for a dense model)."""
     if cfg.moe is None:
       return None
-    return cls(cfg.num_layers, tuple(l for l in range(cfg.num_layers) if cfg.sparse(l)),
-               cfg.moe.experts_per_token)
+    return cls(cfg.num_layers, cfg.sparse_layers, cfg.moe.experts_per_token)
 
   def decode(self, text: str) -> np.ndarray:
     """i32[rows, sparse layers, k] from SGLang's encoding: base64 of int32 bytes [rows,
