@@ -5,10 +5,12 @@ rematerialisation). It does not own training settings (rl/), sharding (models/sh
 the Hugging Face config.json format (models/hf.py reads and writes it).
 
 Families: "qwen2" (Qwen2 / Qwen2.5: bias on q, k, v), "qwen3" (RMSNorm on each head's q and k,
-no bias, head_dim independent of the width), "llama" (Llama 3.x: no bias). Everything else
-(RMSNorm, RoPE, grouped-query attention, SwiGLU) is shared, and so are the RoPE scalings
-(`RopeScaling`: linear, dynamic, yarn, llama3), any of which a family's checkpoint may name;
-models/transformer.py computes their frequencies.
+no bias, head_dim independent of the width), "llama" (Llama 3.x: no bias), "qwen3_moe" (Qwen3's
+attention, sparse layers of experts: `MoeConfig`), "deepseek_v3" (DeepSeek-V3, Kimi K2,
+Moonlight: multi-head latent attention, `MlaConfig`, and DeepSeek's router and shared experts).
+Everything else (RMSNorm, RoPE, grouped-query attention, SwiGLU) is shared, and so are the RoPE
+scalings (`RopeScaling`: linear, dynamic, yarn, llama3), any of which a family's checkpoint may
+name; models/transformer.py computes their frequencies.
 """
 
 import dataclasses
@@ -22,7 +24,8 @@ from models.attention.dispatch import KERNELS
 WEIGHT_FORMATS = ("fp8", "int4")  # models/quantize.py's
 
 
-FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 # Per-layer rematerialisation (gradient checkpointing) policies, by name.
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -71,6 +74,16 @@ class YarnRope:
   beta_slow: float = 1.0
   truncate: bool = True  # round the ramp's ends to whole dimensions
   attention_factor: float | None = None  # None: the paper's 0.1 ln(factor) + 1
+  # DeepSeek's: multi-head latent attention (MlaConfig) multiplies its softmax scale by
+  # (0.1 mscale_all_dim ln(factor) + 1)^2, the nope dims' logits too; other families ignore it.
+  mscale_all_dim: float | None = None
+
+  def softmax_scale(self) -> float:
+    """The factor MLA's q.k logits take beside 1/sqrt(head_dim) (transformers'
+    yarn_apply_mscale)."""
+    if not self.mscale_all_dim or self.factor <= 1:
+      return 1.0
+    return (0.1 * self.mscale_all_dim * math.log(self.factor) + 1.0) ** 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +157,26 @@ class MoeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MlaConfig:
+  """DeepSeek-V3's multi-head latent attention (config.json: q_lora_rank, kv_lora_rank,
+  qk_rope_head_dim, v_head_dim, rope_interleave; qk_nope_head_dim is ModelConfig.head_dim -
+  rope_dim). Queries come through a rank-`q_rank` bottleneck with its RMSNorm (None: one
+  projection); keys and values from one latent of rank `kv_rank` per token (RMSNorm'd), which
+  kv_b_proj expands into every head's key (its first head_dim - rope_dim dims, without
+  position) and value (value_dim); the key's last rope_dim dims are one rotated vector per
+  token shared by the heads, the query's its own. Attention runs on the expanded keys and on
+  values zero-padded to head_dim, so every kernel and the KV cache serve it as they are.
+
+  rope_interleave: the rotated dims pair up as (0, 1), (2, 3), ... (DeepSeek's checkpoints),
+  not as the halves (i, i + rope_dim / 2) of every other family."""
+  kv_rank: int
+  rope_dim: int
+  value_dim: int
+  q_rank: int | None = None
+  rope_interleave: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only transformer in the Qwen2 style.
 
@@ -172,6 +205,8 @@ class ModelConfig:
   # straight through: an engine on quantized weights, or quantization-aware training.
   weight_format: str | None = None
   moe: MoeConfig | None = None  # None: every layer dense
+  # deepseek_v3's attention (its head_dim is qk_nope + qk_rope, num_kv_heads = num_heads)
+  mla: MlaConfig | None = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -188,12 +223,35 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
     if self.attention not in KERNELS:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {KERNELS}")
-    if (self.family == "qwen3_moe") != (self.moe is not None):
+    if (self.family in MOE_FAMILIES) != (self.moe is not None):
       raise ValueError(f"ModelConfig: family {self.family!r} with moe={self.moe}: the "
-                       "qwen3_moe family, and it alone, has a MoeConfig")
+                       f"{' and '.join(MOE_FAMILIES)} families, and they alone, have a MoeConfig")
+    if (self.family == "deepseek_v3") != (self.mla is not None):
+      raise ValueError(f"ModelConfig: family {self.family!r} with mla={self.mla}: the "
+                       "deepseek_v3 family, and it alone, has an MlaConfig")
+    if self.mla is not None:
+      self._check_mla()
     if self.weight_format not in (None, *WEIGHT_FORMATS):
       raise ValueError(f"ModelConfig.weight_format={self.weight_format!r}; choose one of "
                        f"{WEIGHT_FORMATS} or None")
+
+  def _check_mla(self):
+    m = self.mla
+    if self.num_kv_heads != self.num_heads:
+      raise ValueError(f"ModelConfig: multi-head latent attention expands a key and a value "
+                       f"for every head: num_kv_heads={self.num_kv_heads} must equal "
+                       f"num_heads={self.num_heads}")
+    if m.rope_dim % 2 or not 0 < m.rope_dim < self.head_dim:
+      raise ValueError(f"MlaConfig.rope_dim={m.rope_dim} must be even and below head_dim="
+                       f"{self.head_dim} (qk_nope_head_dim + qk_rope_head_dim)")
+    if not 0 < m.value_dim <= self.head_dim:
+      raise ValueError(f"MlaConfig.value_dim={m.value_dim} must be in [1, head_dim="
+                       f"{self.head_dim}]: values are zero-padded to the keys' width")
+
+  @property
+  def rope_dim(self) -> int:
+    """The dims of a query and a key that RoPE rotates (the last ones)."""
+    return self.head_dim if self.mla is None else self.mla.rope_dim
 
   @property
   def compute_dtype(self):

@@ -40,13 +40,18 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models import quantize, transformer
-from models.config import (ROPE_SCALINGS, DynamicRope, Llama3Rope, LinearRope, ModelConfig,
-                           MoeConfig, RopeScaling, YarnRope)
+from models.config import (ROPE_SCALINGS, DynamicRope, Llama3Rope, LinearRope, MlaConfig,
+                           ModelConfig, MoeConfig, RopeScaling, YarnRope)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM"}
+# Params kept in float32 whatever the checkpoint's dtype: DeepSeek-V3's correction bias, which
+# sets the choice of experts by differences a few bf16 ulps wide (SGLang keeps it float32:
+# models/deepseek_v2.py MoEGate).
+_FLOAT32 = ("e_score_correction_bias",)
 # Files a checkpoint directory carries besides weights and config (copied by `save`).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -93,22 +98,28 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
   # say to add for long contexts) replaces it whole, in 4.x and in 5, rope_theta included.
   rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
   heads = hf["num_attention_heads"]
+  mla = _mla_from_hf(hf)
   fields = dict(
       family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      # DeepSeek's head_dim is its rope dims (transformers sets it so): ours the whole key's
+      head_dim=(hf.get("head_dim") or hf["hidden_size"] // heads if mla is None
+                else hf["qk_nope_head_dim"] + mla.rope_dim),
       intermediate_size=hf["intermediate_size"],
       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=family == "qwen2",
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      rope_scaling=_rope_scaling_from_hf(rope, hf), moe=_moe_from_hf(hf))
+      rope_scaling=_rope_scaling_from_hf(rope, hf), moe=_moe_from_hf(hf), mla=mla)
   fields.update(overrides)
   return ModelConfig(**fields)
 
 
 def _moe_from_hf(hf: dict[str, Any]) -> MoeConfig | None:
-  """Qwen3-MoE's experts (transformers' configuration_qwen3_moe.py), None for a dense model."""
+  """Qwen3-MoE's experts (transformers' configuration_qwen3_moe.py) or DeepSeek-V3's
+  (configuration_deepseek_v3.py), None for a dense model."""
+  if hf.get("model_type") == "deepseek_v3":
+    return _deepseek_moe_from_hf(hf)
   if hf.get("model_type") != "qwen3_moe":
     return None
   return MoeConfig(num_experts=hf.get("num_experts") or hf["num_local_experts"],
@@ -117,6 +128,39 @@ def _moe_from_hf(hf: dict[str, Any]) -> MoeConfig | None:
                    normalize_weights=bool(hf.get("norm_topk_prob", False)),
                    sparse_step=hf.get("decoder_sparse_step", 1),
                    dense_layers=tuple(hf.get("mlp_only_layers") or ()))
+
+
+# DeepSeek's own config.json fields that transformers ignores (its DeepseekV3 always routes
+# so) and SGLang reads: refused when they say otherwise.
+_DEEPSEEK_ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+
+def _deepseek_moe_from_hf(hf: dict[str, Any]) -> MoeConfig:
+  """DeepSeek-V3's router and experts: sigmoid scores, the correction bias, n_group groups of
+  which topk_group are eligible, weights times routed_scaling_factor, n_shared_experts of
+  moe_intermediate_size beside, the first first_k_dense_replace layers dense."""
+  for key, value in _DEEPSEEK_ROUTING.items():
+    if hf.get(key, value) != value:
+      raise CheckpointError(f"config.json {key}={hf[key]!r}: the deepseek_v3 family routes "
+                            f"with {key}={value!r} (as transformers' DeepseekV3 does)")
+  size = hf["moe_intermediate_size"]
+  return MoeConfig(num_experts=hf.get("n_routed_experts") or hf["num_local_experts"],
+                   experts_per_token=hf["num_experts_per_tok"], expert_size=size,
+                   normalize_weights=bool(hf.get("norm_topk_prob", True)),
+                   dense_layers=tuple(range(hf.get("first_k_dense_replace") or 0)),
+                   scoring="sigmoid", correction_bias=True, groups=hf.get("n_group") or 1,
+                   top_groups=hf.get("topk_group") or 1,
+                   scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                   shared_size=size * (hf.get("n_shared_experts") or 0))
+
+
+def _mla_from_hf(hf: dict[str, Any]) -> MlaConfig | None:
+  """DeepSeek-V3's multi-head latent attention, None for every other family."""
+  if hf.get("model_type") != "deepseek_v3":
+    return None
+  return MlaConfig(kv_rank=hf["kv_lora_rank"], rope_dim=hf["qk_rope_head_dim"],
+                   value_dim=hf["v_head_dim"], q_rank=hf.get("q_lora_rank"),
+                   rope_interleave=bool(hf.get("rope_interleave", True)))
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any], hf: dict[str, Any]) -> RopeScaling | None:
@@ -158,7 +202,9 @@ def _rope_scaling_from_hf(rope: dict[str, Any], hf: dict[str, Any]) -> RopeScali
   return YarnRope(factor, original, beta_fast=float(rope.get("beta_fast") or 32),
                   beta_slow=float(rope.get("beta_slow") or 1),
                   truncate=bool(rope.get("truncate", True)),
-                  attention_factor=None if attention is None else float(attention))
+                  attention_factor=None if attention is None else float(attention),
+                  mscale_all_dim=(float(rope["mscale_all_dim"]) if rope.get("mscale_all_dim")
+                                  else None))
 
 
 def _rope_scaling_to_hf(s: RopeScaling) -> dict[str, Any]:
@@ -194,7 +240,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     hf["attention_bias"] = False
   if cfg.family == "llama":
     hf["mlp_bias"] = False
-  if cfg.moe is not None:
+  if cfg.family == "deepseek_v3":
+    hf.update(_deepseek_to_hf(cfg))
+  elif cfg.moe is not None:
     m = cfg.moe
     if (m.scoring, m.correction_bias, m.groups, m.scaling, m.shared_size) != (
         "softmax", False, 1, 1.0, 0):
@@ -206,6 +254,25 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
               decoder_sparse_step=m.sparse_step, mlp_only_layers=list(m.dense_layers),
               router_aux_loss_coef=0.0, output_router_logits=False)
   return hf
+
+
+def _deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """config.json's DeepSeek-V3 fields of `cfg`; ValueError for a MoeConfig they cannot say."""
+  m, a = cfg.moe, cfg.mla
+  if (m.scoring, m.correction_bias, m.sparse_step, m.dense_layers) != (
+      "sigmoid", True, 1, tuple(range(len(m.dense_layers)))) or m.shared_size % m.expert_size:
+    raise ValueError("hf.save: DeepSeek-V3's config.json routes by sigmoid with a correction "
+                     "bias in every layer from first_k_dense_replace on, with shared experts "
+                     f"a multiple of the routed ones' width; this MoeConfig is not that: {m}")
+  return {"head_dim": a.rope_dim, "qk_rope_head_dim": a.rope_dim,
+          "qk_nope_head_dim": cfg.head_dim - a.rope_dim, "v_head_dim": a.value_dim,
+          "kv_lora_rank": a.kv_rank, "q_lora_rank": a.q_rank,
+          "rope_interleave": a.rope_interleave, "n_routed_experts": m.num_experts,
+          "num_experts_per_tok": m.experts_per_token, "moe_intermediate_size": m.expert_size,
+          "n_shared_experts": m.shared_size // m.expert_size, "norm_topk_prob": m.normalize_weights,
+          "n_group": m.groups, "topk_group": m.top_groups, "routed_scaling_factor": m.scaling,
+          "first_k_dense_replace": len(m.dense_layers), "num_nextn_predict_layers": 0,
+          **_DEEPSEEK_ROUTING}
 
 
 # ---- tensor names ----
@@ -231,24 +298,35 @@ def _tensors(cfg: ModelConfig) -> list[_Tensor]:
   for i in range(cfg.num_layers):
     hf, ours = f"model.layers.{i}.", (f"layers_{i}",)
     attn = ours + ("self_attn",)
-    for name, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads),
-                        ("v_proj", cfg.num_kv_heads)):
-      weight, bias = split_heads(heads)
-      out.append(_Tensor(f"{hf}self_attn.{name}.weight", attn + (name, "kernel"), *weight))
-      if cfg.qkv_bias:
-        out.append(_Tensor(f"{hf}self_attn.{name}.bias", attn + (name, "bias"), *bias))
-    out.append(_Tensor(f"{hf}self_attn.o_proj.weight", attn + ("o_proj", "kernel"),
-                       lambda w: w.T.reshape(cfg.num_heads, d, h),
-                       lambda k: k.reshape(cfg.num_heads * d, h).T))
+    if cfg.mla is not None:
+      out += _latent_attention_tensors(cfg, f"{hf}self_attn.", attn)
+    else:
+      for name, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads),
+                          ("v_proj", cfg.num_kv_heads)):
+        weight, bias = split_heads(heads)
+        out.append(_Tensor(f"{hf}self_attn.{name}.weight", attn + (name, "kernel"), *weight))
+        if cfg.qkv_bias:
+          out.append(_Tensor(f"{hf}self_attn.{name}.bias", attn + (name, "bias"), *bias))
+      out.append(_Tensor(f"{hf}self_attn.o_proj.weight", attn + ("o_proj", "kernel"),
+                         lambda w: w.T.reshape(cfg.num_heads, d, h),
+                         lambda k: k.reshape(cfg.num_heads * d, h).T))
     if cfg.qk_norm:
       for name in ("q_norm", "k_norm"):
         out.append(_Tensor(f"{hf}self_attn.{name}.weight", attn + (name, "scale"), same, same))
     if cfg.sparse(i):  # on disk one tensor per expert, ours stacked: slice e of [E, in, out]
-      out.append(_Tensor(f"{hf}mlp.gate.weight", ours + ("mlp", "gate", "kernel"), *linear))
+      mlp = ours + ("mlp",)
+      out.append(_Tensor(f"{hf}mlp.gate.weight", mlp + ("gate", "kernel"), *linear))
+      if cfg.moe.correction_bias:
+        out.append(_Tensor(f"{hf}mlp.gate.e_score_correction_bias",
+                           mlp + ("e_score_correction_bias",), same, same))
       for e in range(cfg.moe.num_experts):
         for name in ("gate_proj", "up_proj", "down_proj"):
           out.append(_Tensor(f"{hf}mlp.experts.{e}.{name}.weight",
-                             ours + ("mlp", f"experts_{name}", e), *linear))
+                             mlp + (f"experts_{name}", e), *linear))
+      if cfg.moe.shared_size:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+          out.append(_Tensor(f"{hf}mlp.shared_experts.{name}.weight",
+                             mlp + ("shared_experts", name, "kernel"), *linear))
     else:
       for name in ("gate_proj", "up_proj", "down_proj"):
         out.append(_Tensor(f"{hf}mlp.{name}.weight", ours + ("mlp", name, "kernel"), *linear))
@@ -260,12 +338,39 @@ def _tensors(cfg: ModelConfig) -> list[_Tensor]:
   return out
 
 
+def _latent_attention_tensors(cfg: ModelConfig, hf: str, ours: tuple) -> list[_Tensor]:
+  """A DeepSeek-V3 layer's attention tensors (names `hf` + ..., params under `ours`)."""
+  m, heads, d = cfg.mla, cfg.num_heads, cfg.head_dim
+  same = lambda x: x
+
+  def linear(*out_shape):  # weight[out, in] <-> kernel[in, *out_shape]
+    return (lambda w: w.T.reshape(w.shape[1], *out_shape),
+            lambda k: k.reshape(k.shape[0], -1).T)
+
+  query = [("q_proj", linear(heads, d))] if m.q_rank is None else [
+      ("q_a_proj", linear(m.q_rank)), ("q_b_proj", linear(heads, d))]
+  out = [_Tensor(f"{hf}{name}.weight", ours + (name, "kernel"), *fns) for name, fns in query]
+  if m.q_rank is not None:
+    out.append(_Tensor(f"{hf}q_a_layernorm.weight", ours + ("q_a_layernorm", "scale"), same,
+                       same))
+  return out + [
+      _Tensor(f"{hf}kv_a_proj_with_mqa.weight", ours + ("kv_a_proj_with_mqa", "kernel"),
+              *linear(m.kv_rank + m.rope_dim)),
+      _Tensor(f"{hf}kv_a_layernorm.weight", ours + ("kv_a_layernorm", "scale"), same, same),
+      _Tensor(f"{hf}kv_b_proj.weight", ours + ("kv_b_proj", "kernel"),
+              *linear(heads, d - m.rope_dim + m.value_dim)),
+      _Tensor(f"{hf}o_proj.weight", ours + ("o_proj", "kernel"),
+              lambda w: w.T.reshape(heads, m.value_dim, cfg.hidden_size),
+              lambda k: k.reshape(heads * m.value_dim, cfg.hidden_size).T)]
+
+
 # ---- quantized tensors ----
 
 def _quantized(t: _Tensor) -> bool:
   """Whether a quantized checkpoint stores `t` quantized: the decoder layers' projections (not
   yet a mixture's experts)."""
-  return (t.hf_name.startswith("model.layers.") and t.hf_name.endswith("_proj.weight")
+  return (t.hf_name.startswith("model.layers.")
+          and t.hf_name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
           and ".experts." not in t.hf_name)
 
 
@@ -414,7 +519,10 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, packe
   files = _weight_files(ckpt_dir)
   expected = _tensors(cfg)
   wanted = {name for t in expected for name in _stored_names(t, quantization)}
-  unexpected = sorted(n for n in files if n not in wanted and "rotary_emb" not in n)
+  # DeepSeek-V3's multi-token-prediction modules, layers past the last, transformers skips too
+  extra_layers = f"model.layers.{cfg.num_layers}." if cfg.family == "deepseek_v3" else None
+  unexpected = sorted(n for n in files if n not in wanted and "rotary_emb" not in n
+                      and not (extra_layers and n.startswith(extra_layers)))
   missing = sorted(wanted - set(files))
   if cfg.tie_embeddings and "lm_head.weight" in unexpected:
     unexpected.remove("lm_head.weight")  # some tied checkpoints store the copy anyway
@@ -447,13 +555,13 @@ def load(ckpt_dir: str, cfg: ModelConfig | None = None, *, shardings=None, packe
                             f"layout, the config needs {want}")
     sharding = None if shardings is None else _get(shardings, path)
     if expert is not None:
-      stack, filled = stacks.setdefault(path, (np.empty(full, dtype), set()))
+      stack, filled = stacks.setdefault(path, (np.empty(full, _dtype(t, dtype)), set()))
       stack[expert], value = value, None
       filled.add(expert)
       if len(filled) < full[0]:
         continue
       value = stacks.pop(path)[0]
-    _set(params, path, _place(value, dtype, sharding))
+    _set(params, path, _place(value, _dtype(t, dtype), sharding))
     del value
   return cfg, params
 
@@ -468,6 +576,11 @@ def _place(value: np.ndarray, dtype, sharding) -> jax.Array:
   return jax.make_array_from_callback(
       value.shape, sharding, lambda index: np.ascontiguousarray(value[index], dtype=dtype)
   ).block_until_ready()
+
+
+def _dtype(t: _Tensor, dtype):
+  """The dtype param `t` is held and written in: float32 for _FLOAT32's, else `dtype`."""
+  return np.dtype(np.float32) if t.path[-1] in _FLOAT32 else np.dtype(dtype)
 
 
 # ---- export ----
@@ -500,7 +613,7 @@ def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2
   plan: list[list[_Tensor]] = [[]]
   size = 0
   for t in _tensors(cfg):
-    nbytes = int(np.prod(_get(params, t.path).shape)) * dtype.itemsize
+    nbytes = int(np.prod(_get(params, t.path).shape)) * _dtype(t, dtype).itemsize
     if plan[-1] and size + nbytes > max_shard_bytes:
       plan.append([])
       size = 0
@@ -511,8 +624,8 @@ def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2
   def write(fname: str, tensors: list[_Tensor]) -> dict[str, int]:
     shard = {}
     for t in tensors:
-      weight = t.to_hf(np.asarray(jax.device_get(_cast(_get(params, t.path), dtype))))
-      shard.update(_to_stored(t, weight, quantization, dtype))
+      weight = t.to_hf(np.asarray(jax.device_get(_cast(_get(params, t.path), _dtype(t, dtype)))))
+      shard.update(_to_stored(t, weight, quantization, _dtype(t, dtype)))
     save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
     return {name: x.nbytes for name, x in shard.items()}
 

@@ -117,6 +117,10 @@ _PARAM_AXES = {
     ("k_proj", "kernel"): (EMBED, KV_HEADS, HEAD_DIM), ("k_proj", "bias"): (KV_HEADS, HEAD_DIM),
     ("v_proj", "kernel"): (EMBED, KV_HEADS, HEAD_DIM), ("v_proj", "bias"): (KV_HEADS, HEAD_DIM),
     ("o_proj", "kernel"): (HEADS, HEAD_DIM, EMBED),
+    # Multi-head latent attention's low-rank projections: into a rank, and from it by head.
+    ("q_a_proj", "kernel"): (EMBED, None), ("kv_a_proj_with_mqa", "kernel"): (EMBED, None),
+    ("q_b_proj", "kernel"): (None, HEADS, HEAD_DIM),
+    ("kv_b_proj", "kernel"): (None, HEADS, HEAD_DIM),
     ("gate_proj", "kernel"): (EMBED, MLP), ("up_proj", "kernel"): (EMBED, MLP),
     ("down_proj", "kernel"): (MLP, EMBED),
     # A mixture's router and its experts stacked [E, in, out] (the experts' dim unsharded

@@ -1,5 +1,6 @@
-"""The decoder of the Qwen2, Qwen3, Llama 3 and Qwen3-MoE families (RMSNorm, RoPE,
-grouped-query attention, SwiGLU, and a mixture's routed experts) as pure functions.
+"""The decoder of the Qwen2, Qwen3, Llama 3, Qwen3-MoE and DeepSeek-V3 families (RMSNorm, RoPE,
+grouped-query or multi-head latent attention, SwiGLU, and a mixture's routed and shared
+experts) as pure functions.
 
 Owns the network: `init_params`, `forward` (packed training rows), `prefill` and `decode` (the
 embedded engine's KV-cache passes), and the output projection. Attention goes through
@@ -218,7 +219,8 @@ def _rounded_dot(fmt: str):
 def projection_inputs(path) -> int | None:
   """How many leading (input) dims the kernel at params `path` (its keys) contracts, when it
   is a decoder layer's projection (what a quantized checkpoint stores quantized), else None."""
-  if not (path[0].startswith("layers_") and path[-1] == "kernel" and path[-2].endswith("_proj")):
+  if not (path[0].startswith("layers_") and path[-1] == "kernel"
+          and path[-2].endswith(("_proj", "_proj_with_mqa"))):
     return None
   return 2 if path[-2] == "o_proj" else 1  # o_proj's kernel is [heads, head_dim, hidden]
 
@@ -252,16 +254,41 @@ def _projection(cfg: ModelConfig, module, *args, **kwargs):
   return module(*args, **kwargs)
 
 
+def _attend(cfg: ModelConfig, layer: int, q, k, v, segment_ids, cache, cache_slot, kv_valid):
+  """Attention of q [b, s, heads, d] over k, v [b, s, kv_heads, d], through o_proj's input
+  -> (out [b, s, heads, d], cache). Without a cache: causal within segments. With the
+  KVCache of all layers: this layer's k, v are written at slots [cache_slot, cache_slot +
+  seq) of its arrays (in place, so a decode loop copies nothing); then with `kv_valid`
+  (decode) the queries attend to the whole cache, without it (prefill, slot 0) to the
+  written tokens only."""
+  if cache is not None:
+    def write(layers, new):
+      old = layers[layer]
+      new = jax.lax.dynamic_update_slice(old, new.transpose(0, 2, 1, 3).astype(old.dtype),
+                                         (0, 0, cache_slot, 0))
+      return layers[:layer] + (new,) + layers[layer + 1:]
+
+    cache = KVCache(write(cache.k, k), write(cache.v, v))
+  if kv_valid is not None:
+    return dispatch.cached_attention(q, cache.k[layer], cache.v[layer], kv_valid, cache_slot,
+                                     kernel=cfg.attention), cache
+  return dispatch.attention(q, k, v, segment_ids, kernel=cfg.attention), cache
+
+
+def _output(cfg: ModelConfig, out):
+  """o_proj: [b, s, heads, d] -> [b, s, hidden]."""
+  return on_tokens(_projection(cfg, nn.DenseGeneral, cfg.hidden_size, axis=(-2, -1),
+                               use_bias=False, dtype=cfg.compute_dtype,
+                               param_dtype=cfg.param_dtype, name="o_proj"), out)
+
+
 class Attention(nn.Module):
+  """Grouped-query attention; the cache arguments as `_attend`'s. -> (out, cache)"""
   cfg: ModelConfig
   layer: int = 0
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
-    """Without a cache: causal attention within segments. With the KVCache of all layers:
-    this layer's k, v are written at slots [cache_slot, cache_slot + seq) of its arrays (in
-    place, so a decode loop copies nothing); then with `kv_valid` (decode) the queries attend
-    to the whole cache, without it (prefill, slot 0) to the written tokens only."""
     cfg = self.cfg
     dense = lambda heads, name: _projection(
         cfg, nn.DenseGeneral, (heads, cfg.head_dim), use_bias=cfg.qkv_bias,
@@ -275,23 +302,52 @@ class Attention(nn.Module):
       k = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="k_norm")(k)
     tables = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q, k = rope(q, positions, tables), rope(k, positions, tables)
-    if cache is not None:
-      def write(layers, new):
-        old = layers[self.layer]
-        new = jax.lax.dynamic_update_slice(old, new.transpose(0, 2, 1, 3).astype(old.dtype),
-                                           (0, 0, cache_slot, 0))
-        return layers[:self.layer] + (new,) + layers[self.layer + 1:]
+    out, cache = _attend(cfg, self.layer, q, k, v, segment_ids, cache, cache_slot, kv_valid)
+    return _output(cfg, out), cache
 
-      cache = KVCache(write(cache.k, k), write(cache.v, v))
-    if kv_valid is not None:
-      out = dispatch.cached_attention(q, cache.k[self.layer], cache.v[self.layer], kv_valid,
-                                      cache_slot, kernel=cfg.attention)
+
+class LatentAttention(nn.Module):
+  """DeepSeek-V3's multi-head latent attention (MlaConfig), expanded per head: each head's
+  query and key are [nope dims, rope dims], its value zero-padded to the same width, so that
+  the kernels and the KV cache take them as Attention's (the latent cache of an MLA engine is
+  not built). The cache arguments as `_attend`'s. -> (out, cache)"""
+  cfg: ModelConfig
+  layer: int = 0
+
+  @nn.compact
+  def __call__(self, x, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None):
+    cfg, m = self.cfg, self.cfg.mla
+    nope = cfg.head_dim - m.rope_dim
+    dense = lambda features, name: _projection(
+        cfg, nn.DenseGeneral, features, use_bias=False, dtype=cfg.compute_dtype,
+        param_dtype=cfg.param_dtype, name=name)
+    norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name=name)
+    query = (cfg.num_heads, cfg.head_dim)
+    if m.q_rank is None:
+      q = on_tokens(dense(query, "q_proj"), x)
     else:
-      out = dispatch.attention(q, k, v, segment_ids, kernel=cfg.attention)
-    out = on_tokens(_projection(cfg, nn.DenseGeneral, cfg.hidden_size, axis=(-2, -1),
-                                use_bias=False, dtype=cfg.compute_dtype,
-                                param_dtype=cfg.param_dtype, name="o_proj"), out)
-    return out, cache
+      q = on_tokens(dense(query, "q_b_proj"),
+                    norm("q_a_layernorm")(on_tokens(dense(m.q_rank, "q_a_proj"), x)))
+    latent = on_tokens(dense(m.kv_rank + m.rope_dim, "kv_a_proj_with_mqa"), x)
+    kv = on_tokens(dense((cfg.num_heads, nope + m.value_dim), "kv_b_proj"),
+                   norm("kv_a_layernorm")(latent[..., :m.kv_rank]))
+    tables = rope_tables(m.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+    # Interleaved pairs gathered into halves (q and k alike, so q.k is unchanged): then
+    # `rope` rotates them as transformers' apply_rotary_pos_emb_interleave does.
+    halves = ((lambda a: jnp.concatenate([a[..., 0::2], a[..., 1::2]], -1))
+              if m.rope_interleave else (lambda a: a))
+    rotated = lambda a: rope(halves(a), positions, tables)
+    shared = rotated(latent[:, :, None, m.kv_rank:])  # [b, s, 1, rope_dim]: every head's
+    scale = (cfg.rope_scaling.softmax_scale() if isinstance(cfg.rope_scaling, YarnRope)
+             else 1.0)
+    q = jnp.concatenate([q[..., :nope], rotated(q[..., nope:])], -1)
+    q = q * jnp.asarray(scale, q.dtype) if scale != 1.0 else q
+    k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(shared, (*kv.shape[:3], m.rope_dim))],
+                        -1)
+    v = jnp.pad(kv[..., nope:], [(0, 0)] * 3 + [(0, cfg.head_dim - m.value_dim)])
+    q, k, v = (shd.constrain(a, shd.BATCH, shd.SEQ, shd.ACT_HEADS, None) for a in (q, k, v))
+    out, cache = _attend(cfg, self.layer, q, k, v, segment_ids, cache, cache_slot, kv_valid)
+    return _output(cfg, out[..., :m.value_dim]), cache
 
 
 @jax.custom_vjp
@@ -539,7 +595,8 @@ class Block(nn.Module):
                replay=None):
     """-> (x, cache, the sparse layer's Route or None); `replay`: MoE's."""
     norm = lambda name: RMSNorm(self.cfg.rms_norm_eps, self.cfg.param_dtype, name=name)
-    h, cache = Attention(self.cfg, self.layer, name="self_attn")(
+    attention = Attention if self.cfg.mla is None else LatentAttention
+    h, cache = attention(self.cfg, self.layer, name="self_attn")(
         norm("input_layernorm")(x), positions, segment_ids, cache, cache_slot, kv_valid)
     x = x + h
     h, route = norm("post_attention_layernorm")(x), None

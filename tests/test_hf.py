@@ -36,6 +36,24 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         mlp_only_layers=[1], **COMMON),
+    # Multi-head latent attention (queries through a rank-24 bottleneck, values narrower than
+    # keys, interleaved rope dims, YaRN with DeepSeek's mscale_all_dim in the softmax scale),
+    # layer 0 dense, layer 1 DeepSeek-V3's router (best 2 of 4 groups) and a shared expert.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        max_position_embeddings=64, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 0.8, "original_max_position_embeddings": 16}),
+    # Moonlight's shape of it: one query projection, one group, rope dims in halves.
+    "moonlight": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=2,
+        moe_intermediate_size=16, first_k_dense_replace=1, routed_scaling_factor=2.0,
+        rope_interleave=False),
 }
 
 
@@ -150,7 +168,9 @@ def test_bfloat16_parameters_and_compute(checkpoint, tmp_path):
   BF16 tensors that transformers loads."""
   family, path, model = checkpoint
   cfg, params = hf.load(path, dtype="bfloat16", param_dtype="bfloat16")
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+  for path, x in jax.tree_util.tree_leaves_with_path(params):  # DeepSeek's bias stays float32
+    bias = path[-1].key == "e_score_correction_bias"
+    assert x.dtype == (jnp.float32 if bias else jnp.bfloat16), path
   tokens = np.random.default_rng(4).integers(0, VOCAB, (1, 16))
   ones = np.ones((1, 16), np.int32)
   got = _our_logits(params, cfg, tokens, np.arange(16)[None], ones)

@@ -1,13 +1,15 @@
-"""Mixtures of experts (models/transformer.py MoE, the qwen3_moe family): dropless expert
-computation against a token-by-token reference, Qwen3-MoE's logits against transformers in
-float32 on padded and packed rows, the engine and the trainer computing the same log-probs,
-the routes a forward pass returns and routing replay, routing metrics, and the configurations
-that cannot run refused. tests/test_hf.py runs the family through every
-Hugging Face check the dense families pass (greedy generation, exports, bf16)."""
+"""Mixtures of experts (models/transformer.py MoE, the qwen3_moe and deepseek_v3 families):
+dropless expert computation against a token-by-token reference, Qwen3-MoE's and DeepSeek-V3's
+logits against transformers in float32 on padded and packed rows, the engine and the trainer
+computing the same log-probs, the routes a forward pass returns and routing replay, routing
+metrics, and the configurations that cannot run refused. tests/test_hf.py runs both families
+through every Hugging Face check the dense families pass (greedy generation, exports, bf16)."""
 
 import base64
 import dataclasses
 import functools
+import json
+import os
 import threading
 import time
 
@@ -19,9 +21,10 @@ import optax
 import pytest
 import torch  # the test extra pins the CPU wheel
 import transformers
+from safetensors.numpy import load_file, save_file
 
 from models import hf, sharding, transformer
-from models.config import ModelConfig, MoeConfig, tiny
+from models.config import MlaConfig, ModelConfig, MoeConfig, tiny
 from rl import batch as batch_lib
 from rl import losses
 from rl.config import RLConfig
@@ -130,6 +133,82 @@ def test_qwen3_moe_logits_equal_transformers_within_1e_5(checkpoint):
   assert cfg.moe == MoeConfig(num_experts=8, experts_per_token=2, expert_size=32,
                               normalize_weights=True, sparse_step=2)
   assert [cfg.sparse(i) for i in range(3)] == [False, True, False]
+  _logits_equal_transformers(params, cfg, model)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+  """A DeepSeek-V3 of 3 layers (the first dense) with multi-head latent attention (a query
+  bottleneck, values narrower than keys, interleaved rope dims, YaRN with DeepSeek's
+  mscale_all_dim) and its router: 8 experts in 4 groups, the best 2 eligible, a random
+  correction bias, renormalised weights times 2.5, a shared expert; and the same model's
+  multi-token-prediction layer, which import skips as transformers does."""
+  config = transformers.DeepseekV3Config(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+      num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+      qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+      num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+      moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
+      max_position_embeddings=64, rope_parameters={
+          "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+          "mscale_all_dim": 0.8, "original_max_position_embeddings": 16},
+      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  with torch.no_grad():  # norms random too, and the biases, which choose experts
+    for p in model.parameters():
+      p.normal_(0.0, 0.15)
+    for layer in model.model.layers[1:]:
+      layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+  path = str(tmp_path_factory.mktemp("deepseek_v3"))
+  model.save_pretrained(path)
+  tensors = load_file(os.path.join(path, hf.SINGLE))
+  tensors["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+  save_file(tensors, os.path.join(path, hf.SINGLE), metadata={"format": "pt"})
+  return path, model
+
+
+def test_deepseek_v3_logits_equal_transformers_within_1e_5(deepseek):
+  path, model = deepseek
+  cfg, params = hf.load(path)
+  assert cfg.mla == MlaConfig(kv_rank=16, rope_dim=8, value_dim=12, q_rank=24)
+  assert cfg.head_dim == 24 and cfg.sparse_layers == (1, 2)
+  assert cfg.moe == MoeConfig(num_experts=8, experts_per_token=2, expert_size=32,
+                              normalize_weights=True, dense_layers=(0,), scoring="sigmoid",
+                              correction_bias=True, groups=4, top_groups=2, scaling=2.5,
+                              shared_size=32)
+  _logits_equal_transformers(params, cfg, model)
+  # The trainer can place every parameter (the latent projections have logical axes).
+  axes = sharding.param_logical_axes(params)["layers_1"]["self_attn"]
+  assert axes["kv_b_proj"]["kernel"] == (None, sharding.HEADS, sharding.HEAD_DIM)
+
+
+def test_a_deepseek_fp8_export_quantizes_the_latent_projections_and_loads_back(deepseek,
+                                                                             tmp_path):
+  """FP8 as DeepSeek-V3's checkpoints store it: every projection of attention (the latent
+  ones and kv_a_proj_with_mqa included) and of the dense and shared MLPs in blocks, the router
+  and the routed experts kept; held packed (a server's weights) it computes what the
+  dequantized import does."""
+  cfg, params = hf.load(deepseek[0])
+  out = hf.save(params, cfg, str(tmp_path / "fp8"), quantization="fp8")
+  with open(os.path.join(out, hf.SINGLE), "rb") as f:
+    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+  quantized = sorted(n.removesuffix(".weight_scale_inv") for n in header
+                     if n.endswith(".weight_scale_inv") and n.startswith("model.layers.1."))
+  assert quantized == [f"model.layers.1.{name}" for name in (
+      "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
+      "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj",
+      "self_attn.q_a_proj", "self_attn.q_b_proj")]
+  _, loaded = hf.load(out)
+  _, held = hf.load(out, packed=True)
+  tokens = np.random.default_rng(5).integers(0, VOCAB, (2, 12))
+  positions, segments = np.arange(12)[None].repeat(2, 0), np.ones((2, 12), np.int32)
+  np.testing.assert_array_equal(_logits(held, cfg, tokens, positions, segments),
+                                _logits(loaded, cfg, tokens, positions, segments))
+
+
+def _logits_equal_transformers(params, cfg, model):
+  """Our logits are `model`'s within 1e-5 on padded rows and on a packed row."""
   rng = np.random.default_rng(1)
   tokens = rng.integers(0, VOCAB, (3, 20))
   lengths = [20, 13, 6]
@@ -185,9 +264,9 @@ def test_mixture_configs_that_cannot_run_are_refused():
   moe = MoeConfig(num_experts=4, experts_per_token=2, expert_size=8)
   common = dict(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
                 head_dim=4, intermediate_size=8)
-  with pytest.raises(ValueError, match="the qwen3_moe family, and it alone"):
+  with pytest.raises(ValueError, match="the qwen3_moe and deepseek_v3 families, and they alone"):
     ModelConfig(**common, moe=moe)
-  with pytest.raises(ValueError, match="the qwen3_moe family, and it alone"):
+  with pytest.raises(ValueError, match="the qwen3_moe and deepseek_v3 families, and they alone"):
     ModelConfig(**common, family="qwen3_moe")
   with pytest.raises(ValueError, match="experts_per_token=5 must be in"):
     MoeConfig(num_experts=4, experts_per_token=5, expert_size=8)
@@ -197,6 +276,34 @@ def test_mixture_configs_that_cannot_run_are_refused():
     MoeConfig(num_experts=4, experts_per_token=2, expert_size=8, groups=3)
   with pytest.raises(ValueError, match="1 of 4 groups hold fewer than experts_per_token=2"):
     MoeConfig(num_experts=4, experts_per_token=2, expert_size=8, groups=4, top_groups=1)
+  # Multi-head latent attention: its family only, a key and a value for every head, rope dims
+  # even and inside the key, values no wider than keys.
+  mla = MlaConfig(kv_rank=4, rope_dim=2, value_dim=4)
+  latent = {**common, "num_kv_heads": 2, "family": "deepseek_v3", "moe": moe}
+  with pytest.raises(ValueError, match="the deepseek_v3 family, and it alone, has an MlaConfig"):
+    ModelConfig(**latent)
+  with pytest.raises(ValueError, match="num_kv_heads=1 must equal num_heads=2"):
+    ModelConfig(**{**latent, "num_kv_heads": 1}, mla=mla)
+  for bad, message in ((dict(rope_dim=3), "rope_dim=3 must be even"),
+                       (dict(rope_dim=4), "rope_dim=4 must be even and below head_dim=4"),
+                       (dict(value_dim=6), "value_dim=6 must be in")):
+    with pytest.raises(ValueError, match=message):
+      ModelConfig(**latent, mla=dataclasses.replace(mla, **bad))
+
+
+def test_deepseek_checkpoints_that_route_otherwise_are_refused(deepseek, tmp_path):
+  """DeepSeek's config.json fields that transformers ignores and SGLang reads are refused by
+  name when they route otherwise; a router config.json cannot say is refused on export."""
+  path, _ = deepseek
+  config = json.load(open(os.path.join(path, "config.json")))
+  for key, value in (("scoring_func", "softmax"), ("topk_method", "greedy"),
+                     ("moe_layer_freq", 2)):
+    with pytest.raises(hf.CheckpointError, match=f"{key}={value!r}: the deepseek_v3 family"):
+      hf.config_from_hf({**config, key: value})
+  cfg, params = hf.load(path)
+  odd = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dense_layers=(1,)))
+  with pytest.raises(ValueError, match="from first_k_dense_replace on"):
+    hf.save(params, odd, str(tmp_path / "odd"))
 
 
 def _rows():
@@ -384,18 +491,28 @@ def test_loss_free_balancing_moves_the_correction_bias_against_the_load():
     hf.save(params, cfg, "/nonexistent")  # refused before anything is written
 
 
-def _small_mixture(vocab_size: int) -> ModelConfig:
+def _small_mixture(vocab_size: int, family: str = "qwen3_moe") -> ModelConfig:
   """The tiny config's Qwen3-MoE at the size of the tests' tiny model: layer 1 sparse, 8
-  experts, 2 a token."""
-  return tiny(vocab_size, hidden_size=32, intermediate_size=64,
-              moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=16,
-                            dense_layers=(0,)))
+  experts, 2 a token; or a DeepSeek-V3 of that size (latent attention, its router in 2
+  groups, a shared expert)."""
+  if family == "qwen3_moe":
+    return tiny(vocab_size, hidden_size=32, intermediate_size=64,
+                moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=16,
+                              dense_layers=(0,)))
+  return ModelConfig(
+      family=family, vocab_size=vocab_size, hidden_size=32, num_layers=2, num_heads=4,
+      num_kv_heads=4, head_dim=12, intermediate_size=64, qkv_bias=False,
+      moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=16, dense_layers=(0,),
+                    normalize_weights=True, scoring="sigmoid", correction_bias=True, groups=2,
+                    top_groups=1, scaling=2.0, shared_size=16),
+      mla=MlaConfig(kv_rank=8, rope_dim=4, value_dim=8, q_rank=16))
 
 
-def test_an_rl_step_on_a_mixture_logs_its_routing(tokenizer):
-  """The loop on a small Qwen3-MoE (embedded engine, k1.5): its train step logs the routing
-  over the batch's real tokens, and the router is trained."""
-  cfg = _small_mixture(tokenizer.vocab_size)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_an_rl_step_on_a_mixture_logs_its_routing(tokenizer, family):
+  """The loop on a small Qwen3-MoE or DeepSeek-V3 (embedded engine, k1.5): its train step
+  logs the routing over the batch's real tokens, and the router is trained."""
+  cfg = _small_mixture(tokenizer.vocab_size, family)
   params = transformer.init_params(cfg, jax.random.PRNGKey(0))
   config = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=6, seq_len=32)
   steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params), tokenizer=tokenizer,

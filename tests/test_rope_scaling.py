@@ -91,7 +91,7 @@ def test_config_reads_the_scaling(checkpoint):
       "dynamic": config.DynamicRope(3.0, ORIGINAL),
       "yarn": config.YarnRope(4.0, ORIGINAL),
       "yarn_options": config.YarnRope(4.0, ORIGINAL, beta_fast=8.0, beta_slow=2.0,
-                                      truncate=False),
+                                      truncate=False, mscale_all_dim=1.0),
   }[scaling]
   assert dataclasses.replace(cfg.rope_scaling, attention_factor=None) == expected if (
       scaling == "yarn_options") else cfg.rope_scaling == expected
