@@ -4,6 +4,9 @@ Owns the mesh axes, how a run enters a mesh, and where a batch's rows go on it. 
 are, outermost first:
   data     replicas that each see different rows
   fsdp     rows split like data; parameters (and optimizer state) sharded across it
+  expert   rows split like data, and a mixture's experts split across it: each device runs
+           the experts it holds on the tokens routed to them, which its peers send it
+           (all-to-all: models/transformer.py, expert_parallel_experts)
   tensor   attention heads, MLP columns and the vocabulary split
   context  the sequence split (ring attention, models/attention/ring.py)
 Model code names the axes of every parameter and activation logically (`EMBED`, `HEADS`, ...);
@@ -22,27 +25,29 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 # Logical axes of parameters.
 VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+EXPERTS = "experts"  # a mixture's stacked experts
 # Logical axes of activations.
 BATCH, SEQ, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP = (
     "batch", "seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp")
 
 RULES: dict[str, tuple[str, ...]] = {
     VOCAB: ("tensor",), EMBED: ("fsdp",), HEADS: ("tensor",), KV_HEADS: ("tensor",),
-    HEAD_DIM: (), MLP: ("tensor",),
-    BATCH: ("data", "fsdp"), SEQ: ("context",), ACT_EMBED: (), ACT_HEADS: ("tensor",),
+    HEAD_DIM: (), MLP: ("tensor",), EXPERTS: ("expert",),
+    BATCH: ("data", "fsdp", "expert"), SEQ: ("context",), ACT_EMBED: (), ACT_HEADS: ("tensor",),
     ACT_KV_HEADS: ("tensor",), ACT_MLP: ("tensor",),
 }
 
-AXES = ("data", "fsdp", "tensor", "context")
+AXES = ("data", "fsdp", "expert", "tensor", "context")
 
 
 class MeshUnavailable(ValueError):
   """The requested mesh does not fit the devices present."""
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, context: int = 1) -> Mesh:
-  """A mesh over the first data x fsdp x tensor x context devices."""
-  shape = (data, fsdp, tensor, context)
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, context: int = 1,
+              expert: int = 1) -> Mesh:
+  """A mesh over the first data x fsdp x expert x tensor x context devices."""
+  shape = (data, fsdp, expert, tensor, context)
   if min(shape) < 1:
     raise ValueError(f"mesh sizes must be >= 1, got {dict(zip(AXES, shape))}")
   devices = jax.devices()
@@ -123,11 +128,11 @@ _PARAM_AXES = {
     ("kv_b_proj", "kernel"): (None, HEADS, HEAD_DIM),
     ("gate_proj", "kernel"): (EMBED, MLP), ("up_proj", "kernel"): (EMBED, MLP),
     ("down_proj", "kernel"): (MLP, EMBED),
-    # A mixture's router and its experts stacked [E, in, out] (the experts' dim unsharded
-    # until an expert axis exists).
+    # A mixture's router and its experts stacked [E, in, out].
     ("gate", "kernel"): (EMBED, None),
-    ("mlp", "experts_gate_proj"): (None, EMBED, MLP), ("mlp", "experts_up_proj"): (None, EMBED, MLP),
-    ("mlp", "experts_down_proj"): (None, MLP, EMBED),
+    ("mlp", "experts_gate_proj"): (EXPERTS, EMBED, MLP),
+    ("mlp", "experts_up_proj"): (EXPERTS, EMBED, MLP),
+    ("mlp", "experts_down_proj"): (EXPERTS, MLP, EMBED),
     ("mlp", "e_score_correction_bias"): (None,),  # DeepSeek-V3's, [E]
 }
 
@@ -157,12 +162,14 @@ def param_shardings(params, mesh: Mesh):
 
 
 def serving_mesh(mesh: Mesh) -> Mesh:
-  """`mesh`'s devices for decoding: its context axis (a training-time sequence split) folded
-  into data, as more replicas that decode rows of their own."""
-  if mesh.shape.get("context", 1) == 1:
+  """`mesh`'s devices for decoding: its context and expert axes (a training-time sequence
+  and expert split) folded into data, as more replicas that decode rows of their own."""
+  if mesh.shape.get("context", 1) == mesh.shape.get("expert", 1) == 1:
     return mesh
-  devices = np.moveaxis(mesh.devices, AXES.index("context"), 1)  # data, context, fsdp, tensor
-  shape = (mesh.shape["data"] * mesh.shape["context"], mesh.shape["fsdp"], mesh.shape["tensor"], 1)
+  # data, expert, context, fsdp, tensor
+  devices = np.moveaxis(mesh.devices, (AXES.index("expert"), AXES.index("context")), (1, 2))
+  replicas = mesh.shape["data"] * mesh.shape["expert"] * mesh.shape["context"]
+  shape = (replicas, mesh.shape["fsdp"], 1, mesh.shape["tensor"], 1)
   return Mesh(devices.reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

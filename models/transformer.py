@@ -441,6 +441,89 @@ def capacity_experts(x, experts, weights, gate, up, down, capacity: int):
                     weights.astype(jnp.float32)).astype(x.dtype)
 
 
+EXPERT_AXIS = "expert"
+
+
+def _exchange_pairs(x, experts, groups: int, per_group: int, room: int):
+  """The (token, expert) pairs of `experts` i32[T, k] laid out for an all-to-all over `groups`
+  devices holding `per_group` experts each: -> (to i32[T * k] each pair's device, slot
+  i32[T * k] its place in that device's buffer, `room` where it is dropped, send [groups,
+  room, H] the tokens, ids i32[groups, room] each one's expert on its device, `per_group`
+  where the slot is empty)."""
+  flat = experts.reshape(-1)
+  to, local = flat // per_group, flat % per_group
+  order = jnp.argsort(to, stable=True)
+  sizes = jnp.bincount(to, length=groups)
+  slot = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size) - (jnp.cumsum(sizes) -
+                                                                     sizes)[to[order]])
+  slot = jnp.where(slot < room, slot, room)
+  send = jnp.zeros((groups, room, x.shape[1]), x.dtype).at[to, slot].set(
+      jnp.repeat(x, experts.shape[1], axis=0), mode="drop")
+  ids = jnp.full((groups, room), per_group, jnp.int32).at[to, slot].set(local, mode="drop")
+  return to, slot, send, ids
+
+
+def expert_parallel_experts(x, experts, weights, gate, up, down,
+                            capacity_factor: float | None = None):
+  """dropless_experts (capacity_factor None) on a mesh with an `expert` axis of P devices, each
+  holding E / P of the experts: every device sends each of its (token, expert) pairs to the
+  device holding that expert (all-to-all inside shard_map), which runs its experts on what it
+  received as grouped matrix products and sends the results back to be summed with the
+  weights. Tokens are split over the mesh as activations are (rows over data, fsdp and
+  expert, the sequence over context); an expert's MLP columns over tensor (a partial sum,
+  added up over tensor); the fsdp-split weights are gathered as every layer's are.
+
+  The buffers exchanged are fixed in size: room for all of a device's T_local * k pairs at
+  every destination (nothing dropped whatever the routing), or with a capacity factor f room
+  for ceil(f * T_local * k / P) pairs from each peer, the overflow dropped in token order as
+  capacity_experts drops it, but counted per device (its experts together), not per expert.
+
+  x [rows, seq, H]; experts i32[rows, seq, k]; weights [rows, seq, k]; gate, up [E, H, I];
+  down [E, I, H] -> [rows, seq, H]
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  groups = mesh.shape[EXPERT_AXIS]
+  if gate.shape[0] % groups:
+    raise ValueError(f"expert parallelism: {gate.shape[0]} experts do not split over the "
+                     f"mesh's expert axis of {groups} devices")
+  tokens = shd.spec((shd.BATCH, shd.SEQ, None), x.shape, mesh)
+  w_in = shd.spec((shd.EXPERTS, None, shd.MLP), gate.shape, mesh)
+  w_out = shd.spec((shd.EXPERTS, shd.MLP, None), down.shape, mesh)
+  split_columns = w_in[2] is not None
+
+  def per_device(x, experts, weights, gate, up, down):
+    rows, seq, hidden = x.shape
+    x, experts = x.reshape(-1, hidden), experts.reshape(rows * seq, -1)
+    per_group = gate.shape[0]
+    room = (experts.size if capacity_factor is None
+            else math.ceil(capacity_factor * experts.size / groups))
+    to, slot, send, ids = _exchange_pairs(x, experts, groups, per_group, room)
+    received = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, hidden)
+    got = jax.lax.all_to_all(ids, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1)
+    order = jnp.argsort(got, stable=True)  # empty slots (id per_group) last, in no group
+    sizes = jnp.bincount(got, length=per_group)
+    xs = received[order]
+    out = jax.lax.ragged_dot(swiglu(jax.lax.ragged_dot(xs, gate, sizes),
+                                    jax.lax.ragged_dot(xs, up, sizes)), down, sizes)
+    out = out[jnp.argsort(order)].reshape(groups, room, hidden)
+    back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)
+    pairs = back.at[to, slot].get(mode="fill", fill_value=0).reshape(*experts.shape, hidden)
+    summed = jnp.einsum("tkh,tk->th", pairs.astype(jnp.float32),
+                        weights.reshape(experts.shape).astype(jnp.float32))
+    if split_columns:
+      summed = jax.lax.psum(summed, "tensor")
+    return summed.astype(x.dtype).reshape(rows, seq, hidden)
+
+  return jax.shard_map(per_device, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                       out_specs=tokens)(x, experts, weights, gate, up, down)
+
+
+def _expert_parallel() -> bool:
+  """Whether the mesh being traced under has an `expert` axis (of more than one device)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.shape.get(EXPERT_AXIS, 1) > 1
+
+
 class Route(NamedTuple):
   """Where a mixture's sparse layers sent each token: per layer (axis 2 of a model's Route,
   absent of one layer's) `experts` i32[rows, seq, (layers,) k] the experts it went to,
@@ -572,7 +655,12 @@ class MoE(nn.Module):
     weights_of = (expert("experts_gate_proj", (hidden, moe.expert_size)),
                   expert("experts_up_proj", (hidden, moe.expert_size)),
                   expert("experts_down_proj", (moe.expert_size, hidden)))
-    if moe.capacity_factor is None:
+    if _expert_parallel():
+      tokens_of = lambda a: a.reshape(rows, seq, -1)
+      out = expert_parallel_experts(x, tokens_of(experts), tokens_of(weights.astype(logits.dtype)),
+                                    *weights_of, capacity_factor=moe.capacity_factor)
+      out = out.reshape(tokens.shape)
+    elif moe.capacity_factor is None:
       out = dropless_experts(tokens, experts, weights.astype(logits.dtype), *weights_of)
     else:
       out = capacity_experts(tokens, experts, weights.astype(logits.dtype), *weights_of,

@@ -358,7 +358,13 @@ class JaxEngine:
                                                             self._weight_format))
     placed = (None if self._mesh is None else
               sharding.serving_shardings(params, self._mesh))
-    return jax.jit(lambda p: jax.tree.map(cast, p), out_shardings=placed)
+    hold = jax.jit(lambda p: jax.tree.map(cast, p), out_shardings=placed)
+    trained_on = getattr(getattr(jax.tree.leaves(params)[0], "sharding", None), "mesh", None)
+    if placed is None or trained_on is self._mesh:
+      return hold
+    # A serving mesh that folds context or expert into data orders the devices otherwise than
+    # the training mesh, and jit takes no inputs on another order: a transfer moves them.
+    return lambda p: hold(jax.device_put(p, placed))
 
   @property
   def weight_bytes(self) -> int:

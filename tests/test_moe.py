@@ -36,6 +36,7 @@ from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
 from rollouts.sglang import SGLangClient, SGLangEngine
 from tests import helpers
+from tests.test_attention import _packed_batch, assert_same_gradients, gradient_recorder
 
 VOCAB = 96
 
@@ -243,7 +244,8 @@ def test_the_engine_and_the_trainer_compute_the_same_log_probs_on_a_mixture(chec
   assert np.abs(trainer - batch.old_logp)[mask].max() < 1e-5
   # The trainer can place them: the router and the stacked experts have logical axes.
   axes = sharding.param_logical_axes(params)
-  assert axes["layers_1"]["mlp"]["experts_down_proj"] == (None, sharding.MLP, sharding.EMBED)
+  assert axes["layers_1"]["mlp"]["experts_down_proj"] == (sharding.EXPERTS, sharding.MLP,
+                                                         sharding.EMBED)
 
 
 def test_remat_scans_a_mixture_whose_layers_are_alike_and_refuses_mixed_ones(checkpoint):
@@ -304,6 +306,87 @@ def test_deepseek_checkpoints_that_route_otherwise_are_refused(deepseek, tmp_pat
   odd = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dense_layers=(1,)))
   with pytest.raises(ValueError, match="from first_k_dense_replace on"):
     hf.save(params, odd, str(tmp_path / "odd"))
+
+
+@pytest.mark.parametrize("family,axes", [("qwen3_moe", dict(expert=8)),
+                                         ("deepseek_v3", dict(fsdp=2, expert=2, tensor=2)),
+                                         ("deepseek_v3", dict(data=2, expert=2, context=2))],
+                         ids=["qwen3_moe, expert=8", "deepseek_v3, fsdp=2 x expert=2 x tensor=2",
+                              "deepseek_v3, data=2 x expert=2 x context=2 (ring attention)"])
+def test_an_expert_parallel_train_step_equals_one_device(family, axes):
+  """The train step on 8 host devices with an expert axis (each device holding 8 / P experts,
+  the tokens exchanged all-to-all; with tensor, each expert's columns split too) gives one
+  device's loss and gradients; its experts really are split."""
+  cfg = _small_mixture(VOCAB, family)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  batch = _packed_batch(rows=8, seq=24, vocab=VOCAB, seed=3)
+  loss_fn, recorder = losses.bind("grpo", {"kl_coef": 0.0}), gradient_recorder()
+  state = init_train_state(params, recorder)
+  one, one_metrics = make_train_step(cfg, recorder, loss_fn)(state, batch)
+  mesh = sharding.make_mesh(**axes)
+  shardings = sharding.state_shardings(state, recorder, mesh)
+  step = sharding.on_mesh(mesh, make_train_step(cfg, recorder, loss_fn,
+                                                state_shardings=shardings))
+  sharded, metrics = step(jax.device_put(state, shardings), batch)
+  for key in ("loss", "grad_norm", "expert_load_cv"):
+    np.testing.assert_allclose(metrics[key], one_metrics[key], rtol=1e-5, err_msg=key)
+  assert_same_gradients(sharded.opt_state, one.opt_state)
+  down = sharded.params["layers_1"]["mlp"]["experts_down_proj"]
+  assert down.addressable_shards[0].data.shape[0] == 8 // axes["expert"]
+
+
+def test_an_engine_on_an_expert_parallel_mesh_decodes_as_one_device():
+  """Weights placed for training on fsdp=2 x expert=2 x tensor=2: the engine folds the expert
+  axis into data (4 replicas of whole experts, each decoding its own rows) and generates what
+  one device generates."""
+  cfg = _small_mixture(VOCAB, "deepseek_v3")
+  params = transformer.init_params(cfg, jax.random.PRNGKey(2))
+  mesh = sharding.make_mesh(fsdp=2, expert=2, tensor=2)
+  engine = JaxEngine(cfg, jax.device_put(params, sharding.param_shardings(params, mesh)))
+  down = engine.params["layers_1"]["mlp"]["experts_down_proj"]
+  assert down.addressable_shards[0].data.shape[0] == 8  # every expert on every replica
+  prompts = [[1, 5, 9, 12], [1, 7], [1, 20, 21, 22, 23], [1, 3, 3]] * 2
+  greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+  want = JaxEngine(cfg, params).generate(prompts, greedy, seed=0)
+  for a, b in zip(want, engine.generate(prompts, greedy, seed=0)):
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_expert_parallel_experts_are_dropless_and_drop_per_device_with_a_capacity():
+  """expert_parallel_experts on an expert axis of 4 devices (2 rows each) equals
+  dropless_experts; with a capacity factor each device takes ceil(f T_local k / 4) pairs from
+  each peer, in token order, and the rest are dropped (the token keeps its other experts)."""
+  rng = np.random.default_rng(6)
+  rows, seq, hidden, size, k, num = 8, 6, 8, 12, 2, 8
+  x = rng.normal(size=(rows, seq, hidden)).astype(np.float32)
+  experts = np.stack([rng.choice(num, k, replace=False) for _ in range(rows * seq)]).reshape(
+      rows, seq, k).astype(np.int32)
+  experts[:2, :, 0] = 0  # device 0's rows crowd expert 0 (held by device 0)
+  weights = rng.uniform(size=(rows, seq, k)).astype(np.float32)
+  gate, up = (rng.normal(size=(num, hidden, size)).astype(np.float32) for _ in range(2))
+  down = rng.normal(size=(num, size, hidden)).astype(np.float32)
+  flat = lambda a: a.reshape(rows * seq, -1)
+  dropless = lambda w: np.asarray(transformer.dropless_experts(
+      flat(x), flat(experts), flat(w), gate, up, down)).reshape(rows, seq, hidden)
+  with jax.set_mesh(sharding.make_mesh(expert=4)):
+    parallel = jax.jit(transformer.expert_parallel_experts, static_argnames="capacity_factor")
+    np.testing.assert_allclose(parallel(x, experts, weights, gate, up, down), dropless(weights),
+                               rtol=1e-5, atol=1e-5)
+    dropped = parallel(x, experts, weights, gate, up, down, capacity_factor=1.0)
+  # Room for ceil(1.0 * 12 * 2 / 4) = 6 pairs per (sender, receiver): the pairs past it, in
+  # the sender's (token, slot) order, add nothing.
+  kept = weights.copy()
+  for sender in range(4):
+    queue = {}
+    for t in range(2 * sender * seq, 2 * (sender + 1) * seq):
+      for j in range(k):
+        receiver = experts.reshape(-1, k)[t, j] // 2
+        queue[receiver] = queue.get(receiver, 0) + 1
+        if queue[receiver] > 6:
+          kept.reshape(-1, k)[t, j] = 0.0
+  assert (kept != weights).any()
+  np.testing.assert_allclose(dropped, dropless(kept), rtol=1e-5, atol=1e-5)
 
 
 def _rows():
