@@ -528,10 +528,34 @@ class Route(NamedTuple):
   """Where a mixture's sparse layers sent each token: per layer (axis 2 of a model's Route,
   absent of one layer's) `experts` i32[rows, seq, (layers,) k] the experts it went to,
   `native` the router's own top k (the same without replay), `entropy` f32[rows, seq,
-  (layers)] of the router's scores normalised over all experts."""
+  (layers)] of the router's scores normalised over all experts, `balance` f32[rows, seq,
+  (layers)] the token's term of the load-balancing loss (`balance_loss`)."""
   experts: jax.Array
   native: jax.Array
   entropy: jax.Array
+  balance: jax.Array
+
+
+def balance_terms(probs, native, real, num_experts: int):
+  """Each token's term of the Switch Transformer's load-balancing loss, E * sum_e f_e p_e:
+  `probs` f32[T, E] its router's scores normalised over the experts, f_e the share of the
+  (token, slot) pairs of the `real` (f32[T], 1 for a token that counts) tokens whose router
+  chose e (`native` i32[T, k]; no gradient: the choice has none) -> f32[T]. Their mean over
+  the real tokens is the loss: 1 when the load and the scores are uniform, more as both
+  gather on the same experts."""
+  k = native.shape[1]
+  load = jnp.bincount(native.reshape(-1), weights=jnp.repeat(real, k), length=num_experts)
+  share = jax.lax.stop_gradient(load / jnp.maximum(k * jnp.sum(real), 1.0))
+  return num_experts * probs @ share
+
+
+def balance_loss(route: Route, mask):
+  """The load-balancing auxiliary loss of a model's Route (layer axis 2) over the tokens
+  `mask` (bool[rows, seq]) marks, the mean over sparse layers of each one's (balance_terms;
+  transformers' Qwen3-MoE load_balancing_loss_func gives k times it for one sparse layer,
+  and pools the tokens of all layers where this averages the layers' losses)."""
+  m = mask.astype(jnp.float32)[:, :, None]
+  return jnp.sum(route.balance * m) / (jnp.maximum(jnp.sum(m), 1.0) * route.balance.shape[2])
 
 
 def expert_counts(route: Route, mask, num_experts: int):
@@ -567,7 +591,8 @@ def routing_metrics(route: Route, mask, num_experts: int, engine=None) -> dict[s
   expert_load_max: the largest share of a layer's assignments one expert took, times E (1 when
     balanced: a collapse shows as E / k or more);
   router_entropy: of the router's scores normalised over all experts (Qwen3-MoE's softmax),
-    per token.
+    per token;
+  expert_balance_loss: the load-balancing loss (balance_loss; 1 when balanced).
   With `engine` i32[rows, seq, sparse layers, k], the experts the engine chose (negative: not
   recorded), over the masked tokens it recorded, the share of tokens whose experts (as a set)
   are not the engine's in at least one sparse layer:
@@ -581,7 +606,8 @@ def routing_metrics(route: Route, mask, num_experts: int, engine=None) -> dict[s
   out = {"expert_load_cv": jnp.mean(jnp.std(counts, axis=-1) / mean),
          "expert_load_max": jnp.mean(jnp.max(counts, axis=-1) / mean),
          "router_entropy": jnp.sum(route.entropy * m[:, :, None]) / (
-             jnp.maximum(jnp.sum(m), 1.0) * layers)}
+             jnp.maximum(jnp.sum(m), 1.0) * layers),
+         "expert_balance_loss": balance_loss(route, mask)}
   if engine is not None:
     recorded = m * jnp.all(engine >= 0, axis=(2, 3))
     tokens = jnp.maximum(jnp.sum(recorded), 1.0)
@@ -630,11 +656,12 @@ class MoE(nn.Module):
 
   `replay` i32[rows, seq, k] (rollout routing replay): the experts each token goes to, as the
   engine chose them, its weights the trainer's scores at those experts; a row with a negative
-  id routes natively. Returns (out, Route)."""
+  id routes natively. `real` bool[rows, seq]: the tokens the load-balancing loss counts
+  (default all). Returns (out, Route)."""
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, replay=None):
+  def __call__(self, x, replay=None, real=None):
     cfg, moe = self.cfg, self.cfg.moe
     rows, seq, hidden = x.shape
     tokens = x.reshape(rows * seq, hidden)
@@ -669,9 +696,12 @@ class MoE(nn.Module):
       out = out + MLP(cfg, moe.shared_size, name="shared_experts")(x).reshape(tokens.shape)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
+    real = (jnp.ones((rows * seq,), jnp.float32) if real is None
+            else real.reshape(-1).astype(jnp.float32))
+    balance = balance_terms(probs, native, real, moe.num_experts)
     shaped = lambda a: a.reshape(rows, seq, *a.shape[1:])
     return out.reshape(rows, seq, hidden), Route(shaped(experts), shaped(native),
-                                                 shaped(entropy))
+                                                 shaped(entropy), shaped(balance))
 
 
 class Block(nn.Module):
@@ -689,7 +719,8 @@ class Block(nn.Module):
     x = x + h
     h, route = norm("post_attention_layernorm")(x), None
     if self.cfg.sparse(self.layer):
-      h, route = MoE(self.cfg, name="mlp")(h, replay)
+      real = None if segment_ids is None else segment_ids > 0
+      h, route = MoE(self.cfg, name="mlp")(h, replay, real)
     else:
       h = MLP(self.cfg, name="mlp")(h)
     return shd.constrain(x + h, shd.BATCH, shd.SEQ, shd.ACT_EMBED), cache, route

@@ -55,12 +55,14 @@ def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: 
 
 
 def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn: Callable,
-               logprob_chunk: int, replay: bool = False):
+               logprob_chunk: int, replay: bool = False, balance_coef: float = 0.0):
   """One micro-batch's gradient of the loss's total, its (total, count) sums (loss, entropy,
   logp_diff_mean, ratio_mean, kl_to_old, kl_to_reference, the loss's own metrics,
   clip_fraction, a mixture's routing metrics) and max |logp - old_logp| over loss tokens.
   With `ref_params`, mb.ref_logp is computed under them first (routed by the reference's own
-  router); with `replay`, the policy's tokens go to mb.routed_experts."""
+  router); with `replay`, the policy's tokens go to mb.routed_experts; with `balance_coef`,
+  a mixture's load-balancing loss over the real tokens is added, times the loss's count (so
+  that the step's division by the counts leaves balance_coef times it)."""
   if ref_params is not None:
     ref_logp, _ = policy_logprobs(ref_params, cfg, mb, chunk_size=logprob_chunk)
     mb = mb.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
@@ -77,7 +79,11 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
       batch = mb.replace(student_topk_logp=logprobs_lib.logprobs_of(
           hidden, unembed, mb.teacher_topk_ids, chunk_size=logprob_chunk))
     weighted, metrics = loss_fn(logp, batch)
-    return weighted.total, (weighted, metrics, logp, entropy, routes)
+    total = weighted.total
+    if balance_coef:
+      total += balance_coef * jax.lax.stop_gradient(weighted.count) * transformer.balance_loss(
+          routes, mb.segment_ids > 0)
+    return total, (weighted, metrics, logp, entropy, routes)
 
   grads, (weighted, metrics, logp, entropy, routes) = jax.grad(objective, has_aux=True)(params)
   mask = mb.loss_mask
@@ -105,10 +111,20 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
   return grads, sums, jnp.max(diff)
 
 
+def _check_balancing(cfg: ModelConfig, expert_bias_rate: float, balance_coef: float) -> None:
+  """ValueError for balancing options the model has nothing to balance for."""
+  if expert_bias_rate and (cfg.moe is None or not cfg.moe.correction_bias):
+    raise ValueError(f"expert_bias_rate={expert_bias_rate} moves a mixture's correction bias "
+                     "(MoeConfig.correction_bias); the model has none")
+  if balance_coef and cfg.moe is None:
+    raise ValueError(f"balance_coef={balance_coef} weighs a mixture's load-balancing loss; "
+                     "the model is dense")
+
+
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
                     loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048,
                     state_shardings=None, donate_state: bool = False, replay: bool = False,
-                    expert_bias_rate: float = 0.0):
+                    expert_bias_rate: float = 0.0, balance_coef: float = 0.0):
   """A jitted `step(state, batch, ref_params=None) -> (state, metrics)`.
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
@@ -117,14 +133,16 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   (batch.routed_experts), their gate weights the trainer's router's at those experts.
   expert_bias_rate: after the update, a mixture's correction biases move by it against the
   step's load (transformer.balance_experts: DeepSeek-V3's loss-free balancing, 0.001 there).
+  balance_coef: a mixture's load-balancing loss (transformer.balance_loss) times it is added
+  to the loss (Qwen3-MoE's router_aux_loss_coef, 0.001 there).
   metrics: f32 scalars over loss tokens: loss, entropy, the loss's own metrics (clip_fraction
   is 0 for losses that do not clip), grad_norm, for a mixture of experts its routing over the
   real tokens (transformer.routing_metrics: expert_load_cv, expert_load_max, router_entropy,
   and when the batch carries the engine's routes routing_differs / router_differs, the
   share of tokens the trainer routed / its router would route otherwise than the engine:
-  the first 0 with replay), ratio_mean (pi / pi_old), kl_to_old and kl_to_reference (k3),
-  and logp_diff_mean / logp_diff_max, |trainer - batch.old_logp|: on the first update of a rollout batch, the
-  engine-vs-trainer mismatch.
+  the first 0 with replay; expert_balance_loss), ratio_mean (pi / pi_old), kl_to_old and
+  kl_to_reference (k3), and logp_diff_mean / logp_diff_max, |trainer - batch.old_logp|: on
+  the first update of a rollout batch, the engine-vs-trainer mismatch.
   state_shardings (models.sharding.state_shardings): keeps the updated state sharded like
   its input; call the step inside the mesh (models.sharding.on_mesh).
   donate_state: the updated state takes the input state's buffers (an update in place, as
@@ -137,9 +155,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   as JAX then copies instead of donating.
   """
 
-  if expert_bias_rate and (cfg.moe is None or not cfg.moe.correction_bias):
-    raise ValueError(f"expert_bias_rate={expert_bias_rate} moves a mixture's correction bias "
-                     "(MoeConfig.correction_bias); the model has none")
+  _check_balancing(cfg, expert_bias_rate, balance_coef)
 
   def step(state: TrainState, batch: TrainBatch, ref_params=None):
     rows = batch.tokens.shape[0]
@@ -150,7 +166,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
 
     def accumulate(carry, mb):
       grads, sums, diff_max = micro_step(state.params, ref_params, mb, cfg=cfg, loss_fn=loss_fn,
-                                         logprob_chunk=logprob_chunk, replay=replay)
+                                         logprob_chunk=logprob_chunk, replay=replay,
+                                         balance_coef=balance_coef)
       if carry is None:
         return grads, sums, diff_max
       add = lambda a, b: jax.tree.map(jnp.add, a, b)

@@ -76,7 +76,9 @@ class Objective:
   routes each token to the experts the engine chose (rollout routing replay, R3; the
   trainer's log-probs for the mismatch and the corrections too, not the reference's), and
   `expert_bias_rate`: with DeepSeek-V3's correction bias, loss-free balancing moves it by
-  this much after every update (transformer.balance_experts; 0.001 in DeepSeek-V3)."""
+  this much after every update (transformer.balance_experts; 0.001 in DeepSeek-V3), and
+  `expert_balance_coef`: the load-balancing loss (transformer.balance_loss) times it joins
+  the loss (router_aux_loss_coef: 0.001 in Qwen3-MoE)."""
   loss: str = "k1.5"
   loss_hparams: Optional[Mapping[str, Any]] = None
   advantage: Optional[str] = None
@@ -87,6 +89,7 @@ class Objective:
   teachers: Optional[Callable[[ModelConfig], distill.Teachers]] = None
   routing_replay: bool = False
   expert_bias_rate: float = 0.0
+  expert_balance_coef: float = 0.0
 
 
 class _StartKeptInRun:
@@ -480,6 +483,9 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
   if objective.expert_bias_rate and (cfg.moe is None or not cfg.moe.correction_bias):
     raise ConfigError(f"Objective.expert_bias_rate={objective.expert_bias_rate} moves a "
                       "mixture's correction bias (DeepSeek-V3's router); the model has none")
+  if objective.expert_balance_coef and cfg.moe is None:
+    raise ConfigError(f"Objective.expert_balance_coef={objective.expert_balance_coef} weighs "
+                      f"a mixture's load-balancing loss; the model ({cfg.family}) is dense")
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                       f"{tokenizer.vocab_size}")
@@ -636,7 +642,8 @@ def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
     reference_logprobs = lambda batch: distributed.host_copy(
         logprobs_fn(reference, cfg, place_rows(batch))[0])
   step_fn = _train_step(cfg, optimizer, loss, run.config.micro_batches, mesh,
-                        state_shardings, replay, objective.expert_bias_rate)
+                        state_shardings, replay, (objective.expert_bias_rate,
+                                                  objective.expert_balance_coef))
   return dataclasses.replace(
       run.parts, train_step=lambda train, batch, ref: step_fn(train, place_rows(batch), ref),
       correction=plan.correction,
@@ -654,19 +661,20 @@ _TRAIN_STEPS: dict[tuple, Callable] = {}
 
 def _train_step(cfg: ModelConfig, optimizer, loss: losses.BoundLoss, micro_batches: int,
                 mesh: Optional[Mesh], state_shardings, replay: bool,
-                expert_bias_rate: float) -> Callable:
-  """The jitted train step (routing replay and loss-free balancing as make_train_step's),
-  donating its state: one copy of the params and moments less at each update's peak (nothing
-  reads a state after its update; an orbax save still reading one keeps it: JAX then copies
-  instead of donating). Without a mesh, one per (model config, optimizer, loss,
-  micro-batches, replay, rate) in this process."""
+                balancing: tuple[float, float]) -> Callable:
+  """The jitted train step (routing replay, and `balancing` = (expert_bias_rate,
+  balance_coef), as make_train_step's), donating its state: one copy of the params and
+  moments less at each update's peak (nothing reads a state after its update; an orbax save
+  still reading one keeps it: JAX then copies instead of donating). Without a mesh, one per
+  (model config, optimizer, loss, micro-batches, replay, balancing) in this process."""
   make = lambda: sharding.on_mesh(mesh, make_train_step(
       cfg, optimizer, loss, micro_batches=micro_batches, state_shardings=state_shardings,
-      donate_state=True, replay=replay, expert_bias_rate=expert_bias_rate))
+      donate_state=True, replay=replay, expert_bias_rate=balancing[0],
+      balance_coef=balancing[1]))
   if mesh is not None:
     return make()
   key = (cfg, optimizer, loss.name, repr(sorted(loss.hparams.items())), micro_batches, replay,
-         expert_bias_rate)
+         balancing)
   if key not in _TRAIN_STEPS:
     _TRAIN_STEPS[key] = make()
   return _TRAIN_STEPS[key]

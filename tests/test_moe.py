@@ -474,14 +474,16 @@ def test_routing_metrics_on_hand_made_routes():
   balanced = jnp.array([[[0, 1], [2, 3], [0, 1], [2, 3]],
                         [[0, 2], [1, 3], [0, 0], [0, 0]]], jnp.int32)[:, :, None]
   entropy = jnp.full((2, 4, 1), 0.5)
-  m = transformer.routing_metrics(transformer.Route(balanced, balanced, entropy), mask, 4)
+  m = transformer.routing_metrics(transformer.Route(balanced, balanced, entropy, entropy), mask,
+                                  4)
   assert float(m["expert_load_cv"]) == pytest.approx(0.0)
   assert float(m["expert_load_max"]) == pytest.approx(1.0)
   assert float(m["router_entropy"]) == pytest.approx(0.5)
   assert "routing_differs" not in m  # no engine routes to compare with
   # Every real token to experts 0 and 1 (two of four: max share 1/2, times E = 2).
   collapsed = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (2, 4, 1, 2))
-  m = transformer.routing_metrics(transformer.Route(collapsed, balanced, entropy), mask, 4)
+  m = transformer.routing_metrics(transformer.Route(collapsed, balanced, entropy, entropy), mask,
+                                  4)
   assert float(m["expert_load_cv"]) == pytest.approx(1.0)  # counts 6, 6, 0, 0
   assert float(m["expert_load_max"]) == pytest.approx(2.0)
   # The engine's routes: row 0's first token lists 0 and 1 in the other order (the same
@@ -490,10 +492,19 @@ def test_routing_metrics_on_hand_made_routes():
   # router's own (balanced) on 1 (row 1's second, [1, 3] against [1, 2]).
   engine = balanced.at[0, 0, 0].set(jnp.array([1, 0])).at[0, 3, 0].set(-1)
   engine = engine.at[1, 1, 0].set(jnp.array([1, 2])).at[1, 2, 0].set(jnp.array([3, 3]))
-  m = transformer.routing_metrics(transformer.Route(collapsed, balanced, entropy), mask, 4,
-                                  engine)
+  m = transformer.routing_metrics(transformer.Route(collapsed, balanced, entropy, entropy), mask,
+                                  4, engine)
   assert float(m["routing_differs"]) == pytest.approx(3 / 5)
   assert float(m["router_differs"]) == pytest.approx(1 / 5)
+  # The balance loss: 1 for uniform scores on a balanced load, 2 when the real tokens' load
+  # and scores gather on experts 0 and 1 (the padding token's choice not counted).
+  uniform, gathered = jnp.full((4, 4), 0.25), jnp.array([[0.5, 0.5, 0.0, 0.0]] * 4)
+  terms = lambda probs, native, real: transformer.balance_terms(
+      probs, jnp.asarray(native), jnp.asarray(real, jnp.float32), 4)
+  np.testing.assert_allclose(terms(uniform, balanced[0, :, 0], [1, 1, 1, 1]), 1.0)
+  np.testing.assert_allclose(terms(gathered, [[0, 1], [0, 1], [0, 1], [2, 3]], [1, 1, 1, 0]),
+                             2.0)
+  assert float(m["expert_balance_loss"]) == pytest.approx(0.5)  # the real tokens' mean term
 
 
 def test_deepseek_v3_routing_and_shared_experts_equal_transformers():
@@ -572,6 +583,57 @@ def test_loss_free_balancing_moves_the_correction_bias_against_the_load():
     make_train_step(_small_mixture(VOCAB), optimizer, losses.bind("k1.5"), expert_bias_rate=0.1)
   with pytest.raises(ValueError, match="Qwen3-MoE's config.json holds no sigmoid scoring"):
     hf.save(params, cfg, "/nonexistent")  # refused before anything is written
+
+
+def test_the_load_balancing_loss_is_transformers_and_its_gradient_joins_the_step(checkpoint):
+  """balance_loss on the Qwen3-MoE checkpoint (one sparse layer) is transformers' aux_loss
+  over the same unpadded tokens divided by k; make_train_step(balance_coef=c) takes c times
+  its gradient beside the policy loss's (micro-batches counted as the loss counts them); a
+  dense model is refused."""
+  path, model = checkpoint
+  cfg, params = hf.load(path)
+  rng = np.random.default_rng(7)
+  tokens = rng.integers(0, VOCAB, (3, 16))
+  mask = np.array([[1] * n + [0] * (16 - n) for n in (16, 11, 5)])
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                   output_router_logits=True).aux_loss.item()
+  _, route = transformer.forward_with_routes(params, cfg, jnp.asarray(tokens * mask),
+                                             jnp.asarray(np.arange(16)[None].repeat(3, 0)),
+                                             jnp.asarray(mask))
+  ours = float(transformer.balance_loss(route, jnp.asarray(mask) > 0))
+  assert ours == pytest.approx(theirs / 2, rel=1e-5) and ours > 1.0
+
+  small = _small_mixture(VOCAB)
+  params = transformer.init_params(small, jax.random.PRNGKey(4))
+  batch = _packed_batch(rows=4, seq=24, vocab=VOCAB, seed=8)
+  loss_fn, recorder = losses.bind("grpo", {"kl_coef": 0.0}), gradient_recorder()
+  state = init_train_state(params, recorder)
+  step = lambda coef: make_train_step(small, recorder, loss_fn, micro_batches=2,
+                                      balance_coef=coef)(state, batch)
+  (plain, plain_metrics), (balanced, metrics) = step(0.0), step(0.5)
+
+  def loss(p):
+    _, route = transformer.forward_with_routes(p, small, batch.tokens, batch.positions,
+                                               batch.segment_ids)
+    return transformer.balance_loss(route, batch.segment_ids > 0)
+
+  # Each micro-batch's own loss, weighted by its share of the loss's count (GRPO's: its
+  # sequences, whatever the log-probs).
+  halves = [jax.tree.map(lambda x: x[i:i + 2], batch) for i in (0, 2)]
+  counts = [float(loss_fn(h.old_logp, h)[0].count) for h in halves]
+  grads = [jax.grad(lambda p, h=h: transformer.balance_loss(
+      transformer.forward_with_routes(p, small, h.tokens, h.positions, h.segment_ids)[1],
+      h.segment_ids > 0))(params) for h in halves]
+  want = jax.tree.map(lambda g0, a, b: g0 + 0.5 * (counts[0] * a + counts[1] * b) / sum(counts),
+                      plain.opt_state, *grads)
+  assert_same_gradients(balanced.opt_state, want)
+  gate = lambda s: np.asarray(s.opt_state["layers_1"]["mlp"]["gate"]["kernel"])
+  assert np.abs(gate(balanced) - gate(plain)).max() > 1e-3 * np.abs(gate(plain)).max()
+  assert metrics["loss"] == plain_metrics["loss"]  # the policy's loss, logged alone
+  assert float(metrics["expert_balance_loss"]) == pytest.approx(float(loss(params)), rel=0.05)
+  with pytest.raises(ValueError, match="the model is dense"):
+    make_train_step(tiny(VOCAB), recorder, loss_fn, balance_coef=0.1)
 
 
 def _small_mixture(vocab_size: int, family: str = "qwen3_moe") -> ModelConfig:

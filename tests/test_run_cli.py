@@ -48,6 +48,8 @@ def run(*args, env_extra=None):
      "routing_replay is for a mixture of experts"),
     (["--gin", QUICKSTART_MOE, "--gin_param", "Objective.expert_bias_rate = 0.001"],
      "moves a mixture's correction bias"),
+    (["--gin", QUICKSTART, "--gin_param", "Objective.expert_balance_coef = 0.001"],
+     "weighs a mixture's load-balancing loss; the model (qwen2) is dense"),
     (["--gin", QUICKSTART, "--gin_param", "Objective.correction = @drop()"],
      "No configurable matching reference '@drop()'"),
     (["--gin", QUICKSTART, "--gin_param", "train.rollouts = @Ahead()",
