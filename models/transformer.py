@@ -730,10 +730,23 @@ _REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
           "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def scan_layers(cfg: ModelConfig, layer_params: list, x, positions, segment_ids, replay=None):
-  """The blocks as one lax.scan over their stacked parameters, each rematerialised with the
-  policy `cfg.remat`: x f32[rows, seq, hidden] -> (the last block's output, the layers' Route
-  stacked on axis 2 or None); `replay` [rows, seq, layers, k] as Decoder's.
+def alike_runs(cfg: ModelConfig) -> list[range]:
+  """The decoder's layers in runs of consecutive layers alike (all dense or all sparse)."""
+  runs = []
+  for layer in range(cfg.num_layers):
+    if runs and cfg.sparse(runs[-1][0]) == cfg.sparse(layer):
+      runs[-1] = range(runs[-1][0], layer + 1)
+    else:
+      runs.append(range(layer, layer + 1))
+  return runs
+
+
+def scan_layers(cfg: ModelConfig, first: int, layer_params: list, x, positions, segment_ids,
+                replay=None):
+  """Blocks alike (an alike_runs run from layer `first`) as one lax.scan over their stacked
+  parameters, each rematerialised with the policy `cfg.remat`: x f32[rows, seq, hidden] ->
+  (the last block's output, the layers' Route stacked on axis 2 or None); `replay` [rows,
+  seq, layers, k] as Decoder's.
 
   Why a scan: XLA:CPU drops jax.checkpoint's optimization barriers and then merges the
   backward pass's recomputation with the forward pass, so over an unrolled stack of layers
@@ -742,16 +755,13 @@ def scan_layers(cfg: ModelConfig, layer_params: list, x, positions, segment_ids,
   backend. The price is a stacked copy of the layers' weights and of their gradients per step
   (2 x 90 MB in that step, against 0.95 GiB of activations saved).
   """
-  if 0 < len(cfg.sparse_layers) < cfg.num_layers:
-    raise ValueError("ModelConfig.remat scans the layers as one: it needs every layer dense "
-                     "or every layer sparse (MoeConfig.sparse_step 1, no dense_layers)")
   stacked = jax.tree.map(lambda *w: jnp.stack(w), *layer_params)
 
   def one_layer(x, params_and_replay):
     params, replay = params_and_replay
     # parent=None: a free-standing module even when called from inside Decoder's methods.
-    x, _, route = Block(cfg, parent=None).apply({"params": params}, x, positions, segment_ids,
-                                                replay=replay)
+    x, _, route = Block(cfg, first, parent=None).apply({"params": params}, x, positions,
+                                                       segment_ids, replay=replay)
     return x, route
 
   one_layer = jax.checkpoint(one_layer, policy=_REMAT[cfg.remat], prevent_cse=False)
@@ -784,10 +794,16 @@ class Decoder(nn.Module):
     x = shd.constrain(self.embed_tokens(tokens).astype(cfg.compute_dtype), shd.BATCH, shd.SEQ,
                       shd.ACT_EMBED)
     if cfg.remat != "none" and cache is None and not self.is_initializing():
-      params = self.variables["params"]
-      x, routes = scan_layers(cfg, [params[f"layers_{i}"] for i in range(cfg.num_layers)], x,
-                              positions, segment_ids, replay)
-      return self.norm(x), cache, routes
+      params, routes, sparse = self.variables["params"], [], 0  # sparse layers so far
+      for run in alike_runs(cfg):  # e.g. DeepSeek's dense first layers, then the sparse ones
+        taken = None
+        if replay is not None and cfg.sparse(run[0]):
+          taken, sparse = replay[:, :, sparse:sparse + len(run)], sparse + len(run)
+        x, run_routes = scan_layers(cfg, run[0], [params[f"layers_{i}"] for i in run], x,
+                                    positions, segment_ids, taken)
+        routes += [] if run_routes is None else [run_routes]
+      joined = jax.tree.map(lambda *a: jnp.concatenate(a, axis=2), *routes) if routes else None
+      return self.norm(x), cache, joined
     routes = []
     for layer in self.layers:
       one = None if replay is None or not cfg.sparse(layer.layer) else replay[:, :, len(routes)]

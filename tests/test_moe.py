@@ -248,20 +248,6 @@ def test_the_engine_and_the_trainer_compute_the_same_log_probs_on_a_mixture(chec
                                                          sharding.EMBED)
 
 
-def test_remat_scans_a_mixture_whose_layers_are_alike_and_refuses_mixed_ones(checkpoint):
-  cfg, params = hf.load(checkpoint[0])
-  tokens = np.random.default_rng(3).integers(0, VOCAB, (2, 10))
-  positions, segments = np.arange(10)[None].repeat(2, 0), np.ones((2, 10), np.int32)
-  with pytest.raises(ValueError, match="every layer dense or every layer sparse"):
-    _logits(params, dataclasses.replace(cfg, remat="full"), tokens, positions, segments)
-  # Every layer sparse: one layer's params copied into the others' places.
-  sparse = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, sparse_step=1))
-  alike = {**params, **{f"layers_{i}": params["layers_1"] for i in range(3)}}
-  np.testing.assert_allclose(
-      _logits(alike, dataclasses.replace(sparse, remat="full"), tokens, positions, segments),
-      _logits(alike, sparse, tokens, positions, segments), atol=1e-5, rtol=0)
-
-
 def test_mixture_configs_that_cannot_run_are_refused():
   moe = MoeConfig(num_experts=4, experts_per_token=2, expert_size=8)
   common = dict(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -452,20 +438,29 @@ def _sparse_output(params, cfg, layer_in, replay):
                                     replay)[0][0]
 
 
-def test_routes_and_replay_under_remat_equal_the_unrolled_layers(checkpoint):
+def test_remat_scans_each_run_of_alike_layers_as_the_unrolled_layers(checkpoint, deepseek):
+  """With remat the layers run as one scan per run of alike layers: the Qwen3-MoE's dense,
+  sparse, dense (three scans), the DeepSeek-V3's dense first layer then two sparse (two), and
+  the Qwen3-MoE with every layer sparse (one). Hidden states and routes equal the unrolled
+  layers', with and without replayed routes."""
   cfg, params = hf.load(checkpoint[0])
   sparse = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, sparse_step=1))
   alike = {**params, **{f"layers_{i}": params["layers_1"] for i in range(3)}}
   tokens, positions, segments = _rows()
-  replay = jnp.asarray(np.random.default_rng(5).permutation(8)[:2].reshape(1, 1, 1, 2)
-                       * np.ones((2, 10, 3, 1), np.int32), jnp.int32)
-  for r in (None, replay):
-    want = transformer.forward_with_routes(alike, sparse, tokens, positions, segments, r)
-    got = transformer.forward_with_routes(alike, dataclasses.replace(sparse, remat="full"),
-                                          tokens, positions, segments, r)
-    np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=0)
-    for a, b in zip(got[1], want[1]):
-      np.testing.assert_allclose(a, b, atol=1e-6)
+  rng = np.random.default_rng(5)
+  for cfg, params in ((cfg, params), hf.load(deepseek[0]), (sparse, alike)):
+    assert [len(run) for run in transformer.alike_runs(cfg)] == (
+        [1, 1, 1] if cfg.sparse_layers == (1,) else [1, 2] if cfg.mla else [3])
+    layers = len(cfg.sparse_layers)
+    replay = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(layers)])
+                         * np.ones((2, 10, 1, 1), np.int32), jnp.int32)
+    for r in (None, replay):
+      want = transformer.forward_with_routes(params, cfg, tokens, positions, segments, r)
+      got = transformer.forward_with_routes(params, dataclasses.replace(cfg, remat="full"),
+                                            tokens, positions, segments, r)
+      np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=0)
+      for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_routing_metrics_on_hand_made_routes():
