@@ -1,7 +1,7 @@
 """What only a GPU shows, in one short run (not tests; bench/gpu_checks.sh runs it there):
 
   python bench/gpu_checks.py [--parts peak,attention,attention_speed,train_step,train_step_1p5b,
-                                      engine,quickstart,pretrained,hybrid]
+                                      engine,quickstart,pretrained,hybrid,moe]
                              [--out bench/results] [--small]
 
 peak             the bf16 matrix product's TFLOP/s on this GPU (8192^3, median of 5 warm
@@ -36,6 +36,10 @@ pretrained       RL from a Qwen2.5-1.5B-shaped Hugging Face checkpoint (random w
 hybrid           a 12 GiB train state moved to pinned host memory and back (RLConfig.hybrid):
                  seconds each way, and the device memory the driver sees given back, under
                  JAX's default allocator and under XLA_PYTHON_CLIENT_ALLOCATOR=platform.
+moe              bench/moe.py on the GPU (5 rounds): a mixture's train step dropless (grouped
+                 matrix products, which XLA:GPU lowers to grouped kernels, XLA:CPU over every
+                 group) and at capacity factor 1.25 against the dense step of the same
+                 active parameters: seconds, ratios, temporary memory.
 
 Each part's rows are printed and written to OUT/gpu_checks.json as soon as the part ends (a
 run cut short keeps what it measured); a part that raises records its error and the next one
@@ -456,8 +460,21 @@ def part_hybrid():
   return rows
 
 
+def part_moe():
+  """bench/moe.py's comparison, run as it runs on a CPU, here on the GPU."""
+  with tempfile.TemporaryDirectory() as out:
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "moe.py"), "--rounds",
+                           "2" if SMALL else "5", "--out", out], cwd=ROOT, capture_output=True,
+                          text=True, timeout=420)
+    if done.returncode:
+      return [{"error": done.stderr[-1500:]}]
+    print(done.stdout, flush=True)
+    with open(os.path.join(out, "moe.json")) as f:
+      return [json.load(f)]
+
+
 PARTS = ("peak", "attention", "attention_speed", "train_step", "train_step_1p5b", "engine",
-         "quickstart", "pretrained", "hybrid")
+         "quickstart", "pretrained", "hybrid", "moe")
 
 
 def main():

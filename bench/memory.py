@@ -2,7 +2,8 @@
 
   python bench/memory.py [--models qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b,qwen3-8b]
       [--tokens 4096,16384,32768] [--param_dtype float32|bfloat16] [--fsdp 8] [--tensor 1]
-      [--context 1] [--parts train,engine] [--out bench/results]
+      [--context 1] [--expert 1] [--capacity_factor 1.25] [--parts train,engine]
+      [--out bench/results]
 
 For each model (the numbers of its config.json, below) and tokens per row, the GRPO train
 step of an RL run (rl.train_step.make_train_step: a k3 KL to the reference policy, whose
@@ -16,7 +17,16 @@ ring attention (long rows: 128k tokens over context=4 or 8). Attention is the bl
 kernel (linear memory, as the GPU and TPU kernels are; XLA sees all of its buffers). Results
 go to OUT/memory.json, or OUT/memory_context.json for a --context > 1 run. XLA's memory analysis of the compiled executable gives one device's
 arguments, outputs, aliased (donated) bytes and temporaries: its peak is
-arguments + outputs - aliased + temporaries. Beside it, an analytic estimate (`analytic`).
+arguments + outputs - aliased + temporaries. Beside it, for a dense model, an analytic
+estimate (`analytic`).
+
+Mixtures of experts (qwen3-30b-a3b, moonlight-16b-a3b) run with --expert P > 1: the rows
+split over fsdp x expert, each device holding E / P experts (expert parallelism, tokens
+exchanged all-to-all: models/transformer.py expert_parallel_experts), at capacity factor
+--capacity_factor (room for 1.25 times the even share of pairs; 'none' is dropless, whose
+grouped matrix products XLA:CPU lowers to a product over every group, so its CPU figure is not
+a GPU's). Results go to OUT/memory_moe.json.
+
 A configuration fits a chip when its peak is at most 90% of the chip's memory (the rest for
 the runtime, fragmentation and, on one GPU, nothing else: the rollout engine is not counted).
 
@@ -69,6 +79,26 @@ CONFIGS = {
                  "intermediate_size": 12288, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    # Mixtures of experts (run with --expert: expert parallelism).
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                      "intermediate_size": 6144, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "num_experts": 128, "num_experts_per_tok": 8,
+                      "moe_intermediate_size": 768, "norm_topk_prob": True,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                      "tie_word_embeddings": False},
+    "moonlight-16b-a3b": {"model_type": "deepseek_v3", "vocab_size": 163840, "hidden_size": 2048,
+                          "intermediate_size": 11264, "num_hidden_layers": 27,
+                          "num_attention_heads": 16, "num_key_value_heads": 16,
+                          "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                          "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+                          "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+                          "n_shared_experts": 2, "n_group": 1, "topk_group": 1,
+                          "routed_scaling_factor": 2.446, "first_k_dense_replace": 1,
+                          "norm_topk_prob": True, "scoring_func": "sigmoid",
+                          "topk_method": "noaux_tc", "rope_theta": 50000.0,
+                          "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
 }
 CHIPS = {"80 GB GPU": 80e9, "141 GB GPU": 141e9, "16 GB TPU v5e": 16e9}
 FIT_FRACTION = 0.9
@@ -76,9 +106,16 @@ GIB = 2**30
 LOGPROB_CHUNK = 2048
 
 
-def model_config(name: str, param_dtype: str = "float32") -> ModelConfig:
-  return hf.config_from_hf(CONFIGS[name], dtype="bfloat16", param_dtype=param_dtype,
-                           attention="blockwise", remat="full")
+def model_config(name: str, param_dtype: str = "float32",
+                 capacity_factor: float | None = None) -> ModelConfig:
+  """The model of CONFIGS[name] in bf16 compute, every layer rematerialised; a mixture's
+  experts with `capacity_factor` (None: dropless)."""
+  cfg = hf.config_from_hf(CONFIGS[name], dtype="bfloat16", param_dtype=param_dtype,
+                          attention="blockwise", remat="full")
+  if cfg.moe is None:
+    return cfg
+  return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
+                                                          capacity_factor=capacity_factor))
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -119,7 +156,7 @@ def compile_step(cfg: ModelConfig, tokens: int, mesh) -> dict[str, int]:
   state = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        state, sharding.state_shardings(state, optimizer, mesh))
-  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
   rows_spec = NamedSharding(mesh, sharding.spec((sharding.BATCH, sharding.SEQ), (rows, tokens),
                                                 mesh))
 
@@ -181,18 +218,25 @@ def main():
   parser.add_argument("--tensor", type=int, default=1)
   parser.add_argument("--context", type=int, default=1,
                       help="devices each row is split over (ring attention)")
+  parser.add_argument("--expert", type=int, default=1,
+                      help="devices a mixture's experts are split over (expert parallelism)")
+  parser.add_argument("--capacity_factor", default="1.25",
+                      help="a mixture's expert capacity factor, or 'none' for dropless (whose "
+                      "grouped products XLA:CPU lowers over every group: not the GPU's memory)")
   parser.add_argument("--parts", default="train,engine",
                       help="train: the train step's table; engine: the embedded engine's")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args()
   # Before JAX starts its backend (importing jax does not): the simulated devices.
+  devices = args.fsdp * args.tensor * args.context * args.expert
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
-                             f"device_count={args.fsdp * args.tensor * args.context}")
+                             f"device_count={devices}")
   parts = args.parts.split(",")
   results = train_table(args) if "train" in parts else []
   engine = engine_table() if "engine" in parts else []
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "memory.json" if args.context == 1 else "memory_context.json")
+  path = os.path.join(args.out, "memory_context.json" if args.context > 1 else
+                      "memory_moe.json" if args.expert > 1 else "memory.json")
   with open(path, "w") as f:
     json.dump({"fit_fraction": FIT_FRACTION, "chips": CHIPS, "results": results,
                "engine": engine}, f, indent=1, default=str)
@@ -200,28 +244,32 @@ def main():
 
 
 def train_table(args) -> list[dict]:
-  mesh = sharding.make_mesh(fsdp=args.fsdp, tensor=args.tensor, context=args.context)
+  mesh = sharding.make_mesh(fsdp=args.fsdp, tensor=args.tensor, context=args.context,
+                            expert=args.expert)
   mesh_shape = dict(mesh.shape)
+  capacity = None if args.capacity_factor == "none" else float(args.capacity_factor)
   print(f"RL train step (GRPO, bf16 compute, {args.param_dtype} master weights + AdamW, remat "
-        f"full), mesh fsdp={args.fsdp} x tensor={args.tensor} x context={args.context}, one "
-        "row per data-parallel device; bytes per device")
+        f"full), mesh fsdp={args.fsdp} x expert={args.expert} x tensor={args.tensor} x "
+        f"context={args.context}, one row per data-parallel device, a mixture's experts at "
+        f"capacity factor {args.capacity_factor}; bytes per device (analytic: dense only)")
   print(f"{'model':>13} {'params':>7} {'tokens':>7} {'XLA peak':>10} {'temps':>9} "
         f"{'analytic':>10}  fits (peak <= {FIT_FRACTION:.0%} of the chip)")
   results = []
   for name in args.models.split(","):
-    cfg = model_config(name, args.param_dtype)
+    cfg = model_config(name, args.param_dtype, capacity)
     count = param_count(cfg)
     for tokens in (int(t) for t in args.tokens.split(",")):
       started = time.perf_counter()
       xla = compile_step(cfg, tokens, mesh)
-      estimate = analytic(cfg, tokens, mesh_shape)
+      estimate = analytic(cfg, tokens, mesh_shape) if cfg.moe is None else {}
       total = sum(estimate.values())
       row = {"model": name, "params": count, "tokens": tokens, "mesh": mesh_shape, **xla,
-             "analytic": estimate, "analytic_total": total, "fits": fits(xla["peak"]),
+             "analytic": estimate, "analytic_total": total or None, "fits": fits(xla["peak"]),
              "compile_s": time.perf_counter() - started, "config": dataclasses.asdict(cfg)}
       results.append(row)
+      by_hand = f"{total / GIB:8.1f}Gi" if estimate else f"{'-':>10}"
       print(f"{name:>13} {count / 1e9:6.2f}B {tokens:>7} {xla['peak'] / GIB:8.1f}Gi "
-            f"{xla['temporaries'] / GIB:7.1f}Gi {total / GIB:8.1f}Gi  "
+            f"{xla['temporaries'] / GIB:7.1f}Gi {by_hand}  "
             f"{', '.join(row['fits']) or 'none'}", flush=True)
   return results
 

@@ -475,8 +475,11 @@ def expert_parallel_experts(x, experts, weights, gate, up, down,
 
   The buffers exchanged are fixed in size: room for all of a device's T_local * k pairs at
   every destination (nothing dropped whatever the routing), or with a capacity factor f room
-  for ceil(f * T_local * k / P) pairs from each peer, the overflow dropped in token order as
-  capacity_experts drops it, but counted per device (its experts together), not per expert.
+  for ceil(f * T_local * k / P) pairs from each peer, the overflow dropped in token order;
+  the receiver then runs its experts as capacity_experts does, each with room for
+  ceil(f * T_local * k / E_local) of the pairs it received, in (sender, slot) order (what
+  capacity_experts gives each expert over the P devices' tokens), as one batched product
+  (no grouped products: XLA:CPU lowers those over every group).
 
   x [rows, seq, H]; experts i32[rows, seq, k]; weights [rows, seq, k]; gate, up [E, H, I];
   down [E, I, H] -> [rows, seq, H]
@@ -500,12 +503,18 @@ def expert_parallel_experts(x, experts, weights, gate, up, down,
     to, slot, send, ids = _exchange_pairs(x, experts, groups, per_group, room)
     received = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, hidden)
     got = jax.lax.all_to_all(ids, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1)
-    order = jnp.argsort(got, stable=True)  # empty slots (id per_group) last, in no group
-    sizes = jnp.bincount(got, length=per_group)
-    xs = received[order]
-    out = jax.lax.ragged_dot(swiglu(jax.lax.ragged_dot(xs, gate, sizes),
-                                    jax.lax.ragged_dot(xs, up, sizes)), down, sizes)
-    out = out[jnp.argsort(order)].reshape(groups, room, hidden)
+    if capacity_factor is None:
+      order = jnp.argsort(got, stable=True)  # empty slots (id per_group) last, in no group
+      sizes = jnp.bincount(got, length=per_group)
+      xs = received[order]
+      out = jax.lax.ragged_dot(swiglu(jax.lax.ragged_dot(xs, gate, sizes),
+                                      jax.lax.ragged_dot(xs, up, sizes)), down, sizes)
+      out = out[jnp.argsort(order)]
+    else:  # empty slots name no expert of this device: capacity_experts drops them
+      out = capacity_experts(received, got[:, None], jnp.ones((got.size, 1), x.dtype), gate,
+                             up, down,
+                             capacity=math.ceil(capacity_factor * experts.size / per_group))
+    out = out.reshape(groups, room, hidden)
     back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)
     pairs = back.at[to, slot].get(mode="fill", fill_value=0).reshape(*experts.shape, hidden)
     summed = jnp.einsum("tkh,tk->th", pairs.astype(jnp.float32),

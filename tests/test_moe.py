@@ -342,7 +342,8 @@ def test_an_engine_on_an_expert_parallel_mesh_decodes_as_one_device():
 def test_expert_parallel_experts_are_dropless_and_drop_per_device_with_a_capacity():
   """expert_parallel_experts on an expert axis of 4 devices (2 rows each) equals
   dropless_experts; with a capacity factor each device takes ceil(f T_local k / 4) pairs from
-  each peer, in token order, and the rest are dropped (the token keeps its other experts)."""
+  each peer, in token order, and each of its experts ceil(f T_local k / 2) of those, and the
+  rest are dropped (the token keeps its other experts)."""
   rng = np.random.default_rng(6)
   rows, seq, hidden, size, k, num = 8, 6, 8, 12, 2, 8
   x = rng.normal(size=(rows, seq, hidden)).astype(np.float32)
@@ -361,17 +362,28 @@ def test_expert_parallel_experts_are_dropless_and_drop_per_device_with_a_capacit
                                rtol=1e-5, atol=1e-5)
     dropped = parallel(x, experts, weights, gate, up, down, capacity_factor=1.0)
   # Room for ceil(1.0 * 12 * 2 / 4) = 6 pairs per (sender, receiver): the pairs past it, in
-  # the sender's (token, slot) order, add nothing.
-  kept = weights.copy()
+  # the sender's (token, slot) order, add nothing; then each expert keeps the first
+  # ceil(1.0 * 12 * 2 / 2) = 12 of those its device received, in (sender, slot) order.
+  kept, pairs = weights.copy(), experts.reshape(-1, k)
+  arrived = {receiver: [] for receiver in range(4)}
   for sender in range(4):
     queue = {}
     for t in range(2 * sender * seq, 2 * (sender + 1) * seq):
       for j in range(k):
-        receiver = experts.reshape(-1, k)[t, j] // 2
+        receiver = pairs[t, j] // 2
         queue[receiver] = queue.get(receiver, 0) + 1
         if queue[receiver] > 6:
           kept.reshape(-1, k)[t, j] = 0.0
-  assert (kept != weights).any()
+        else:
+          arrived[receiver].append((t, j))
+  per_peer = (kept != weights).sum()
+  for receiver, arrivals in arrived.items():
+    taken = {}
+    for t, j in arrivals:
+      taken[pairs[t, j]] = taken.get(pairs[t, j], 0) + 1
+      if taken[pairs[t, j]] > 12:
+        kept.reshape(-1, k)[t, j] = 0.0
+  assert 0 < per_peer < (kept != weights).sum()  # both rooms dropped some pairs
   np.testing.assert_allclose(dropped, dropless(kept), rtol=1e-5, atol=1e-5)
 
 
