@@ -5,8 +5,9 @@ rematerialisation). It does not own training settings (rl/), sharding (models/sh
 the Hugging Face config.json format (models/hf.py reads and writes it).
 
 Families: "qwen2" (Qwen2 / Qwen2.5: bias on q, k, v), "qwen3" (RMSNorm on each head's q and k,
-no bias, head_dim independent of the width), "llama" (Llama 3.x: no bias), "qwen3_moe" (Qwen3's
-attention, sparse layers of experts: `MoeConfig`), "deepseek_v3" (DeepSeek-V3, Kimi K2,
+no bias, head_dim independent of the width), "llama" (Llama 3.x: no bias), "qwen2_moe" and
+"qwen3_moe" (Qwen2's and Qwen3's attention, sparse layers of experts: `MoeConfig`; Qwen2-MoE's
+with a gated shared expert), "deepseek_v3" (DeepSeek-V3, Kimi K2,
 Moonlight: multi-head latent attention, `MlaConfig`, and DeepSeek's router and shared experts).
 Everything else (RMSNorm, RoPE, grouped-query attention, SwiGLU) is shared, and so are the RoPE
 scalings (`RopeScaling`: linear, dynamic, yarn, llama3), any of which a family's checkpoint may
@@ -24,8 +25,8 @@ from models.attention.dispatch import KERNELS
 WEIGHT_FORMATS = ("fp8", "int4")  # models/quantize.py's
 
 
-FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3")
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 # Per-layer rematerialisation (gradient checkpointing) policies, by name.
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -115,7 +116,8 @@ class MoeConfig:
   added to the scores for choosing only; the experts in `groups` groups of which the
   `top_groups` best (each by its two best scores) are eligible; the k weights, renormalised
   or not, times `scaling`; and beside the routed experts a shared SwiGLU of width
-  `shared_size` that every token goes through.
+  `shared_size` that every token goes through (Qwen2-MoE's shared_expert_intermediate_size:
+  with `shared_gate`, its output times the sigmoid of a learned gate of the token).
 
   capacity_factor: None runs every (token, expert) pair (dropless); a factor f gives each
   expert room for ceil(f * T * k / E) of a forward pass's T tokens' pairs and drops the rest
@@ -133,6 +135,7 @@ class MoeConfig:
   top_groups: int = 1
   scaling: float = 1.0
   shared_size: int = 0
+  shared_gate: bool = False
   capacity_factor: float | None = None
 
   def capacity(self, tokens: int) -> int:
@@ -151,6 +154,8 @@ class MoeConfig:
     if self.capacity_factor is not None and self.capacity_factor <= 0:
       raise ValueError(f"MoeConfig.capacity_factor={self.capacity_factor} must be > 0 (None: "
                        "dropless)")
+    if self.shared_gate and not self.shared_size:
+      raise ValueError("MoeConfig.shared_gate gates the shared expert: it needs shared_size")
     if self.experts_per_token > self.top_groups * (self.num_experts // self.groups):
       raise ValueError(f"MoeConfig: {self.top_groups} of {self.groups} groups hold fewer than "
                        f"experts_per_token={self.experts_per_token} experts")
@@ -225,7 +230,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {KERNELS}")
     if (self.family in MOE_FAMILIES) != (self.moe is not None):
       raise ValueError(f"ModelConfig: family {self.family!r} with moe={self.moe}: the "
-                       f"{' and '.join(MOE_FAMILIES)} families, and they alone, have a MoeConfig")
+                       f"mixture-of-experts families ({', '.join(MOE_FAMILIES)}), and they "
+                       "alone, have a MoeConfig")
     if (self.family == "deepseek_v3") != (self.mla is not None):
       raise ValueError(f"ModelConfig: family {self.family!r} with mla={self.mla}: the "
                        "deepseek_v3 family, and it alone, has an MlaConfig")

@@ -46,7 +46,8 @@ from models.config import (ROPE_SCALINGS, DynamicRope, Llama3Rope, LinearRope, M
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "llama": "LlamaForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM",
                   "deepseek_v3": "DeepseekV3ForCausalLM"}
 # Params kept in float32 whatever the checkpoint's dtype: DeepSeek-V3's correction bias, which
 # sets the choice of experts by differences a few bf16 ulps wide (SGLang keeps it float32:
@@ -92,7 +93,7 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
                           "not supported")
   if hf.get("mlp_bias"):
     raise CheckpointError("config.json mlp_bias=true is not supported")
-  if family != "qwen2" and hf.get("attention_bias"):
+  if family not in ("qwen2", "qwen2_moe") and hf.get("attention_bias"):
     raise CheckpointError(f"config.json attention_bias=true is not supported for {family}")
   # rope_parameters is transformers 5's; a rope_scaling (4.x's, the one Qwen's model cards
   # say to add for long contexts) replaces it whole, in 4.x and in 5, rope_theta included.
@@ -108,7 +109,8 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
                 else hf["qk_nope_head_dim"] + mla.rope_dim),
       intermediate_size=hf["intermediate_size"],
       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=family == "qwen2",
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      qkv_bias=family == "qwen2" or (family == "qwen2_moe" and hf.get("qkv_bias", True)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       rope_scaling=_rope_scaling_from_hf(rope, hf), moe=_moe_from_hf(hf), mla=mla)
   fields.update(overrides)
@@ -116,18 +118,21 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
 
 
 def _moe_from_hf(hf: dict[str, Any]) -> MoeConfig | None:
-  """Qwen3-MoE's experts (transformers' configuration_qwen3_moe.py) or DeepSeek-V3's
+  """Qwen3-MoE's experts (transformers' configuration_qwen3_moe.py), Qwen2-MoE's with its
+  gated shared expert (configuration_qwen2_moe.py) or DeepSeek-V3's
   (configuration_deepseek_v3.py), None for a dense model."""
   if hf.get("model_type") == "deepseek_v3":
     return _deepseek_moe_from_hf(hf)
-  if hf.get("model_type") != "qwen3_moe":
+  if hf.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
     return None
+  shared = hf.get("shared_expert_intermediate_size", 0) if hf["model_type"] == "qwen2_moe" else 0
   return MoeConfig(num_experts=hf.get("num_experts") or hf["num_local_experts"],
                    experts_per_token=hf["num_experts_per_tok"],
                    expert_size=hf["moe_intermediate_size"],
                    normalize_weights=bool(hf.get("norm_topk_prob", False)),
                    sparse_step=hf.get("decoder_sparse_step", 1),
-                   dense_layers=tuple(hf.get("mlp_only_layers") or ()))
+                   dense_layers=tuple(hf.get("mlp_only_layers") or ()),
+                   shared_size=shared, shared_gate=bool(shared))
 
 
 # DeepSeek's own config.json fields that transformers ignores (its DeepseekV3 always routes
@@ -236,7 +241,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "dtype": cfg.param_dtype, "max_position_embeddings": max_positions}
   if cfg.rope_scaling is not None:
     hf["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-  if cfg.family != "qwen2":
+  if cfg.family == "qwen2_moe":
+    hf["qkv_bias"] = cfg.qkv_bias
+  elif cfg.family != "qwen2":
     hf["attention_bias"] = False
   if cfg.family == "llama":
     hf["mlp_bias"] = False
@@ -244,15 +251,20 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     hf.update(_deepseek_to_hf(cfg))
   elif cfg.moe is not None:
     m = cfg.moe
-    if (m.scoring, m.correction_bias, m.groups, m.scaling, m.shared_size) != (
-        "softmax", False, 1, 1.0, 0):
-      raise ValueError("hf.save: Qwen3-MoE's config.json holds no sigmoid scoring, correction "
-                       "bias, expert groups, routed scaling or shared experts (DeepSeek-V3's "
-                       f"router), and this MoeConfig has them: {m}")
+    qwen2 = cfg.family == "qwen2_moe"  # its shared expert always gated, absent at width 0
+    if (m.scoring, m.correction_bias, m.groups, m.scaling) != ("softmax", False, 1, 1.0) or (
+        (m.shared_gate, m.shared_size) != ((bool(m.shared_size), m.shared_size) if qwen2
+                                           else (False, 0))):
+      raise ValueError(f"hf.save: {cfg.family}'s config.json holds no sigmoid scoring, "
+                       "correction bias, expert groups or routed scaling (DeepSeek-V3's "
+                       "router), and shared experts only as Qwen2-MoE's gated one; this "
+                       f"MoeConfig has others: {m}")
     hf.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
               moe_intermediate_size=m.expert_size, norm_topk_prob=m.normalize_weights,
               decoder_sparse_step=m.sparse_step, mlp_only_layers=list(m.dense_layers),
               router_aux_loss_coef=0.0, output_router_logits=False)
+    if qwen2:
+      hf["shared_expert_intermediate_size"] = m.shared_size
   return hf
 
 
@@ -323,10 +335,14 @@ def _tensors(cfg: ModelConfig) -> list[_Tensor]:
         for name in ("gate_proj", "up_proj", "down_proj"):
           out.append(_Tensor(f"{hf}mlp.experts.{e}.{name}.weight",
                              mlp + (f"experts_{name}", e), *linear))
-      if cfg.moe.shared_size:
+      if cfg.moe.shared_size:  # Qwen2-MoE's one gated shared expert, DeepSeek's several
+        shared = "shared_expert" if cfg.moe.shared_gate else "shared_experts"
         for name in ("gate_proj", "up_proj", "down_proj"):
-          out.append(_Tensor(f"{hf}mlp.shared_experts.{name}.weight",
+          out.append(_Tensor(f"{hf}mlp.{shared}.{name}.weight",
                              mlp + ("shared_experts", name, "kernel"), *linear))
+      if cfg.moe.shared_gate:
+        out.append(_Tensor(f"{hf}mlp.shared_expert_gate.weight",
+                           mlp + ("shared_expert_gate", "kernel"), *linear))
     else:
       for name in ("gate_proj", "up_proj", "down_proj"):
         out.append(_Tensor(f"{hf}mlp.{name}.weight", ours + ("mlp", name, "kernel"), *linear))

@@ -129,7 +129,7 @@ _PARAM_AXES = {
     ("gate_proj", "kernel"): (EMBED, MLP), ("up_proj", "kernel"): (EMBED, MLP),
     ("down_proj", "kernel"): (MLP, EMBED),
     # A mixture's router and its experts stacked [E, in, out].
-    ("gate", "kernel"): (EMBED, None),
+    ("gate", "kernel"): (EMBED, None), ("shared_expert_gate", "kernel"): (EMBED, None),
     ("mlp", "experts_gate_proj"): (EXPERTS, EMBED, MLP),
     ("mlp", "experts_up_proj"): (EXPERTS, EMBED, MLP),
     ("mlp", "experts_down_proj"): (EXPERTS, MLP, EMBED),

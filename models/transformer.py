@@ -1,6 +1,6 @@
-"""The decoder of the Qwen2, Qwen3, Llama 3, Qwen3-MoE and DeepSeek-V3 families (RMSNorm, RoPE,
-grouped-query or multi-head latent attention, SwiGLU, and a mixture's routed and shared
-experts) as pure functions.
+"""The decoder of the Qwen2, Qwen3, Llama 3, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 families
+(RMSNorm, RoPE, grouped-query or multi-head latent attention, SwiGLU, and a mixture's routed
+and shared experts) as pure functions.
 
 Owns the network: `init_params`, `forward` (packed training rows), `prefill` and `decode` (the
 embedded engine's KV-cache passes), and the output projection. Attention goes through
@@ -661,7 +661,7 @@ class MoE(nn.Module):
   correction bias and groups), their weights (route_weights) cast back to the router's dtype;
   each expert a SwiGLU of width MoeConfig.expert_size, run dropless or, with
   MoeConfig.capacity_factor, with room for so many tokens an expert (capacity_experts); plus
-  DeepSeek-V3's shared experts when MoeConfig.shared_size.
+  DeepSeek-V3's shared experts (or Qwen2-MoE's gated one) when MoeConfig.shared_size.
 
   `replay` i32[rows, seq, k] (rollout routing replay): the experts each token goes to, as the
   engine chose them, its weights the trainer's scores at those experts; a row with a negative
@@ -702,7 +702,12 @@ class MoE(nn.Module):
       out = capacity_experts(tokens, experts, weights.astype(logits.dtype), *weights_of,
                              capacity=moe.capacity(rows * seq))
     if moe.shared_size:
-      out = out + MLP(cfg, moe.shared_size, name="shared_experts")(x).reshape(tokens.shape)
+      shared = MLP(cfg, moe.shared_size, name="shared_experts")(x).reshape(tokens.shape)
+      if moe.shared_gate:  # Qwen2-MoE's: sigmoid(x . w) per token
+        shared = shared * jax.nn.sigmoid(nn.Dense(1, use_bias=False, dtype=cfg.compute_dtype,
+                                                  param_dtype=cfg.param_dtype,
+                                                  name="shared_expert_gate")(tokens))
+      out = out + shared
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
     real = (jnp.ones((rows * seq,), jnp.float32) if real is None

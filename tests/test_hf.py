@@ -36,6 +36,11 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         mlp_only_layers=[1], **COMMON),
+    # Qwen2's attention (q, k, v biases), layer 1 sparse: 8 experts, 2 a token, beside a
+    # shared expert scaled by its sigmoid gate.
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=2, **COMMON),
     # Multi-head latent attention (queries through a rank-24 bottleneck, values narrower than
     # keys, interleaved rope dims, YaRN with DeepSeek's mscale_all_dim in the softmax scale),
     # layer 0 dense, layer 1 DeepSeek-V3's router (best 2 of 4 groups) and a shared expert.
