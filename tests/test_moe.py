@@ -281,6 +281,23 @@ def test_mixture_configs_that_cannot_run_are_refused():
       ModelConfig(**latent, mla=dataclasses.replace(mla, **bad))
 
 
+def test_a_deepseek_checkpoint_loads_straight_into_its_expert_parallel_shards(deepseek):
+  """hf.load with the shardings of an fsdp=2 x expert=2 x tensor=2 mesh: every tensor placed
+  as param_shardings says (each device a quarter of the experts of a layer's stack), the
+  values those of the plain load."""
+  cfg, params = hf.load(deepseek[0])
+  mesh = sharding.make_mesh(fsdp=2, expert=2, tensor=2)
+  shapes = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
+  shardings = sharding.param_shardings(shapes, mesh)
+  _, placed = hf.load(deepseek[0], shardings=shardings)
+  for (path, got), want, where in zip(jax.tree_util.tree_leaves_with_path(placed),
+                                      jax.tree.leaves(params), jax.tree.leaves(shardings)):
+    assert got.sharding.is_equivalent_to(where, got.ndim), path
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  up = placed["layers_1"]["mlp"]["experts_up_proj"]  # [8, 64, 32]: experts, fsdp, tensor
+  assert up.addressable_shards[0].data.shape == (4, 32, 16)
+
+
 def test_deepseek_checkpoints_that_route_otherwise_are_refused(deepseek, tmp_path):
   """DeepSeek's config.json fields that transformers ignores and SGLang reads are refused by
   name when they route otherwise; a router config.json cannot say is refused on export."""
