@@ -411,6 +411,18 @@ def dropless_experts(x, experts, weights, gate, up, down):
                     weights.astype(jnp.float32)).astype(x.dtype)
 
 
+def queue_slots(queues, num_queues: int, room: int):
+  """Each item's place in its queue, items queued in order, `room` for those past the room.
+
+  queues i32[N] each item's queue in [0, num_queues) -> i32[N]
+  """
+  order = jnp.argsort(queues, stable=True)
+  sizes = jnp.bincount(queues, length=num_queues)
+  starts = jnp.cumsum(sizes) - sizes
+  slot = jnp.zeros_like(queues).at[order].set(jnp.arange(queues.size) - starts[queues[order]])
+  return jnp.where(slot < room, slot, room)
+
+
 def capacity_experts(x, experts, weights, gate, up, down, capacity: int):
   """dropless_experts with room for `capacity` (token, expert) pairs an expert (GShard's
   capacity factor): each expert's pairs, in token order, fill its [capacity, H] buffer and
@@ -425,13 +437,8 @@ def capacity_experts(x, experts, weights, gate, up, down, capacity: int):
   tokens, k = experts.shape
   num_experts = gate.shape[0]
   flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=num_experts)
-  starts = jnp.cumsum(sizes) - sizes
-  # Each pair's place in its expert's queue; past the capacity it lands out of bounds, and
-  # the scatter drops it (and the gather below reads 0 for it).
-  slot = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size) - starts[flat[order]])
-  slot = jnp.where(slot < capacity, slot, capacity)
+  # Past the capacity a pair lands out of bounds: the scatter drops it, the gather reads 0.
+  slot = queue_slots(flat, num_experts, capacity)
   xs = jnp.zeros((num_experts, capacity, x.shape[1]), x.dtype)
   xs = xs.at[flat, slot].set(jnp.repeat(x, k, axis=0), mode="drop")
   hidden = swiglu(jnp.einsum("ech,ehi->eci", xs, gate), jnp.einsum("ech,ehi->eci", xs, up))
@@ -452,11 +459,7 @@ def _exchange_pairs(x, experts, groups: int, per_group: int, room: int):
   where the slot is empty)."""
   flat = experts.reshape(-1)
   to, local = flat // per_group, flat % per_group
-  order = jnp.argsort(to, stable=True)
-  sizes = jnp.bincount(to, length=groups)
-  slot = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size) - (jnp.cumsum(sizes) -
-                                                                     sizes)[to[order]])
-  slot = jnp.where(slot < room, slot, room)
+  slot = queue_slots(to, groups, room)
   send = jnp.zeros((groups, room, x.shape[1]), x.dtype).at[to, slot].set(
       jnp.repeat(x, experts.shape[1], axis=0), mode="drop")
   ids = jnp.full((groups, room), per_group, jnp.int32).at[to, slot].set(local, mode="drop")
@@ -503,16 +506,12 @@ def expert_parallel_experts(x, experts, weights, gate, up, down,
     to, slot, send, ids = _exchange_pairs(x, experts, groups, per_group, room)
     received = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, hidden)
     got = jax.lax.all_to_all(ids, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1)
+    # Empty slots name expert `per_group`, none of this device's: both drop them (zero rows).
+    one_each = (received, got[:, None], jnp.ones((got.size, 1), x.dtype), gate, up, down)
     if capacity_factor is None:
-      order = jnp.argsort(got, stable=True)  # empty slots (id per_group) last, in no group
-      sizes = jnp.bincount(got, length=per_group)
-      xs = received[order]
-      out = jax.lax.ragged_dot(swiglu(jax.lax.ragged_dot(xs, gate, sizes),
-                                      jax.lax.ragged_dot(xs, up, sizes)), down, sizes)
-      out = out[jnp.argsort(order)]
-    else:  # empty slots name no expert of this device: capacity_experts drops them
-      out = capacity_experts(received, got[:, None], jnp.ones((got.size, 1), x.dtype), gate,
-                             up, down,
+      out = dropless_experts(*one_each)
+    else:
+      out = capacity_experts(*one_each,
                              capacity=math.ceil(capacity_factor * experts.size / per_group))
     out = out.reshape(groups, room, hidden)
     back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)
