@@ -8,7 +8,9 @@ Families: "qwen2" (Qwen2 / Qwen2.5: bias on q, k, v), "qwen3" (RMSNorm on each h
 no bias, head_dim independent of the width), "llama" (Llama 3.x: no bias), "qwen2_moe" and
 "qwen3_moe" (Qwen2's and Qwen3's attention, sparse layers of experts: `MoeConfig`; Qwen2-MoE's
 with a gated shared expert), "deepseek_v3" (DeepSeek-V3, Kimi K2,
-Moonlight: multi-head latent attention, `MlaConfig`, and DeepSeek's router and shared experts).
+Moonlight: multi-head latent attention, `MlaConfig`, and DeepSeek's router and shared experts),
+"qwen2_5_vl" (Qwen2.5-VL: Qwen2's decoder with multimodal RoPE, `mrope_section`, behind a
+vision tower, `VisionConfig`; models/vision.py).
 Everything else (RMSNorm, RoPE, grouped-query attention, SwiGLU) is shared, and so are the RoPE
 scalings (`RopeScaling`: linear, dynamic, yarn, llama3), any of which a family's checkpoint may
 name; models/transformer.py computes their frequencies.
@@ -25,7 +27,7 @@ from models.attention.dispatch import KERNELS
 WEIGHT_FORMATS = ("fp8", "int4")  # models/quantize.py's
 
 
-FAMILIES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen2_5_vl")
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 # Per-layer rematerialisation (gradient checkpointing) policies, by name.
 REMAT_POLICIES = ("none", "full", "dots")
@@ -182,6 +184,62 @@ class MlaConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """Qwen2.5-VL's vision tower and the image tokens it feeds (config.json's vision_config and
+  its image and vision_start/end token ids; the image bounds are preprocessor_config.json's).
+
+  An image is resized to multiples of patch_size * spatial_merge_size pixels (its area kept in
+  [min_pixels, max_pixels]), cut into patches of patch_size^2 pixels (each repeated over
+  temporal_patch_size frames: a still image), and every spatial_merge_size^2 patches become
+  one token of the decoder, `image_token_id`, width out_hidden_size. Blocks attend within
+  windows of window_size pixels, but those in `full_attention_blocks`, which see the image.
+  """
+  depth: int
+  hidden_size: int
+  intermediate_size: int
+  num_heads: int
+  out_hidden_size: int  # the decoder's hidden_size
+  image_token_id: int
+  vision_start_token_id: int
+  vision_end_token_id: int
+  video_token_id: int  # read and written back; videos are not taken
+  patch_size: int = 14
+  temporal_patch_size: int = 2
+  spatial_merge_size: int = 2
+  window_size: int = 112
+  full_attention_blocks: tuple[int, ...] = (7, 15, 23, 31)
+  rope_theta: float = 10000.0
+  tokens_per_second: int = 4  # a video's; written back
+  min_pixels: int = 56 * 56
+  max_pixels: int = 28 * 28 * 16384  # the hub's Qwen2.5-VL preprocessor_config.json
+  image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)  # CLIP's
+  image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+
+  def __post_init__(self):
+    if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+      raise ValueError(f"VisionConfig: hidden_size={self.hidden_size} over num_heads="
+                       f"{self.num_heads} must give a head_dim divisible by 4 (its 2D RoPE "
+                       "turns a quarter of the pairs by the row, a quarter by the column)")
+    if self.window_size % (self.patch_size * self.spatial_merge_size):
+      raise ValueError(f"VisionConfig.window_size={self.window_size} must be a multiple of "
+                       f"patch_size * spatial_merge_size = "
+                       f"{self.patch_size * self.spatial_merge_size} pixels")
+    if not all(0 <= b < self.depth for b in self.full_attention_blocks):
+      raise ValueError(f"VisionConfig.full_attention_blocks={self.full_attention_blocks} "
+                       f"name blocks outside [0, depth={self.depth})")
+
+  @property
+  def patch_dim(self) -> int:
+    """Values of one patch: 3 channels x temporal_patch_size x patch_size^2."""
+    return 3 * self.temporal_patch_size * self.patch_size ** 2
+
+  @property
+  def merge(self) -> int:
+    """Patches per decoder token."""
+    return self.spatial_merge_size ** 2
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only transformer in the Qwen2 style.
 
@@ -212,6 +270,11 @@ class ModelConfig:
   moe: MoeConfig | None = None  # None: every layer dense
   # deepseek_v3's attention (its head_dim is qk_nope + qk_rope, num_kv_heads = num_heads)
   mla: MlaConfig | None = None
+  # qwen2_5_vl: the image tower, and multimodal RoPE: the rotary frequency pairs in sections
+  # turned by a token's temporal, height and width positions in turn (transformers'
+  # mrope_section; positions i32[rows, seq, 3], or [rows, seq] for all three alike)
+  vision: VisionConfig | None = None
+  mrope_section: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -237,6 +300,14 @@ class ModelConfig:
                        "deepseek_v3 family, and it alone, has an MlaConfig")
     if self.mla is not None:
       self._check_mla()
+    if (self.family == "qwen2_5_vl") != (self.vision is not None) or (
+        (self.vision is None) != (self.mrope_section is None)):
+      raise ValueError(f"ModelConfig: family {self.family!r} with vision={self.vision} and "
+                       f"mrope_section={self.mrope_section}: the qwen2_5_vl family, and it "
+                       "alone, has a VisionConfig and an mrope_section")
+    if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
+      raise ValueError(f"ModelConfig.mrope_section={self.mrope_section} must sum to "
+                       f"head_dim / 2 = {self.head_dim // 2} rotary frequency pairs")
     if self.weight_format not in (None, *WEIGHT_FORMATS):
       raise ValueError(f"ModelConfig.weight_format={self.weight_format!r}; choose one of "
                        f"{WEIGHT_FORMATS} or None")

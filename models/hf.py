@@ -41,21 +41,24 @@ from safetensors.numpy import save_file
 
 from models import quantize, transformer
 from models.config import (ROPE_SCALINGS, DynamicRope, Llama3Rope, LinearRope, MlaConfig,
-                           ModelConfig, MoeConfig, RopeScaling, YarnRope)
+                           ModelConfig, MoeConfig, RopeScaling, VisionConfig, YarnRope)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "llama": "LlamaForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 # Params kept in float32 whatever the checkpoint's dtype: DeepSeek-V3's correction bias, which
 # sets the choice of experts by differences a few bf16 ulps wide (SGLang keeps it float32:
 # models/deepseek_v2.py MoEGate).
 _FLOAT32 = ("e_score_correction_bias",)
 # Files a checkpoint directory carries besides weights and config (copied by `save`).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                   "special_tokens_map.json", "vocab.json", "merges.txt")
+                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.json",
+                   "chat_template.jinja")
+PREPROCESSOR = "preprocessor_config.json"  # a vision model's image processor
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -79,12 +82,16 @@ QUANTIZATIONS = {
 
 # ---- config.json ----
 
-def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
-  """ModelConfig from a parsed config.json (transformers 4.x and 5.x spellings).
+def config_from_hf(hf: dict[str, Any], preprocessor: dict[str, Any] | None = None,
+                   **overrides) -> ModelConfig:
+  """ModelConfig from a parsed config.json (transformers 4.x and 5.x spellings), and for a
+  vision-language model its preprocessor_config.json's image bounds.
 
   `overrides` set fields config.json does not hold (dtype, param_dtype, attention, remat).
   """
   family = hf.get("model_type")
+  if family == "qwen2_5_vl":
+    return _vision_language_from_hf(hf, preprocessor, **overrides)
   if family not in _ARCHITECTURES:
     raise CheckpointError(f"config.json model_type={family!r}; supported: "
                           f"{sorted(_ARCHITECTURES)}")
@@ -115,6 +122,84 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
       rope_scaling=_rope_scaling_from_hf(rope, hf), moe=_moe_from_hf(hf), mla=mla)
   fields.update(overrides)
   return ModelConfig(**fields)
+
+
+def _vision_language_from_hf(hf: dict[str, Any], preprocessor: dict[str, Any] | None,
+                             **overrides) -> ModelConfig:
+  """Qwen2.5-VL's ModelConfig: the decoder's fields at the top level (the hub's files) or in
+  text_config (transformers 5's), its RoPE multimodal (rope type "mrope" or "default" with an
+  mrope_section), and the vision tower's."""
+  text = {**hf, **(hf.get("text_config") or {}), "model_type": "qwen2",
+          "tie_word_embeddings": hf.get("tie_word_embeddings", False)}
+  rope = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})
+  section = rope.pop("mrope_section", None)
+  if section is None or rope.pop("type", rope.get("rope_type")) not in ("mrope", "default"):
+    raise CheckpointError(f"config.json of qwen2_5_vl: its rope parameters {rope} need an "
+                          "mrope_section and rope type mrope or default")
+  text.pop("rope_scaling", None)
+  text["rope_parameters"] = {**rope, "rope_type": "default"}
+  v = hf["vision_config"]
+  if v.get("hidden_act", "silu") != "silu" or v.get("in_channels", v.get("in_chans", 3)) != 3:
+    raise CheckpointError(f"config.json vision_config: hidden_act {v.get('hidden_act')!r} and "
+                          "3 input channels are what Qwen2.5-VL's tower has and all we take")
+  pre = preprocessor or {}
+  size = pre.get("size") or {}
+  for key, ours in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                    ("temporal_patch_size", "temporal_patch_size")):
+    if key in pre and pre[key] != v.get(ours, 14 if key == "patch_size" else 2):
+      raise CheckpointError(f"{PREPROCESSOR} {key}={pre[key]} differs from config.json's "
+                            f"vision_config {ours}={v.get(ours)}")
+  bounds = {k: v for k, v in (("min_pixels", size.get("shortest_edge", pre.get("min_pixels"))),
+                              ("max_pixels", size.get("longest_edge", pre.get("max_pixels"))),
+                              ("image_mean", pre.get("image_mean")),
+                              ("image_std", pre.get("image_std"))) if v is not None}
+  vision = VisionConfig(
+      depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+      num_heads=v["num_heads"], out_hidden_size=v["out_hidden_size"],
+      image_token_id=hf.get("image_token_id", 151655),
+      vision_start_token_id=hf.get("vision_start_token_id", 151652),
+      vision_end_token_id=hf.get("vision_end_token_id", 151653),
+      video_token_id=hf.get("video_token_id", 151656),
+      patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
+      spatial_merge_size=v.get("spatial_merge_size", 2), window_size=v.get("window_size", 112),
+      full_attention_blocks=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+      rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+      tokens_per_second=v.get("tokens_per_second", 4),
+      **{k: tuple(x) if isinstance(x, list) else x for k, x in bounds.items()})
+  return dataclasses.replace(config_from_hf(text, **overrides), family="qwen2_5_vl",
+                             vision=vision, mrope_section=tuple(section))
+
+
+def _vision_language_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(config.json, preprocessor_config.json) of a qwen2_5_vl config: the decoder's fields at
+  the top level as the hub's files hold them (transformers 4.x and 5 read them there)."""
+  v = cfg.vision
+  hf = config_to_hf(dataclasses.replace(cfg, family="qwen2", vision=None, mrope_section=None))
+  section = list(cfg.mrope_section)
+  hf.update(architectures=[_ARCHITECTURES["qwen2_5_vl"]], model_type="qwen2_5_vl",
+            image_token_id=v.image_token_id, video_token_id=v.video_token_id,
+            vision_start_token_id=v.vision_start_token_id,
+            vision_end_token_id=v.vision_end_token_id)
+  hf["rope_parameters"]["mrope_section"] = section
+  hf["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": section}
+  hf["vision_config"] = {
+      "model_type": "qwen2_5_vl_vision", "depth": v.depth, "hidden_size": v.hidden_size,
+      "intermediate_size": v.intermediate_size, "num_heads": v.num_heads,
+      "out_hidden_size": v.out_hidden_size, "hidden_act": "silu", "in_channels": 3,
+      "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+      "spatial_merge_size": v.spatial_merge_size, "window_size": v.window_size,
+      "fullatt_block_indexes": list(v.full_attention_blocks),
+      "tokens_per_second": v.tokens_per_second,
+      "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
+  preprocessor = {
+      "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+      "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+      "do_normalize": True, "do_convert_rgb": True, "image_mean": list(v.image_mean),
+      "image_std": list(v.image_std), "patch_size": v.patch_size,
+      "temporal_patch_size": v.temporal_patch_size, "merge_size": v.spatial_merge_size,
+      "min_pixels": v.min_pixels, "max_pixels": v.max_pixels,
+      "size": {"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels}}
+  return hf, preprocessor
 
 
 def _moe_from_hf(hf: dict[str, Any]) -> MoeConfig | None:
@@ -222,6 +307,8 @@ def _rope_scaling_to_hf(s: RopeScaling) -> dict[str, Any]:
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """config.json contents for `cfg` (transformers 5 spelling, which 4.x also reads)."""
+  if cfg.vision is not None:
+    return _vision_language_to_hf(cfg)[0]
   rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
   s = cfg.rope_scaling
   if s is not None:
@@ -351,6 +438,32 @@ def _tensors(cfg: ModelConfig) -> list[_Tensor]:
   out.append(_Tensor("model.norm.weight", ("norm", "scale"), same, same))
   if not cfg.tie_embeddings:
     out.append(_Tensor("lm_head.weight", ("lm_head",), *linear))
+  if cfg.vision is not None:
+    out += _vision_tensors(cfg.vision)
+  return out
+
+
+def _vision_tensors(v: VisionConfig) -> list[_Tensor]:
+  """Qwen2.5-VL's vision tower's tensors (`visual.*`, params under "visual")."""
+  same = lambda x: x
+  linear = (lambda w: w.T, lambda k: k.T)
+  ours = ("visual",)
+  # Conv3d weight[out, 3, t, p, p] over patches flattened (channel, frame, row, column)
+  patch = (lambda w: w.reshape(w.shape[0], -1).T,
+           lambda k: k.T.reshape(-1, 3, v.temporal_patch_size, v.patch_size, v.patch_size))
+  out = [_Tensor("visual.patch_embed.proj.weight", ours + ("patch_embed", "kernel"), *patch)]
+  dense = lambda hf, path: [_Tensor(f"{hf}.weight", path + ("kernel",), *linear),
+                            _Tensor(f"{hf}.bias", path + ("bias",), same, same)]
+  for i in range(v.depth):
+    hf, block = f"visual.blocks.{i}.", ours + (f"blocks_{i}",)
+    for name in ("norm1", "norm2"):
+      out.append(_Tensor(f"{hf}{name}.weight", block + (name, "scale"), same, same))
+    out += dense(f"{hf}attn.qkv", block + ("qkv",)) + dense(f"{hf}attn.proj", block + ("proj",))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      out += dense(f"{hf}mlp.{name}", block + (name,))
+  out.append(_Tensor("visual.merger.ln_q.weight", ours + ("merger_ln_q", "scale"), same, same))
+  for k in (0, 2):
+    out += dense(f"visual.merger.mlp.{k}", ours + (f"merger_mlp_{k}",))
   return out
 
 
@@ -502,7 +615,12 @@ def read_config(ckpt_dir: str, **overrides) -> ModelConfig:
   if not os.path.isfile(path):
     raise CheckpointError(f"no config.json in {ckpt_dir}")
   with open(path) as f:
-    return config_from_hf(json.load(f), **overrides)
+    hf = json.load(f)
+  preprocessor = None
+  if os.path.isfile(pre := os.path.join(ckpt_dir, PREPROCESSOR)):
+    with open(pre) as f:
+      preprocessor = json.load(f)
+  return config_from_hf(hf, preprocessor, **overrides)
 
 
 def _weight_files(ckpt_dir: str) -> dict[str, str]:
@@ -657,6 +775,9 @@ def save(params, cfg: ModelConfig, out_dir: str, *, max_shard_bytes: int = 2 * 2
     hf_config["quantization_config"] = QUANTIZATIONS[quantization]
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
+  if cfg.vision is not None:
+    with open(os.path.join(out_dir, PREPROCESSOR), "w") as f:
+      json.dump(_vision_language_to_hf(cfg)[1], f, indent=2, sort_keys=True)
   if copy_from:
     for name in TOKENIZER_FILES:
       src = os.path.join(copy_from, name)

@@ -1,6 +1,7 @@
-"""The decoder of the Qwen2, Qwen3, Llama 3, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 families
-(RMSNorm, RoPE, grouped-query or multi-head latent attention, SwiGLU, and a mixture's routed
-and shared experts) as pure functions.
+"""The decoder of the Qwen2, Qwen3, Llama 3, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and Qwen2.5-VL
+families (RMSNorm, RoPE, grouped-query or multi-head latent attention, SwiGLU, a mixture's
+routed and shared experts, and a vision tower's rows in place of image tokens:
+models/vision.py) as pure functions.
 
 Owns the network: `init_params`, `forward` (packed training rows), `prefill` and `decode` (the
 embedded engine's KV-cache passes), and the output projection. Attention goes through
@@ -39,7 +40,9 @@ import numpy as np
 
 from models import quantize
 from models import sharding as shd
+from models import vision
 from models.attention import dispatch, ring
+from models.layers import RMSNorm, swiglu
 from models.config import (DynamicRope, Llama3Rope, LinearRope, ModelConfig, MoeConfig,
                            RopeScaling, YarnRope)
 
@@ -152,27 +155,41 @@ def rope_tables(head_dim: int, theta: float, scaling: RopeScaling | None) -> Rop
                       for a, s in ((fine, scale), (coarse, 1.0)) for f in (np.cos, np.sin)))
 
 
-def rope(x, positions, tables: RopeTables):
+def rope(x, positions, tables: RopeTables, mrope_section: tuple[int, ...] | None = None):
   """Rotary embedding, Hugging Face's rotate-half layout.
 
-  x: [b, s, heads, d]; positions: i32[b, s], 0 <= positions < 2^20 (beyond: NaN).
+  x: [b, s, heads, d]; positions: i32[b, s], 0 <= positions < 2^20 (beyond: NaN), or
+  i32[b, s, 3] (multimodal RoPE: the frequency pairs in `mrope_section` sections, the i-th
+  turned by positions[..., i % 3], as transformers' Qwen2.5-VL; [b, s] turns all alike).
 
   cos and sin come from constant tables, by angle addition over the position's coarse and
   fine parts. Computed as cos(positions x inv_freq), XLA fused them into each consumer and
   evaluated them per head, forward and backward: ~0.25 s of thread time per train step of
   bench/peers.py (bench/rope.py: the step 1.04-1.08x faster at the median without them).
   """
-  fine = lambda t: jnp.asarray(t)[positions % ROPE_FINE]  # [b, s, d/2]
-  coarse = lambda t: jnp.take(jnp.asarray(t), positions // ROPE_FINE, axis=0, mode="fill",
-                              fill_value=jnp.nan)
-  cf, sf = fine(tables.fine_cos), fine(tables.fine_sin)
-  cc, sc = coarse(tables.coarse_cos), coarse(tables.coarse_sin)
-  cos, sin = cc * cf - sc * sf, sc * cf + cc * sf
+  if positions.ndim == 3:
+    turns = [_cos_sin(positions[..., i], tables) for i in range(3)]
+    bounds = np.cumsum((0,) + tuple(mrope_section))
+    cos, sin = (jnp.concatenate([turns[i % 3][part][..., a:b] for i, (a, b) in
+                                 enumerate(zip(bounds[:-1], bounds[1:]))], axis=-1)
+                for part in (0, 1))
+  else:
+    cos, sin = _cos_sin(positions, tables)
   cos = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]
   sin = jnp.concatenate([sin, sin], axis=-1)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def _cos_sin(positions, tables: RopeTables):
+  """cos and sin f32[b, s, d/2] of positions i32[b, s] x each inverse frequency."""
+  fine = lambda t: jnp.asarray(t)[positions % ROPE_FINE]
+  coarse = lambda t: jnp.take(jnp.asarray(t), positions // ROPE_FINE, axis=0, mode="fill",
+                              fill_value=jnp.nan)
+  cf, sf = fine(tables.fine_cos), fine(tables.fine_sin)
+  cc, sc = coarse(tables.coarse_cos), coarse(tables.coarse_sin)
+  return cc * cf - sc * sf, sc * cf + cc * sf
 
 
 def on_tokens(layer, x):
@@ -185,18 +202,6 @@ def on_tokens(layer, x):
   rows, seq = x.shape[:2]
   y = layer(x.reshape(rows * seq, *x.shape[2:]))
   return y.reshape(rows, seq, *y.shape[1:])
-
-
-class RMSNorm(nn.Module):
-  eps: float
-  param_dtype: str = "float32"
-
-  @nn.compact
-  def __call__(self, x):
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return scale.astype(x.dtype) * x32.astype(x.dtype)  # Hugging Face's order of casts
 
 
 @functools.cache
@@ -301,7 +306,7 @@ class Attention(nn.Module):
       q = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="q_norm")(q)
       k = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="k_norm")(k)
     tables = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    q, k = rope(q, positions, tables), rope(k, positions, tables)
+    q, k = (rope(y, positions, tables, cfg.mrope_section) for y in (q, k))
     out, cache = _attend(cfg, self.layer, q, k, v, segment_ids, cache, cache_slot, kv_valid)
     return _output(cfg, out), cache
 
@@ -348,31 +353,6 @@ class LatentAttention(nn.Module):
     q, k, v = (shd.constrain(a, shd.BATCH, shd.SEQ, shd.ACT_HEADS, None) for a in (q, k, v))
     out, cache = _attend(cfg, self.layer, q, k, v, segment_ids, cache, cache_slot, kv_valid)
     return _output(cfg, out[..., :m.value_dim]), cache
-
-
-@jax.custom_vjp
-def swiglu(gate, up):
-  """silu(gate) * up, elementwise; gate, up: [..., intermediate].
-
-  Its backward pass keeps only `gate` and `up` (outputs of the projections) and recomputes the
-  sigmoid in one pass. Differentiated through as written, it also stores the sigmoid (or
-  silu) of every layer: 11% more temporary memory in the train step of bench/peers.py.
-  """
-  return jax.nn.silu(gate) * up
-
-
-def _swiglu_fwd(gate, up):
-  return swiglu(gate, up), (gate, up)
-
-
-def _swiglu_bwd(residuals, d_out):
-  gate, up = residuals
-  sig = jax.nn.sigmoid(gate)
-  # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
-  return d_out * up * sig * (1 + gate * (1 - sig)), d_out * gate * sig
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nn.Module):
@@ -794,18 +774,23 @@ class Decoder(nn.Module):
                                  param_dtype=cfg.param_dtype)
     self.layers = [Block(cfg, i) for i in range(cfg.num_layers)]  # named layers_0, layers_1...
     self.norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
+    if cfg.vision is not None:
+      self.visual = vision.VisionTower(cfg.vision, cfg.dtype, cfg.param_dtype)
     if not cfg.tie_embeddings:
       # Declared here so init creates it; applied by `output_projection`.
       self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
                                 (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype)
 
   def __call__(self, tokens, positions, segment_ids, cache=None, cache_slot=None, kv_valid=None,
-               replay=None):
+               replay=None, images: vision.Images | None = None):
     """-> (final hidden states, cache, the sparse layers' Route stacked on axis 2 or None).
-    `replay` i32[rows, seq, sparse layers, k]: each sparse layer's MoE replay."""
+    `replay` i32[rows, seq, sparse layers, k]: each sparse layer's MoE replay. `images`: the
+    vision tower's rows replace the image tokens' embeddings, in row-major order."""
     cfg = self.cfg
-    x = shd.constrain(self.embed_tokens(tokens).astype(cfg.compute_dtype), shd.BATCH, shd.SEQ,
-                      shd.ACT_EMBED)
+    x = self.embed_tokens(tokens).astype(cfg.compute_dtype)
+    if images is not None:
+      x = self._with_images(tokens, x, images)
+    x = shd.constrain(x, shd.BATCH, shd.SEQ, shd.ACT_EMBED)
     if cfg.remat != "none" and cache is None and not self.is_initializing():
       params, routes, sparse = self.variables["params"], [], 0  # sparse layers so far
       for run in alike_runs(cfg):  # e.g. DeepSeek's dense first layers, then the sparse ones
@@ -827,36 +812,62 @@ class Decoder(nn.Module):
     return self.norm(x), cache, stacked
 
 
+  def _with_images(self, tokens, x, images: vision.Images):
+    """x [rows, seq, hidden] with its image tokens' rows the tower's rows of `images`: the
+    k-th image token (row-major) takes the k-th; tokens past the tower's rows keep theirs."""
+    v = self.cfg.vision
+    if v is None:
+      raise ValueError(f"images given to a {self.cfg.family} model, which has no vision tower")
+    rows = self.visual(images).astype(x.dtype)  # [patches / merge, hidden]
+    flat = x.reshape(-1, x.shape[-1])
+    slots = jnp.nonzero(tokens.reshape(-1) == v.image_token_id, size=rows.shape[0],
+                        fill_value=flat.shape[0])[0]
+    return flat.at[slots].set(rows, mode="drop").reshape(x.shape)
+
+
 def init_params(cfg: ModelConfig, key: jax.Array):
   """Random parameters (in cfg.param_dtype) for `cfg`."""
   tokens = jnp.zeros((1, 2), jnp.int32)
-  return Decoder(cfg).init(key, tokens, tokens, jnp.ones((1, 2), jnp.int32))["params"]
+  images = None
+  if cfg.vision is not None:  # one image of one merge block
+    m = cfg.vision.spatial_merge_size
+    one = vision.PatchedImage(np.zeros((m * m, cfg.vision.patch_dim), np.float32), (1, m, m))
+    images = vision.batch_images([one], cfg.vision)
+  return Decoder(cfg).init(key, tokens, tokens, jnp.ones((1, 2), jnp.int32),
+                           images=images)["params"]
 
 
-def forward(params, cfg: ModelConfig, tokens, positions, segment_ids):
+def forward(params, cfg: ModelConfig, tokens, positions, segment_ids,
+            images: vision.Images | None = None):
   """Hidden states of packed rows.
 
-  tokens, positions, segment_ids: i32[rows, seq] (segment 0 = padding)
-  -> f32[rows, seq, hidden]
+  tokens, positions, segment_ids: i32[rows, seq] (segment 0 = padding; positions
+  i32[rows, seq, 3] for multimodal RoPE) -> f32[rows, seq, hidden]. `images`: the rows'
+  images in the order of their image tokens (row-major), for a model with a vision tower.
 
   Under a mesh with a `context` axis of size C > 1 the rows run in ring attention's zigzag
   order (padded to a multiple of 2C); the result is in the original order.
   """
-  return forward_with_routes(params, cfg, tokens, positions, segment_ids)[0]
+  return forward_with_routes(params, cfg, tokens, positions, segment_ids, images=images)[0]
 
 
-def forward_with_routes(params, cfg: ModelConfig, tokens, positions, segment_ids, replay=None):
+def forward_with_routes(params, cfg: ModelConfig, tokens, positions, segment_ids, replay=None,
+                        images: vision.Images | None = None):
   """`forward`, and where a mixture's sparse layers sent each token: (f32[rows, seq, hidden],
   Route with a layer axis 2, or None for a dense model). `replay` i32[rows, seq, sparse
   layers, k]: the experts each token goes to (rollout routing replay; a row of negative ids
   routes natively)."""
   context = ring.context_size()
   seq = tokens.shape[1]
+  if context > 1 and images is not None:
+    raise ValueError("images under a mesh with a `context` axis: context parallelism does not "
+                     "take a vision tower yet")
   if context > 1:
     tokens, positions, segment_ids = (ring.to_zigzag(x, context)
                                       for x in (tokens, positions, segment_ids))
     replay = None if replay is None else ring.to_zigzag(replay, context)
-  hidden, _, routes = _apply(params, cfg, tokens, positions, segment_ids, replay=replay)
+  hidden, _, routes = _apply(params, cfg, tokens, positions, segment_ids, replay=replay,
+                             images=images)
   if context > 1:
     hidden, routes = jax.tree.map(lambda a: ring.from_zigzag(a, seq, context), (hidden, routes))
   return hidden.astype(jnp.float32), routes
