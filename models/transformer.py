@@ -814,7 +814,8 @@ class Decoder(nn.Module):
 
   def _with_images(self, tokens, x, images: vision.Images):
     """x [rows, seq, hidden] with its image tokens' rows the tower's rows of `images`: the
-    k-th image token (row-major) takes the k-th; tokens past the tower's rows keep theirs."""
+    k-th image token (row-major) takes the k-th; tokens past the real images' rows keep
+    theirs (an image token a policy generated is no placeholder)."""
     v = self.cfg.vision
     if v is None:
       raise ValueError(f"images given to a {self.cfg.family} model, which has no vision tower")
@@ -822,6 +823,7 @@ class Decoder(nn.Module):
     flat = x.reshape(-1, x.shape[-1])
     slots = jnp.nonzero(tokens.reshape(-1) == v.image_token_id, size=rows.shape[0],
                         fill_value=flat.shape[0])[0]
+    slots = jnp.where(images.image[::v.merge] != 0, slots, flat.shape[0])  # padding: dropped
     return flat.at[slots].set(rows, mode="drop").reshape(x.shape)
 
 
@@ -873,17 +875,20 @@ def forward_with_routes(params, cfg: ModelConfig, tokens, positions, segment_ids
   return hidden.astype(jnp.float32), routes
 
 
-def prefill(params, cfg: ModelConfig, tokens, positions, segment_ids, cache: KVCache):
+def prefill(params, cfg: ModelConfig, tokens, positions, segment_ids, cache: KVCache,
+            images: vision.Images | None = None):
   """Run prompts and write their keys and values at cache slots [0, prompt_len).
 
-  tokens, positions, segment_ids: i32[batch, prompt_len] (left padding has segment 0)
-  -> (f32[batch, prompt_len, hidden], updated KVCache, a mixture's Route of the prompt
-  tokens or None)
+  tokens, positions, segment_ids: i32[batch, prompt_len] (left padding has segment 0;
+  positions i32[batch, prompt_len, 3] for multimodal RoPE); `images` the prompts' images in
+  the order of their image tokens -> (f32[batch, prompt_len, hidden], updated KVCache, a
+  mixture's Route of the prompt tokens or None)
   """
   if ring.context_size() > 1:
     raise ValueError("prefill runs on one device's rows; call it outside a mesh with a "
                      "`context` axis (the engine is not context-parallel)")
-  hidden, cache, routes = _apply(params, cfg, tokens, positions, segment_ids, cache, 0)
+  hidden, cache, routes = _apply(params, cfg, tokens, positions, segment_ids, cache, 0,
+                                 images=images)
   return hidden.astype(jnp.float32), cache, routes
 
 

@@ -111,8 +111,8 @@ class RolloutEngine(Protocol):
                seed: int, affinity: Sequence[int] | None = None,
                max_new_tokens: Sequence[int] | None = None,
                on_ready: Callable[[dict[int, Completion]], None] | None = None,
-               stop_when: Callable[[int, Completion], bool] | None = None
-               ) -> list[Completion]:
+               stop_when: Callable[[int, Completion], bool] | None = None,
+               images: Sequence[Sequence[object]] | None = None) -> list[Completion]:
     """One completion per prompt. `affinity` (one key per prompt) picks the server where an
     engine has several: the same key, the same server, so that the continuations of one
     multi-turn episode find their prefix in its cache. Engines with one model ignore it.
@@ -124,7 +124,10 @@ class RolloutEngine(Protocol):
     It may run on another thread and must return quickly.
     `stop_when(index, completion)`, for engines with Capabilities.abort only, is asked as
     each completion arrives (on the engine's thread, quickly); once it says True the
-    requests still running are aborted and come back cut short ("abort")."""
+    requests still running are aborted and come back cut short ("abort").
+    `images` (a vision-language model's; JaxEngine takes them): each prompt's images, raw
+    (PNG/JPEG bytes, a path, a PIL image), in the order of its runs of image tokens; the
+    engine preprocesses them as the trainer does (models.vision.preprocess)."""
     ...
 
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:

@@ -9,7 +9,7 @@ rounded up to buckets so that a run compiles a few shapes, not one per call.
 import dataclasses
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,8 @@ import numpy as np
 from models import host_allocator
 from models import logprobs as logprobs_lib
 from models import sharding
-from models import transformer
-from models.config import ModelConfig
+from models import transformer, vision
+from models.config import ModelConfig, VisionConfig
 from rollouts.engine import Capabilities, Completion, SamplingParams
 
 
@@ -71,14 +71,46 @@ def choose_tokens(key, logits, temperature, top_p):
   return jax.lax.cond(temperature > 0, sample, greedy, None)
 
 
+class PromptImages(NamedTuple):
+  """A batch of left-padded prompts' images, for a vision-language model.
+
+  images: the vision tower's input, every prompt's images in row order; positions
+  i32[batch, prompt_len, 3] each prompt token's multimodal RoPE position (padding 0);
+  next_positions i32[batch] the position of each row's first generated token (its largest
+  position + 1: tokens after the images count on from there on all three axes).
+  """
+  images: vision.Images
+  positions: jax.Array
+  next_positions: jax.Array
+
+
+def prompt_images(cfg: VisionConfig, prompts: Sequence[Sequence[int]],
+                  images: Sequence[Sequence[vision.PatchedImage]], batch: int, plen: int,
+                  min_patches: int = 64) -> PromptImages:
+  """PromptImages of `prompts` left-padded into [batch, plen], their images padded to a
+  power-of-two count of patches (so that a run compiles a few shapes)."""
+  positions = np.zeros((batch, plen, 3), np.int32)
+  next_positions = np.ones((batch,), np.int32)
+  for row, (p, ims) in enumerate(zip(prompts, images)):
+    ids = vision.mrope_positions(p, [im.grid for im in ims], cfg)
+    positions[row, plen - len(p):] = ids
+    next_positions[row] = ids.max() + 1
+  flat = [im for ims in images for im in ims]
+  patches = sum(im.patches.shape[0] for im in flat)
+  return PromptImages(vision.batch_images(flat, cfg, bucket(max(patches, 1), min_patches)),
+                      positions, next_positions)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "stop_ids"))
-def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelConfig,
-           max_new: int, stop_ids: tuple[int, ...]):
+def sample(params, prompts, prompt_lens, key, temperature, top_p, images=None, *,
+           cfg: ModelConfig, max_new: int, stop_ids: tuple[int, ...]):
   """Generate up to `max_new` tokens for left-padded prompts.
 
   Args:
     prompts: i32[batch, prompt_len], each prompt right-aligned (left padding).
     prompt_lens: i32[batch] real prompt lengths (>= 1).
+    images: for a vision-language model, the prompts' `PromptImages` (their images and
+      multimodal RoPE positions), else None.
   Returns:
     tokens i32[batch, max_new] (0 after a row finished), logp f32[batch, max_new],
     lengths i32[batch] tokens generated, stopped bool[batch] (ended on a stop token), and for
@@ -91,12 +123,16 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
   pad = plen - prompt_lens
   slots = jnp.arange(plen)
   positions = jnp.maximum(slots[None, :] - pad[:, None], 0)
+  next_positions = prompt_lens  # of the first generated token
+  if images is not None:
+    positions, next_positions = images.positions, images.next_positions
   kv_valid = jnp.zeros((batch, plen + max_new), bool).at[:, :plen].set(
       slots[None, :] >= pad[:, None])
   cache = transformer.init_cache(cfg, batch, plen + max_new)
   unembed = transformer.output_projection(params, cfg)
   hidden, cache, route = transformer.prefill(params, cfg, prompts, positions,
-                                             kv_valid[:, :plen].astype(jnp.int32), cache)
+                                             kv_valid[:, :plen].astype(jnp.int32), cache,
+                                             None if images is None else images.images)
   experts = None
   if route is not None:  # rollout routing replay: what the trainer will route the same way
     experts = jnp.full((batch, plen + max_new, *route.experts.shape[2:]), -1, jnp.int32)
@@ -114,7 +150,7 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, *, cfg: ModelC
     kv_valid = kv_valid.at[:, plen + i].set(~done)
     done = done | jnp.isin(token, stop_ids)
     hidden, cache, route = transformer.decode(
-        params, cfg, token[:, None], (prompt_lens + i)[:, None], kv_valid, cache, plen + i)
+        params, cfg, token[:, None], (next_positions + i)[:, None], kv_valid, cache, plen + i)
     if route is not None:
       experts = experts.at[:, plen + i].set(route.experts[:, 0])
     return i + 1, hidden[:, 0] @ unembed, cache, kv_valid, tokens, logp, done, key, experts
@@ -396,11 +432,14 @@ class JaxEngine:
                seed: int, affinity: Sequence[int] | None = None,
                max_new_tokens: Sequence[int] | None = None,
                on_ready: Callable[[dict[int, Completion]], None] | None = None,
-               stop_when: Callable[[int, Completion], bool] | None = None
-               ) -> list[Completion]:
+               stop_when: Callable[[int, Completion], bool] | None = None,
+               images: Sequence[Sequence[Any]] | None = None) -> list[Completion]:
     """Prompts with different `max_new_tokens` are decoded in groups of one power-of-two
-    bucket each (so that a run compiles a few shapes), each cut to its own limit."""
+    bucket each (so that a run compiles a few shapes), each cut to its own limit. `images`
+    (a vision-language model's): each prompt's images (anything models.vision.open_image
+    takes), in the order of its runs of image tokens."""
     del affinity  # one model in this process: nothing to route
+    patched = self._preprocess(images, len(prompts))
     if stop_when is not None:
       raise ValueError("JaxEngine cannot abort requests (Capabilities.abort is False): it "
                        "decodes a batch to its end; stop_when needs servers")
@@ -427,15 +466,27 @@ class JaxEngine:
       key = jax.random.PRNGKey(seed)
       if len(groups) > 1:  # each group draws a stream of its own
         key = jax.random.fold_in(key, max_new)
-      made = self._sample(params, version, [prompts[r] for r in rows], sampling, max_new, key)
+      made = self._sample(params, version, [prompts[r] for r in rows], sampling, max_new, key,
+                          None if patched is None else [patched[r] for r in rows])
       for row, completion in zip(rows, made):
         completions[row] = completion.cut(limits[row])
     if on_ready is not None:  # one batch: all are done together
       on_ready(dict(enumerate(completions)))
     return completions
 
+  def _preprocess(self, images, count: int) -> list[list[vision.PatchedImage]] | None:
+    """Each prompt's images preprocessed for the vision tower (None: no images)."""
+    if images is None:
+      return None
+    if self._cfg.vision is None:
+      raise ValueError(f"JaxEngine.generate: images given to a {self._cfg.family} model, "
+                       "which has no vision tower")
+    if len(images) != count:
+      raise ValueError(f"JaxEngine.generate: images for {len(images)} prompts, {count} given")
+    return [[vision.preprocess(im, self._cfg.vision) for im in ims] for ims in images]
+
   def _sample(self, params, version: int, prompts: Sequence[Sequence[int]],
-              sampling: SamplingParams, max_new: int, key) -> list[Completion]:
+              sampling: SamplingParams, max_new: int, key, images=None) -> list[Completion]:
     """`prompts` decoded in bucketed batches of up to `max_new` tokens each: one batch, or
     as many as the KV cache budget needs (each drawing a stream of its own)."""
     plen = bucket(max(len(p) for p in prompts), self._min_prompt_len)
@@ -444,9 +495,10 @@ class JaxEngine:
     completions = []
     for index, chunk in enumerate(chunks):
       chunk_key = key if len(chunks) == 1 else jax.random.fold_in(key, index)
-      completions += self._sample_batch(params, version, chunk, plen, sampling, max_new,
-                                        chunk_key, min(bucket(len(chunk), self._min_batch),
-                                                       rows))
+      completions += self._sample_batch(
+          params, version, chunk, plen, sampling, max_new, chunk_key,
+          min(bucket(len(chunk), self._min_batch), rows),
+          None if images is None else images[index * rows:(index + 1) * rows])
     return completions
 
   def _rows_per_batch(self, slots_per_row: int) -> int:
@@ -461,17 +513,20 @@ class JaxEngine:
     return 1 << ((self._cache_slots // slots_per_row).bit_length() - 1)
 
   def _sample_batch(self, params, version: int, prompts: Sequence[Sequence[int]], plen: int,
-                    sampling: SamplingParams, max_new: int, key, batch: int
+                    sampling: SamplingParams, max_new: int, key, batch: int, images=None
                     ) -> list[Completion]:
-    """`prompts` decoded together in one batch of `batch` rows (left-padded to `plen`)."""
+    """`prompts` decoded together in one batch of `batch` rows (left-padded to `plen`), with
+    their preprocessed `images` (None: none)."""
     tokens = np.full((batch, plen), self._pad_id, np.int32)
     lens = np.ones((batch,), np.int32)
     for row, p in enumerate(prompts):
       tokens[row, plen - len(p):] = p
       lens[row] = len(p)
     with sharding.use(self._mesh):
+      extra = (None if images is None else
+               prompt_images(self._cfg.vision, prompts, images, batch, plen))
       out = sample(params, jnp.asarray(tokens), jnp.asarray(lens), key,
-                   jnp.float32(sampling.temperature), jnp.float32(sampling.top_p),
+                   jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), extra,
                    cfg=self._cfg, max_new=max_new, stop_ids=tuple(sampling.stop_token_ids))
       out_tokens, out_logp, lengths, stopped, experts = jax.device_get(out)
     completions = []

@@ -18,6 +18,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from models import hf, transformer, vision
 from models.config import VisionConfig
+from rollouts.engine import SamplingParams
+from rollouts.jax_engine import JaxEngine
 
 pytestmark = pytest.mark.xdist_group("vision")
 
@@ -106,14 +108,20 @@ def hf_logits(model, ids, images: list[vision.PatchedImage]) -> np.ndarray:
     return model(input_ids=input_ids, **kwargs).logits[0].numpy()
 
 
-def examples(cfg):
+def raw_examples(cfg):
+  """(prompt ids, [PIL images]): one image, two images, none."""
   rng = np.random.default_rng(7)
   text = lambda n: list(rng.integers(1, 280, n))
-  one = [vision.preprocess(picture(60, 90, 10), cfg.vision)]
-  two = [vision.preprocess(picture(120, 50, 11), cfg.vision),
-         vision.preprocess(picture(56, 56, 12), cfg.vision)]
-  return [(prompt(one, [text(5), text(7)]), one), (prompt(two, [text(3), text(4), text(6)]), two),
-          (text(9), [])]
+  one, two = [picture(60, 90, 10)], [picture(120, 50, 11), picture(56, 56, 12)]
+  patched = lambda ims: [vision.preprocess(im, cfg.vision) for im in ims]
+  return [(prompt(patched(one), [text(5), text(7)]), one),
+          (prompt(patched(two), [text(3), text(4), text(6)]), two), (text(9), [])]
+
+
+def examples(cfg):
+  """raw_examples with the images preprocessed."""
+  return [(ids, [vision.preprocess(im, cfg.vision) for im in ims])
+          for ids, ims in raw_examples(cfg)]
 
 
 def our_logits(params, cfg, rows_of_sequences, width):
@@ -206,3 +214,43 @@ def test_config_refusals():
   config["vision_config"]["hidden_act"] = "gelu"
   with pytest.raises(hf.CheckpointError, match="hidden_act 'gelu'"):
     hf.config_from_hf(config)
+
+
+def trainer_logprobs(params, cfg, ids, images, completion) -> np.ndarray:
+  """The trainer's log-probs f32[n] of `completion` after prompt `ids` with its `images`:
+  the prompt's multimodal positions, then the completion's counting on from the largest."""
+  prompt_positions = vision.mrope_positions(ids, [im.grid for im in images], cfg.vision)
+  after = prompt_positions.max() + 1 + np.arange(len(completion))
+  positions = np.concatenate([prompt_positions, np.repeat(after[:, None], 3, 1)])[None]
+  tokens = np.asarray([list(ids) + list(completion)], np.int32)
+  hidden = transformer.forward(params, cfg, tokens, positions, np.ones_like(tokens),
+                               vision.batch_images(images, cfg.vision) if images else None)
+  logp = jax.nn.log_softmax(hidden[0] @ transformer.output_projection(params, cfg))
+  return np.asarray(logp[np.arange(len(ids) - 1, tokens.shape[1] - 1), tokens[0, len(ids):]])
+
+
+def test_engine_logprobs_equal_the_trainers_and_greedy_equals_transformers(checkpoint):
+  path, model = checkpoint
+  cfg, params = hf.load(path)
+  engine = JaxEngine(cfg, params, min_batch=2, min_prompt_len=8)
+  raw = raw_examples(cfg)
+  prompts, images = [ids for ids, _ in raw], [ims for _, ims in raw]
+  sampled = engine.generate(prompts, SamplingParams(max_new_tokens=8), seed=3, images=images)
+  for (ids, ims), done in zip(examples(cfg), sampled):
+    assert len(done.token_ids) == 8
+    np.testing.assert_allclose(done.logprobs, trainer_logprobs(params, cfg, ids, ims,
+                                                               done.token_ids), atol=1e-4)
+  greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0), seed=0,
+                           images=images)
+  for (ids, ims), done in zip(examples(cfg), greedy):
+    input_ids = torch.tensor([ids])
+    kwargs = {} if not ims else dict(
+        pixel_values=torch.tensor(np.concatenate([im.patches for im in ims])),
+        image_grid_thw=torch.tensor([im.grid for im in ims]),
+        mm_token_type_ids=(input_ids == IMAGE).int())
+    with torch.no_grad():
+      ref = model.generate(input_ids=input_ids, max_new_tokens=6, do_sample=False,
+                           **kwargs)[0, len(ids):]
+    np.testing.assert_array_equal(done.token_ids, ref.numpy())
+  with pytest.raises(ValueError, match="images for 1 prompts, 3 given"):
+    engine.generate(prompts, SamplingParams(max_new_tokens=2), seed=0, images=images[:1])
