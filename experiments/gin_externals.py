@@ -39,6 +39,7 @@ from rl.tasks import code as code_task
 from rl.tasks import math as math_task
 from rl.tasks import mixture
 from rl.tasks import needle
+from rl.tasks import visual
 from rollouts import jax_engine
 from rollouts import server
 from rollouts import sglang
@@ -67,7 +68,8 @@ _REGISTERED = {
     "models": [config.tiny, config.ModelConfig, config.MoeConfig, tokenizer.CharTokenizer,
                sharding.make_mesh],
     "tasks": [arithmetic.Arithmetic, mixture.Mixture, math_task.MathTask, code_task.CodeTask,
-              effort.EffortTask, agentic.ToolArithmetic, needle.Needle],
+              effort.EffortTask, agentic.ToolArithmetic, needle.Needle,
+              visual.Rendered, visual.Scenes, visual.Charts],
     "envs": list(envs.ENVIRONMENTS.values()),  # every registered environment
     "effort": [effort.level_ids],
     "rewards": [rewards.correctness, rewards.format_reward, rewards.named_chain,
