@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import string
 from typing import Any, Sequence
 
@@ -23,9 +24,12 @@ DEFAULT_ALPHABET = string.digits + string.ascii_lowercase + "+-*/=()<>.,;:#? "
 
 @dataclasses.dataclass(frozen=True)
 class CharTokenizer:
-  """Ids 0, 1, 2 are <pad>, <bos>, <eos>; the alphabet follows in order."""
+  """Ids 0, 1, 2 are <pad>, <bos>, <eos>, then the `extra_specials` (strings encoded as one
+  token each wherever they appear in a text, e.g. a vision-language model's
+  models.vision.PLACEHOLDER tokens); the alphabet follows in order."""
 
   alphabet: str = DEFAULT_ALPHABET
+  extra_specials: tuple[str, ...] = ()
 
   def __post_init__(self):
     if len(set(self.alphabet)) != len(self.alphabet):
@@ -33,7 +37,7 @@ class CharTokenizer:
 
   @property
   def special_tokens(self) -> tuple[str, ...]:
-    return (PAD, BOS, EOS)
+    return (PAD, BOS, EOS) + tuple(self.extra_specials)
 
   @property
   def pad_id(self) -> int:
@@ -54,11 +58,16 @@ class CharTokenizer:
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     offset = len(self.special_tokens)
     index = {c: i + offset for i, c in enumerate(self.alphabet)}
-    unknown = sorted(set(text) - index.keys())
-    if unknown:
-      raise ValueError(f"CharTokenizer cannot encode characters {unknown} in {text[:60]!r}; "
-                       f"its alphabet is {self.alphabet!r}")
-    ids = [index[c] for c in text]
+    ids = []
+    for part in _split_specials(text, self.extra_specials):
+      if part in self.extra_specials:
+        ids.append(3 + self.extra_specials.index(part))
+        continue
+      unknown = sorted(set(part) - index.keys())
+      if unknown:
+        raise ValueError(f"CharTokenizer cannot encode characters {unknown} in {text[:60]!r}; "
+                         f"its alphabet is {self.alphabet!r}")
+      ids += [index[c] for c in part]
     return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
   def decode(self, ids: Sequence[int]) -> str:
@@ -72,6 +81,28 @@ class CharTokenizer:
       if i >= offset:
         out.append(self.alphabet[i - offset])
     return "".join(out)
+
+
+def _split_specials(text: str, specials: Sequence[str]) -> list[str]:
+  """`text` cut into the `specials` it holds and the text between them, in order."""
+  if not specials:
+    return [text]
+  pattern = "(" + "|".join(re.escape(x) for x in specials) + ")"
+  return [part for part in re.split(pattern, text) if part]
+
+
+@dataclasses.dataclass(frozen=True)
+class WithImages:
+  """A vision-language model's tokenizer: `tokenizer`'s encode, decode and the rest, and
+  `vision`, the model's VisionConfig (its image tokens and image bounds), by which prompts
+  with images are encoded (rl.rollout.prompt_ids) and batched (rl.batch)."""
+  tokenizer: Any
+  vision: Any  # models.config.VisionConfig
+
+  def __getattr__(self, name):
+    if name in ("tokenizer", "vision"):  # not set yet (a copy being made)
+      raise AttributeError(name)
+    return getattr(self.tokenizer, name)
 
 
 def _special_token(value) -> str | None:

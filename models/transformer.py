@@ -785,11 +785,11 @@ class Decoder(nn.Module):
                replay=None, images: vision.Images | None = None):
     """-> (final hidden states, cache, the sparse layers' Route stacked on axis 2 or None).
     `replay` i32[rows, seq, sparse layers, k]: each sparse layer's MoE replay. `images`: the
-    vision tower's rows replace the image tokens' embeddings, in row-major order."""
+    vision tower's rows replace the embeddings of the tokens at their slots."""
     cfg = self.cfg
     x = self.embed_tokens(tokens).astype(cfg.compute_dtype)
     if images is not None:
-      x = self._with_images(tokens, x, images)
+      x = self._with_images(x, images)
     x = shd.constrain(x, shd.BATCH, shd.SEQ, shd.ACT_EMBED)
     if cfg.remat != "none" and cache is None and not self.is_initializing():
       params, routes, sparse = self.variables["params"], [], 0  # sparse layers so far
@@ -812,19 +812,16 @@ class Decoder(nn.Module):
     return self.norm(x), cache, stacked
 
 
-  def _with_images(self, tokens, x, images: vision.Images):
-    """x [rows, seq, hidden] with its image tokens' rows the tower's rows of `images`: the
-    k-th image token (row-major) takes the k-th; tokens past the real images' rows keep
-    theirs (an image token a policy generated is no placeholder)."""
-    v = self.cfg.vision
-    if v is None:
+  def _with_images(self, x, images: vision.Images):
+    """x [rows, seq, hidden] with the tokens at images.slots replaced by the tower's rows."""
+    if self.cfg.vision is None:
       raise ValueError(f"images given to a {self.cfg.family} model, which has no vision tower")
-    rows = self.visual(images).astype(x.dtype)  # [patches / merge, hidden]
-    flat = x.reshape(-1, x.shape[-1])
-    slots = jnp.nonzero(tokens.reshape(-1) == v.image_token_id, size=rows.shape[0],
-                        fill_value=flat.shape[0])[0]
-    slots = jnp.where(images.image[::v.merge] != 0, slots, flat.shape[0])  # padding: dropped
-    return flat.at[slots].set(rows, mode="drop").reshape(x.shape)
+    rows = self.visual(images).astype(x.dtype)  # [patches / merge, hidden], row after row
+    slots = images.slots
+    if slots.ndim == 2:  # each row's own: indices into the tokens of its row
+      slots = slots + x.shape[1] * jnp.arange(slots.shape[0])[:, None]
+    flat = x.reshape(-1, x.shape[-1]).at[slots.reshape(-1)].set(rows, mode="drop")
+    return flat.reshape(x.shape)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array):
@@ -834,7 +831,7 @@ def init_params(cfg: ModelConfig, key: jax.Array):
   if cfg.vision is not None:  # one image of one merge block
     m = cfg.vision.spatial_merge_size
     one = vision.PatchedImage(np.zeros((m * m, cfg.vision.patch_dim), np.float32), (1, m, m))
-    images = vision.batch_images([one], cfg.vision)
+    images = vision.batch_images([one], cfg.vision, [0])
   return Decoder(cfg).init(key, tokens, tokens, jnp.ones((1, 2), jnp.int32),
                            images=images)["params"]
 
@@ -845,7 +842,8 @@ def forward(params, cfg: ModelConfig, tokens, positions, segment_ids,
 
   tokens, positions, segment_ids: i32[rows, seq] (segment 0 = padding; positions
   i32[rows, seq, 3] for multimodal RoPE) -> f32[rows, seq, hidden]. `images`: the rows'
-  images in the order of their image tokens (row-major), for a model with a vision tower.
+  images (models.vision.Images, whose slots say which tokens each replaces), for a model
+  with a vision tower.
 
   Under a mesh with a `context` axis of size C > 1 the rows run in ring attention's zigzag
   order (padded to a multiple of 2C); the result is in the original order.
@@ -880,8 +878,8 @@ def prefill(params, cfg: ModelConfig, tokens, positions, segment_ids, cache: KVC
   """Run prompts and write their keys and values at cache slots [0, prompt_len).
 
   tokens, positions, segment_ids: i32[batch, prompt_len] (left padding has segment 0;
-  positions i32[batch, prompt_len, 3] for multimodal RoPE); `images` the prompts' images in
-  the order of their image tokens -> (f32[batch, prompt_len, hidden], updated KVCache, a
+  positions i32[batch, prompt_len, 3] for multimodal RoPE); `images` the prompts' images
+  (their slots in the flattened tokens) -> (f32[batch, prompt_len, hidden], updated KVCache, a
   mixture's Route of the prompt tokens or None)
   """
   if ring.context_size() > 1:

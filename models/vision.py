@@ -38,6 +38,12 @@ from models.config import VisionConfig
 from models.layers import RMSNorm, swiglu
 
 
+# A task prompt's place for one image (verl's and slime's marker), and what it becomes in
+# the text a tokenizer encodes: Qwen2.5-VL's chat template's rendering of an image item.
+IMAGE_MARKER = "<image>"
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
 class PatchedImage(NamedTuple):
   """One preprocessed image: patches f32[t * h * w, patch_dim] block-major, grid (t, h, w)
   in patches (t = 1: a still image)."""
@@ -96,24 +102,77 @@ def preprocess(image, cfg: VisionConfig) -> PatchedImage:
   return PatchedImage(np.ascontiguousarray(x.reshape(gh * gw, cfg.patch_dim)), (1, gh, gw))
 
 
+def image_grid(image, cfg: VisionConfig) -> tuple[int, int, int]:
+  """The (t, h, w) patch grid `preprocess` gives `image`, from its size alone."""
+  if isinstance(image, PatchedImage):
+    return image.grid
+  pil = open_image(image)
+  h, w = smart_resize(pil.height, pil.width, cfg.patch_size * cfg.spatial_merge_size,
+                      cfg.min_pixels, cfg.max_pixels)
+  return 1, h // cfg.patch_size, w // cfg.patch_size
+
+
+def expand_image_tokens(ids, grids: list[tuple[int, int, int]], cfg: VisionConfig) -> list[int]:
+  """`ids` with each image token (one per image, as the chat template writes it) repeated
+  for every decoder token of its image: t * h * w / merge (transformers' processor)."""
+  at = [i for i, token in enumerate(ids) if token == cfg.image_token_id]
+  if len(at) != len(grids):
+    raise ValueError(f"a prompt with {len(at)} image placeholders for {len(grids)} images")
+  out, last = [], 0
+  for i, (t, h, w) in zip(at, grids):
+    out += list(ids[last:i]) + [cfg.image_token_id] * (t * h * w // cfg.merge)
+    last = i + 1
+  return out + list(ids[last:])
+
+
+def sequence_positions(prompt, following: int, grids: list[tuple[int, int, int]],
+                       cfg: VisionConfig) -> np.ndarray:
+  """Multimodal RoPE positions i32[len(prompt) + following, 3] of a prompt with images and
+  `following` tokens after it (generated: text, whatever their ids), which count on from the
+  prompt's largest position + 1 on all three axes, as the engines decode them."""
+  head = mrope_positions(prompt, grids, cfg)
+  after = head.max(initial=-1) + 1 + np.arange(following, dtype=np.int32)
+  return np.concatenate([head, np.repeat(after[:, None], 3, axis=1)]).astype(np.int32)
+
+
 class Images(NamedTuple):
   """A batch's images as the tower takes them: every image's patches in order, padded to a
   fixed count (a multiple of the merge, padding in image 0).
 
   pixels f32[P, patch_dim]; rows_cols i32[P, 2] each patch's row and column in its image;
   image i32[P] 1 + the index of its image (frame), 0 for padding; window i32[P] its
-  attention window, numbered over the batch.
+  attention window, numbered over the batch; slots i32[P / merge] the token each merged
+  patch replaces (its index in the tokens flattened), NOWHERE for padding. Or each with a
+  leading axis [rows, P, ...]: each packed row's images (`row_images`), attended to row by
+  row, slots indexing the tokens of its row.
+
+  The slots are a prompt's placeholders (`placeholder_slots`), never found by token id: an
+  image token a policy generated is no placeholder, and one before another sequence's images
+  in a packed row would take its place.
   """
   pixels: jax.Array
   rows_cols: jax.Array
   image: jax.Array
   window: jax.Array
+  slots: jax.Array
 
 
-def batch_images(images: list[PatchedImage], cfg: VisionConfig,
+NOWHERE = 2 ** 30  # a slot past any batch's tokens: the scatter drops it
+
+
+def placeholder_slots(prompt, cfg: VisionConfig) -> list[int]:
+  """The indices of `prompt`'s image tokens (its images' placeholders, in order)."""
+  return [i for i, token in enumerate(prompt) if token == cfg.image_token_id]
+
+
+def batch_images(images: list[PatchedImage], cfg: VisionConfig, slots,
                  patches: int | None = None) -> Images:
-  """`Images` of `images` in order, padded to `patches` patches (None: no padding)."""
+  """`Images` of `images` in order, their merged patches replacing the tokens at `slots`
+  (one per merged patch, in order), padded to `patches` patches (None: no padding)."""
   total = sum(im.patches.shape[0] for im in images)
+  if len(slots) * cfg.merge != total:
+    raise ValueError(f"batch_images: {len(slots)} image tokens for images of {total} patches "
+                     f"({total // cfg.merge} tokens)")
   patches = total if patches is None else patches
   if patches < total or patches % cfg.merge:
     raise ValueError(f"batch_images: room for {patches} patches; the images have {total} "
@@ -130,7 +189,20 @@ def batch_images(images: list[PatchedImage], cfg: VisionConfig,
     rows_cols[start:start + n], image[start:start + n] = rc, frames + 1 + frame
     window[start:start + n] = windows + win
     start, frames, windows = start + n, frames + im.grid[0], windows + win.max() + 1
-  return Images(pixels, rows_cols, image, window)
+  placed = np.full(patches // cfg.merge, NOWHERE, np.int32)
+  placed[:len(slots)] = slots
+  return Images(pixels, rows_cols, image, window, placed)
+
+
+def row_images(rows: list[tuple[list[PatchedImage], list[int]]], cfg: VisionConfig,
+               min_patches: int = 64) -> Images:
+  """`Images` with a leading axis: each row's (images, slots in the row), padded to one
+  power-of-two count of patches (at least `min_patches`), so that a batch's micro-batches
+  split them with its rows."""
+  most = max([sum(im.patches.shape[0] for im in ims) for ims, _ in rows] + [1])
+  room = max(min_patches, 1 << (most - 1).bit_length())
+  per_row = [batch_images(ims, cfg, slots, room) for ims, slots in rows]
+  return Images(*(np.stack(field) for field in zip(*per_row)))
 
 
 def _patch_layout(grid: tuple[int, int, int], cfg: VisionConfig):
@@ -192,21 +264,23 @@ class VisionBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x, cos, sin, mask):
-    """x [P, hidden]; cos, sin f32[P, head_dim]; mask bool[P, P] -> [P, hidden]"""
+    """x [B, P, hidden]; cos, sin f32[B, P, head_dim]; mask bool[B, P, P] -> [B, P, hidden]"""
     c = self.cfg
     dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
                                      name=name)
     heads, d = c.num_heads, c.hidden_size // c.num_heads
     y = RMSNorm(1e-6, self.param_dtype, name="norm1")(x)
-    q, k, v = jnp.split(dense(3 * c.hidden_size, "qkv")(y).reshape(-1, 3, heads, d), 3, axis=1)
+    qkv = dense(3 * c.hidden_size, "qkv")(y).reshape(*x.shape[:2], 3, heads, d)
+    q, k, v = (qkv[:, :, i] for i in range(3))
 
     def turn(a):  # f32 rotation, as transformers', then back to the compute dtype
-      a = a[:, 0].astype(jnp.float32)
+      a = a.astype(jnp.float32)
       a1, a2 = jnp.split(a, 2, axis=-1)
-      return (a * cos[:, None] + jnp.concatenate([-a2, a1], -1) * sin[:, None]).astype(x.dtype)
+      rotated = a * cos[:, :, None] + jnp.concatenate([-a2, a1], -1) * sin[:, :, None]
+      return rotated.astype(x.dtype)
 
-    out = reference.attention(turn(q)[None], turn(k)[None], v[:, 0][None], mask[None])[0]
-    x = x + dense(c.hidden_size, "proj")(out.reshape(-1, c.hidden_size))
+    out = reference.attention(turn(q), turn(k), v, mask)
+    x = x + dense(c.hidden_size, "proj")(out.reshape(*x.shape[:2], c.hidden_size))
     y = RMSNorm(1e-6, self.param_dtype, name="norm2")(x)
     mlp = lambda name, n: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
                                    name=name)
@@ -225,22 +299,24 @@ class VisionTower(nn.Module):
   @nn.compact
   def __call__(self, images: Images):
     c, dtype = self.cfg, jnp.dtype(self.dtype)
+    if images.pixels.ndim == 2:  # one batch of patches
+      images = Images(*(x[None] for x in images))
     dense = lambda n, name, bias=True: nn.Dense(n, use_bias=bias, dtype=dtype,
                                                 param_dtype=self.param_dtype, name=name)
     x = dense(c.hidden_size, "patch_embed", bias=False)(images.pixels.astype(dtype))
     d = c.hidden_size // c.num_heads
     inv_freq = 1.0 / c.rope_theta ** (np.arange(0, d // 2, 2, dtype=np.float32) / (d // 2))
-    angles = (images.rows_cols[:, :, None].astype(jnp.float32)
-              * jnp.asarray(inv_freq, jnp.float32)).reshape(-1, d // 2)  # rows', then cols'
+    angles = (images.rows_cols[..., None].astype(jnp.float32)
+              * jnp.asarray(inv_freq, jnp.float32)).reshape(*x.shape[:2], d // 2)  # rows' first
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))
-    image = images.image
-    whole = (image[:, None] == image[None, :]) & (image != 0)[:, None]
-    windowed = whole & (images.window[:, None] == images.window[None, :])
+    image, window = images.image, images.window
+    whole = (image[:, :, None] == image[:, None, :]) & (image != 0)[:, :, None]
+    windowed = whole & (window[:, :, None] == window[:, None, :])
     for i in range(c.depth):
       mask = whole if i in c.full_attention_blocks else windowed
       x = VisionBlock(c, dtype, self.param_dtype, name=f"blocks_{i}")(x, cos, sin, mask)
     x = RMSNorm(1e-6, self.param_dtype, name="merger_ln_q")(x)
-    x = x.reshape(-1, c.merge * c.hidden_size)
+    x = x.reshape(-1, c.merge * c.hidden_size)  # the rows' merged patches, row after row
     x = nn.gelu(dense(c.merge * c.hidden_size, "merger_mlp_0")(x), approximate=False)
     return dense(c.out_hidden_size, "merger_mlp_2")(x)

@@ -43,12 +43,21 @@ def trajectory_fields(trajectories: Sequence[Trajectory], reads) -> dict[str, li
   return fields
 
 
+def record_images(trajectories: Sequence[Trajectory], vision_cfg) -> list[list] | None:
+  """Each trajectory's prompt images (its record's `images`) for a vision-language model's
+  batch (`vision_cfg`, models.config.VisionConfig), else None."""
+  return None if vision_cfg is None else [t.record.get("images") or [] for t in trajectories]
+
+
 def minibatches(trajectories: Sequence[Trajectory], advantages: np.ndarray, masks: list,
-                config: RLConfig, fields: Mapping[str, list] = {}) -> list[TrainBatch]:
+                config: RLConfig, fields: Mapping[str, list] = {},
+                vision_cfg=None) -> list[TrainBatch]:
   """The step's TrainBatches (numpy): its groups split into config.minibatches shares of
   whole groups, each packed into rows of config.seq_len (a multiple of row_multiple x
   micro_batches rows). `advantages` f32[N] per trajectory, `masks` from train_masks, `fields`
-  per-token optional fields per trajectory (None entries are left out)."""
+  per-token optional fields per trajectory (None entries are left out); with a
+  vision-language model's `vision_cfg`, the prompts' images."""
+  images = record_images(trajectories, vision_cfg)
   group_ids = np.array([t.group for t in trajectories])
   groups = list(dict.fromkeys(group_ids.tolist()))  # in order of appearance
   out = []
@@ -59,14 +68,15 @@ def minibatches(trajectories: Sequence[Trajectory], advantages: np.ndarray, mask
         pick([t.prompt_ids for t in trajectories]), pick([t.token_ids for t in trajectories]),
         pick([t.logprobs for t in trajectories]), advantages[share], pick(masks),
         config.seq_len, row_multiple=config.row_multiple * config.micro_batches,
-        token_fields={name: pick(values) for name, values in fields.items()})
+        token_fields={name: pick(values) for name, values in fields.items()},
+        images=None if images is None else pick(images), vision_cfg=vision_cfg)
     out.append(batch)
   return out
 
 
 def sequence_kl(trajectories: Sequence[Trajectory],
                 reference_logprobs: Callable[[TrainBatch], np.ndarray], kl: KLReward,
-                config: RLConfig) -> jax.Array:
+                config: RLConfig, vision_cfg=None) -> jax.Array:
   """sum_t kl(engine_logp_t, ref_logp_t) over each trajectory's policy tokens: f32[N]. The
   engine's log-probs stand for the behaviour policy (they equal the trainer's, see
   logp_diff_*)."""
@@ -75,7 +85,8 @@ def sequence_kl(trajectories: Sequence[Trajectory],
       [t.prompt_ids for t in trajectories], [t.token_ids for t in trajectories],
       [t.logprobs for t in trajectories], [0.0] * len(trajectories),
       [np.asarray(t.policy_mask, bool) for t in trajectories], config.seq_len,
-      row_multiple=config.row_multiple)
+      row_multiple=config.row_multiple, images=record_images(trajectories, vision_cfg),
+      vision_cfg=vision_cfg)
   ref_logp = np.asarray(reference_logprobs(jax.tree.map(jnp.asarray, batch)))
   values = np.asarray(kl_lib.ESTIMATORS[kl.estimator](
       jnp.asarray(batch.old_logp), jnp.asarray(ref_logp))) * batch.loss_mask

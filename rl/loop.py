@@ -194,7 +194,7 @@ def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
   if parts.kl_reward is not None and parts.kl_reward.coef:
     rollouts = rollouts.replace(reward=rollouts.reward - parts.kl_reward.coef * (
         batch_lib.sequence_kl(trajectories, parts.reference_logprobs, parts.kl_reward,
-                              parts.context.config)))
+                              parts.context.config, parts.context.vision)))
   advantage_fn = advantages_lib.ESTIMATORS[parts.advantage]
   adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, rollouts.num_groups))
   metrics = dict(made.metrics)
@@ -237,7 +237,7 @@ def _update(parts: Parts, state: LoopState, trajectories, adv, keep, fields, ste
   update's (engine_logp_diff_mean / _max)."""
   started = time.perf_counter()
   batches = batch_lib.minibatches(trajectories, adv, batch_lib.train_masks(trajectories, keep),
-                                  parts.context.config, fields)
+                                  parts.context.config, fields, parts.context.vision)
   corrected, measured = [], []
   for batch in batches:
     # The step's starting params for every minibatch: the PPO ratio of a later minibatch then

@@ -10,6 +10,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from models import vision
+from models.config import VisionConfig
 from rl.types import TrainBatch
 
 
@@ -61,7 +63,9 @@ def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
                      completion_logp: Sequence[np.ndarray], advantages: Sequence[float],
                      train_mask: Sequence, seq_len: int, *, row_multiple: int = 1,
                      token_weights: Sequence[np.ndarray] | None = None,
-                     token_fields: Mapping[str, Sequence[np.ndarray] | None] = {}):
+                     token_fields: Mapping[str, Sequence[np.ndarray] | None] = {},
+                     images: Sequence[Sequence] | None = None,
+                     vision_cfg: VisionConfig | None = None):
   """A TrainBatch (numpy) of prompt + completion trajectories.
 
   The inputs are trajectory[:-1] and the targets trajectory[1:]; the loss mask covers the
@@ -72,7 +76,9 @@ def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
   (teacher_logp: a teacher's log-probs, teacher_topk_ids and teacher_topk_logp: its top k,
   turn_rewards: an episode's per-turn rewards), or per input token of the whole trajectory,
   [len(prompt) + n - 1, ...] (routed_experts); each is aligned with the trajectory's end. A
-  None entry is left out.
+  None entry is left out. `images` (with the vision-language model's `vision_cfg`): each
+  prompt's raw images, in the order of its image tokens: the batch then carries each row's
+  images and multimodal positions (`with_images`).
   Returns (batch, placements).
   """
   fields = {name: values for name, values in token_fields.items() if values is not None}
@@ -98,8 +104,33 @@ def trajectory_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
       sequence[name] = np.zeros((n,) + value.shape[1:], value.dtype)
       sequence[name][n - len(value):] = value
     sequences.append(sequence)
+  if images is not None and any(images):
+    return with_images(sequences, prompts, images, vision_cfg, seq_len, row_multiple)
   packed, placements = pack(sequences, seq_len, row_multiple=row_multiple)
   return TrainBatch(**packed), placements
+
+
+def with_images(sequences: list[dict[str, np.ndarray]], prompts: Sequence[Sequence[int]],
+                images: Sequence[Sequence], vision_cfg: VisionConfig, seq_len: int,
+                row_multiple: int):
+  """`pack` of sequences whose prompts have `images` (raw, per prompt): positions
+  i32[rows, seq, 3] each sequence's multimodal ones, and each row's images, preprocessed,
+  with the places of their prompts' placeholders in the row. -> (TrainBatch, placements)"""
+  if vision_cfg is None:
+    raise ValueError("trajectory_batch: prompts with images need the model's VisionConfig")
+  patched = [[vision.preprocess(im, vision_cfg) for im in ims] for ims in images]
+  for sequence, prompt, ims in zip(sequences, prompts, patched):
+    sequence["mrope"] = vision.sequence_positions(
+        prompt, len(sequence["tokens"]) - len(prompt) + 1, [im.grid for im in ims],
+        vision_cfg)[:len(sequence["tokens"])]
+  packed, placements = pack(sequences, seq_len, row_multiple=row_multiple)
+  rows: list[tuple[list, list]] = [([], []) for _ in range(packed["tokens"].shape[0])]
+  for i in sorted(range(len(sequences)), key=lambda i: placements[i]):
+    row, start = placements[i]
+    rows[row][0].extend(patched[i])
+    rows[row][1].extend(start + k for k in vision.placeholder_slots(prompts[i], vision_cfg))
+  packed["positions"] = packed.pop("mrope")
+  return TrainBatch(**packed, images=vision.row_images(rows, vision_cfg)), placements
 
 
 def pair_batch(prompts: Sequence[Sequence[int]], chosen: Sequence[Sequence[int]],

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from models import vision
 from rl.envs import driver
 from rl.envs.base import environment_of
 from rl.trajectory import Trajectory
@@ -27,7 +28,24 @@ from rollouts.engine import RolloutEngine, SamplingParams
 
 
 def prompt_ids(task, tokenizer, record: dict[str, Any]) -> list[int]:
-  return tokenizer.encode(task.prompt(record), add_bos=True)
+  """The tokens of `record`'s prompt. A record with `images` (its prompt marks each one's
+  place with models.vision.IMAGE_MARKER) needs a vision-language model's tokenizer
+  (models.tokenizer.WithImages): each marker becomes the model's image placeholder, one
+  image token per token of the image's grid."""
+  text, images = task.prompt(record), record.get("images") or []
+  if not images:
+    return tokenizer.encode(text, add_bos=True)
+  v = getattr(tokenizer, "vision", None)
+  if v is None:
+    raise ValueError(f"a record with {len(images)} images, and the model takes no images: "
+                     "train a vision-language model (its tokenizer is models.tokenizer."
+                     "WithImages)")
+  if text.count(vision.IMAGE_MARKER) != len(images):
+    raise ValueError(f"a prompt with {text.count(vision.IMAGE_MARKER)} "
+                     f"{vision.IMAGE_MARKER} markers for its {len(images)} images: "
+                     f"{text[:80]!r}")
+  ids = tokenizer.encode(text.replace(vision.IMAGE_MARKER, vision.PLACEHOLDER), add_bos=True)
+  return vision.expand_image_tokens(ids, [vision.image_grid(im, v) for im in images], v)
 
 
 def verify(task, tokenizer, trajectories: Sequence[Trajectory]) -> None:

@@ -16,7 +16,7 @@ import optax
 from tqdm.auto import tqdm
 
 from models import distributed, sharding
-from models.config import ModelConfig
+from models.config import ModelConfig, VisionConfig
 from rl import losses
 from rl.envs import encode_text, environment_of, multi_turn
 from rl.rollout import prompt_ids
@@ -26,22 +26,26 @@ from rl.train_step import init_train_state, make_train_step
 
 # An SFT example: (prompt token ids, target token ids with <eos> where the model should
 # stop), optionally with a bool mask over the targets (False: in the sequence, out of the
-# loss, e.g. an agentic demonstration's observation tokens).
+# loss, e.g. an agentic demonstration's observation tokens; None: all in), and the prompt's
+# images (raw, in the order of its image tokens) for a vision-language model.
 Example = tuple[Sequence, ...]
 
 
 def sft_batches(example: Callable[[int], Example], num_examples: int, *, batch_size: int,
-                seq_len: int, seed: int, row_multiple: int = 8) -> Iterator:
+                seq_len: int, seed: int, row_multiple: int = 8,
+                vision_cfg: VisionConfig | None = None) -> Iterator:
   """Endless packed TrainBatches of examples `example(i)`, i drawn uniformly from
-  [0, num_examples)."""
+  [0, num_examples); with images (a vision-language model's `vision_cfg`)."""
   rng = np.random.default_rng(seed)
   while True:
     examples = [example(int(i)) for i in rng.integers(0, num_examples, batch_size)]
     prompts, targets = [e[0] for e in examples], [e[1] for e in examples]
-    masks = [e[2] if len(e) == 3 else True for e in examples]
+    masks = [True if len(e) < 3 or e[2] is None else e[2] for e in examples]
+    images = [e[3] if len(e) == 4 else [] for e in examples]
     zeros = [np.zeros(len(t), np.float32) for t in targets]
     batch, _ = trajectory_batch(prompts, targets, zeros, [0.0] * batch_size, masks, seq_len,
-                                row_multiple=row_multiple)
+                                row_multiple=row_multiple, images=images,
+                                vision_cfg=vision_cfg)
     yield batch
 
 
@@ -68,7 +72,7 @@ def fit(params, cfg: ModelConfig, example: Callable[[int], Example], num_example
                                                    state_shardings=shardings,
                                                    donate_state=True))
   batches = sft_batches(example, num_examples, batch_size=batch_size, seq_len=seq_len,
-                        seed=seed)
+                        seed=seed, vision_cfg=cfg.vision)
   loss = float("nan")
   bar = tqdm(total=steps, desc=desc, disable=not progress, dynamic_ncols=True)
   for _ in range(steps):
@@ -86,6 +90,8 @@ def solution_example(task, tokenizer, record) -> Example:
   episode's tokens are (no <bos>, no chat template); the observation spans are in the
   sequence and out of the loss (the example's mask)."""
   prompt = prompt_ids(task, tokenizer, record)
+  if record.get("images"):
+    return prompt, tokenizer.encode(task.solution(record), add_eos=True), None, record["images"]
   if not multi_turn(environment_of(task)):
     return prompt, tokenizer.encode(task.solution(record), add_eos=True)
   targets, mask = [], []

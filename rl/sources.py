@@ -79,6 +79,12 @@ class Context:
     return self.engine.capabilities if self.engine is not None else self.capabilities
 
   @property
+  def vision(self):
+    """A vision-language model's VisionConfig (its tokenizer's: models.tokenizer.WithImages),
+    by which trajectories with images are batched; None for a text model."""
+    return getattr(self.tokenizer, "vision", None)
+
+  @property
   def sampling(self) -> SamplingParams:
     return SamplingParams(max_new_tokens=self.config.max_new_tokens,
                           temperature=self.config.temperature, top_p=self.config.top_p,

@@ -49,7 +49,8 @@ def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: 
   mixture's tokens routed to batch.routed_experts."""
   hidden, _ = transformer.forward_with_routes(params, cfg, batch.tokens, batch.positions,
                                               batch.segment_ids,
-                                              replayed_routes(batch, replay))
+                                              replayed_routes(batch, replay),
+                                              images=batch.images)
   return logprobs_lib.token_logprobs(hidden, transformer.output_projection(params, cfg),
                                      batch.targets, chunk_size=chunk_size)
 
@@ -70,7 +71,8 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
 
   def objective(p):
     hidden, routes = transformer.forward_with_routes(p, cfg, mb.tokens, mb.positions,
-                                                     mb.segment_ids, replay_to)
+                                                     mb.segment_ids, replay_to,
+                                                     images=mb.images)
     unembed = transformer.output_projection(p, cfg)
     logp, entropy = logprobs_lib.token_logprobs(hidden, unembed, mb.targets,
                                                 chunk_size=logprob_chunk)

@@ -6,7 +6,7 @@ fields are declared once, here, with who fills them.
 """
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import flax.struct
 import jax
@@ -79,6 +79,10 @@ class TrainBatch:
     input token to (-1: not reported; 0 on padding), carried whenever the engine reports
     them: the train step measures how often its router differs and, with routing replay,
     routes the tokens the same way (rl.train_step.make_train_step).
+
+  A vision-language model's batch of trajectories with images has `images`, each row's images
+  in the order of its image tokens (models.vision.Images with a leading rows axis), and
+  positions i32[rows, seq, 3] (multimodal RoPE: models.vision.sequence_positions).
   """
 
   tokens: jax.Array
@@ -97,6 +101,7 @@ class TrainBatch:
   turn_rewards: Optional[jax.Array] = optional_field("trajectory")
   versions: Optional[jax.Array] = optional_field("trajectory", dtype=jnp.int32)
   routed_experts: Optional[jax.Array] = optional_field("trajectory", dtype=jnp.int32)
+  images: Optional[Any] = None
 
 
 # name -> metadata (source, dtype, top_k) of every optional TrainBatch field.

@@ -91,13 +91,16 @@ def prompt_images(cfg: VisionConfig, prompts: Sequence[Sequence[int]],
   power-of-two count of patches (so that a run compiles a few shapes)."""
   positions = np.zeros((batch, plen, 3), np.int32)
   next_positions = np.ones((batch,), np.int32)
+  slots = []
   for row, (p, ims) in enumerate(zip(prompts, images)):
     ids = vision.mrope_positions(p, [im.grid for im in ims], cfg)
     positions[row, plen - len(p):] = ids
     next_positions[row] = ids.max() + 1
+    slots += [row * plen + plen - len(p) + i for i in vision.placeholder_slots(p, cfg)]
   flat = [im for ims in images for im in ims]
   patches = sum(im.patches.shape[0] for im in flat)
-  return PromptImages(vision.batch_images(flat, cfg, bucket(max(patches, 1), min_patches)),
+  return PromptImages(vision.batch_images(flat, cfg, slots,
+                                          bucket(max(patches, 1), min_patches)),
                       positions, next_positions)
 
 

@@ -130,7 +130,7 @@ def our_logits(params, cfg, rows_of_sequences, width):
   tokens = np.zeros((len(rows_of_sequences), width), np.int32)
   positions = np.zeros((len(rows_of_sequences), width, 3), np.int32)
   segments = np.zeros((len(rows_of_sequences), width), np.int32)
-  images, spans = [], []
+  images, slots, spans = [], [], []
   for r, row in enumerate(rows_of_sequences):
     at, row_spans = 0, []
     for s, (ids, ims) in enumerate(row):
@@ -139,10 +139,11 @@ def our_logits(params, cfg, rows_of_sequences, width):
                                                               cfg.vision)
       segments[r, at:at + len(ids)] = s + 1
       images += ims
+      slots += [r * width + at + i for i in vision.placeholder_slots(ids, cfg.vision)]
       row_spans.append((at, at + len(ids)))
       at += len(ids)
     spans.append(row_spans)
-  batch = vision.batch_images(images, cfg.vision, patches=sum(
+  batch = vision.batch_images(images, cfg.vision, slots, patches=sum(
       im.patches.shape[0] for im in images) + 8)  # 8 patches of padding
   hidden = jax.jit(transformer.forward, static_argnums=1)(
       params, cfg, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments), batch)
@@ -224,7 +225,9 @@ def trainer_logprobs(params, cfg, ids, images, completion) -> np.ndarray:
   positions = np.concatenate([prompt_positions, np.repeat(after[:, None], 3, 1)])[None]
   tokens = np.asarray([list(ids) + list(completion)], np.int32)
   hidden = transformer.forward(params, cfg, tokens, positions, np.ones_like(tokens),
-                               vision.batch_images(images, cfg.vision) if images else None)
+                               vision.batch_images(images, cfg.vision,
+                                                   vision.placeholder_slots(ids, cfg.vision))
+                               if images else None)
   logp = jax.nn.log_softmax(hidden[0] @ transformer.output_projection(params, cfg))
   return np.asarray(logp[np.arange(len(ids) - 1, tokens.shape[1] - 1), tokens[0, len(ids):]])
 

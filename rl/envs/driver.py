@@ -285,8 +285,10 @@ def advance(engine: RolloutEngine, environment: Environment, tokenizer,
       wave = _Wave(active, environment, tokenizer, stops, limits, pool, on_over,
                    sum(t.over for t in todo))
       try:
+        images = [t.record.get("images") or [] for t in active]
         completions = engine.generate(
             [t.prompt_ids + tuple(t.token_ids) for t in active], call,
+            **({"images": images} if any(images) else {}),
             seed=seed + waves * 7919, affinity=[t.affinity for t in active],
             max_new_tokens=wave.allowances, on_ready=wave.hand_over,
             stop_when=(lambda *_: paused(generated + wave.generated, wave.finished))

@@ -35,7 +35,9 @@ from typing import Any, Callable
 
 from PIL import Image, ImageDraw, ImageFont
 
-IMAGE = "<image>"
+from models import vision
+
+IMAGE = vision.IMAGE_MARKER
 MAX_DIFFICULTY = 5
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 160, 70), "blue": (40, 90, 220),
