@@ -20,6 +20,27 @@ request or weight load on released memory takes the server down. A quantized che
 blocks or compressed-tensors INT4, models/hf.py) is served as SGLang serves it: its projections
 held as stored, dequantized at every step (the model's unpack_projections).
 
+Images (a qwen2_5_vl checkpoint; rollouts/image_data.py and docs/sglang.md 3(j) cite SGLang's
+lines): /generate takes `image_data` in the forms SGLang's HTTP server reads that need no
+network (a data URL, bare base64, an absolute path or a file:// URL; an http(s) URL is a 400
+here, as a download that fails is there), one item, a list per prompt or a list of lists,
+normalised as io_struct.py's GenerateReqInput._normalize_image_data. input_ids hold each image
+as one image token between vision start and end; the server preprocesses the image as the
+trainer does (models/vision.py, the checkpoint's pixel bounds), expands its token to one per
+merged patch (base_processor.py _expand_input_ids, SGLANG_MM_AVOID_RETOKENIZE), prefills with
+the vision tower and multimodal RoPE positions and decodes on from the largest position + 1;
+`return_prompt_token_ids` returns the expanded ids (tokenizer_manager.py generate_request). As
+SGLang started without --skip-tokenizer-init: more placeholders than images ("Prompt has 2
+image placeholders but 1 image inputs were provided"), a prompt already expanded
+(transformers' count check), an undecodable image or an unreachable URL answer 400 {"error":
+{"message"}} worded as SGLang's, an image file it cannot open a 500; more images than
+placeholders run on the first ones, with a warning; a model without a vision tower ignores
+image_data (SGLang runs no multimodal processor for it). (With --skip-tokenizer-init SGLang's
+legacy loader would take an expanded run as one placeholder: this server stays strict, so that
+a client that forgets to collapse its prompts fails here as it would on the default path.) The
+prefix cache keys a prompt's images by a digest of their pixels, as SGLang's radix cache by
+their hash. Prompt scoring (logprob_start_len >= 0) with images is not served.
+
 Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabulary
 (raw log_softmax when greedy). `retract` keeps the frozen batch's KV instead of recomputing it.
 
@@ -58,6 +79,7 @@ import argparse
 import base64
 import dataclasses
 import functools
+import hashlib
 import http.server
 import json
 import os
@@ -74,9 +96,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import hf, host_allocator, transformer
-from models.config import ModelConfig
+from models import hf, host_allocator, transformer, vision
+from models.config import ModelConfig, VisionConfig
 from models.tokenizer import checkpoint_eos_ids
+from rollouts import image_data
 from rollouts import router as router_lib
 from rollouts import sglang
 from rollouts.jax_engine import (bucket, categorical, nucleus, score_continuations,
@@ -129,6 +152,13 @@ class RequestError(ValueError):
   through refused later (http_server.py L988-990, `_create_error_response` L2246)."""
 
 
+class InternalError(RuntimeError):
+  """Answered with HTTP 500 and the text "Internal Server Error", the message on stderr: an
+  exception other than a ValueError out of SGLang's request handling, which its HTTP server
+  does not catch (http_server.py serve_generate_request catches ValueError only), e.g. an
+  image file it cannot open (base_processor.py _load_single_item)."""
+
+
 @dataclasses.dataclass
 class Request:
   rid: str
@@ -156,6 +186,12 @@ class Request:
   # layers, k] each, when the server records them.
   routes: list = dataclasses.field(default_factory=list)
   routed_experts: str | None = None  # meta_info's, once finished (Scheduler._finish)
+  # A vision-language model's: the prompt's images in the order of its runs of image tokens
+  # (input_ids holds them expanded), and a digest of each one's pixels, which the prefix cache
+  # keys them by (as SGLang's radix cache keys image tokens by their image's hash).
+  images: list = dataclasses.field(default_factory=list)
+  image_key: tuple[str, ...] = ()
+  return_prompt_token_ids: bool = False  # the response carries input_ids, as expanded
   started: float = dataclasses.field(default_factory=time.time)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -196,13 +232,83 @@ def _rids(rid, count: int, batched: bool) -> list[str]:
   return rids
 
 
-def expand_request(body: dict, deterministic: bool = False, eos_ids: Sequence[int] = ()
-                   ) -> tuple[list[Request], bool]:
+def _listed(body: dict, key: str, default, count: int, n: int) -> list:
+  """body[key] (`default` when absent or null) for each of `count` prompts: one value for
+  all or, with n == 1, a list of one per prompt (io_struct.py _normalize_logprob_params)."""
+  value = body.get(key)
+  value = default if value is None else value
+  if not isinstance(value, list):
+    return [value] * count
+  if n > 1 or len(value) != count:
+    raise BadRequest(f"a list-valued {key} needs n == 1 and one entry per prompt")
+  return value
+
+
+def prompt_images(ids: list[int], items: list, v: VisionConfig
+                  ) -> tuple[list[int], list[vision.PatchedImage]]:
+  """(`ids` with each image's token expanded, the images preprocessed) of one prompt and its
+  image_data items, as SGLang's Qwen2.5-VL processor makes them from input_ids
+  (rollouts/image_data.py has its lines). Its placeholders are runs vision start, image
+  tokens, vision end: as many as images, each must be one image token (its fast path);
+  fewer, the images past them are dropped with a warning and the runs taken as one token
+  each (its legacy path, whose re-tokenization is the identity here); more, a ValueError
+  naming both counts (base_processor.py legacy_load_mm_data). Image tokens other than one per
+  image fail transformers' count check (processing_utils.py validate_inputs), as a prompt
+  already expanded does. ValueError (400) and RuntimeError (500) as image_data.load_all."""
+  start, image, end = v.vision_start_token_id, v.image_token_id, v.vision_end_token_id
+  runs = image_data.wrapped_runs(ids, start, image, end)
+  if runs < len(items):  # base_processor.py submit_data_loading_tasks
+    print("rollouts.server: Warning: More image data items provided than corresponding "
+          "tokens found in the prompt.", file=sys.stderr, flush=True)
+  pictures = image_data.load_all(items[:runs], fast=runs == len(items))
+  if runs > len(items):
+    raise ValueError(f"Prompt has {runs} image placeholders but {len(items)} image inputs "
+                     "were provided")
+  if runs != len(items):
+    ids = image_data.collapse(ids, image)
+  if ids.count(image) != len(pictures):
+    raise ValueError("The total number of <|image_pad|> tokens in the prompts should be the "
+                     "same as the number of images passed. Found total "
+                     f"{ids.count(image)} <|image_pad|> tokens and {len(pictures)} images.")
+  patched = [vision.preprocess(picture, v) for picture in pictures]
+  counts = [t * h * w // v.merge for t, h, w in (im.grid for im in patched)]
+  return image_data.expand(ids, counts, image), patched
+
+
+def _images_of(body: dict, prompts: list, batched: bool, v: VisionConfig | None) -> list:
+  """Each prompt's (input ids, images) from the body's image_data: expanded with its images
+  (prompt_images), or as sent where it has none or the model no vision tower (SGLang runs no
+  multimodal processor then and ignores image_data: tokenizer_manager.py
+  _tokenize_one_request). Errors answered as SGLang's."""
+  try:
+    items = image_data.per_prompt(body.get("image_data"), len(prompts), batched)
+  except image_data.ContractError as e:
+    raise BadRequest(str(e)) from None
+  except ValueError as e:
+    raise RequestError(str(e)) from None
+  try:
+    return [prompt_images(list(p), its, v) if its and v is not None else (list(p), [])
+            for p, its in zip(prompts, items)]
+  except ValueError as e:
+    raise RequestError(str(e)) from None
+  except RuntimeError as e:
+    raise InternalError(str(e)) from None
+
+
+def image_key(images: list[vision.PatchedImage]) -> tuple[str, ...]:
+  """A digest of each image's grid and pixels."""
+  return tuple(hashlib.blake2b(repr(im.grid).encode() + im.patches.tobytes(),
+                               digest_size=16).hexdigest() for im in images)
+
+
+def expand_request(body: dict, deterministic: bool = False, eos_ids: Sequence[int] = (),
+                   vision_cfg: VisionConfig | None = None) -> tuple[list[Request], bool]:
   """The Requests of a /generate body (a batch and n > 1 expanded, prompt-major) and
   whether the response is a list. `sampling_seed` is honoured only `deterministic`, and a
   request without one then samples from seed 42, as SGLang does (its sampler gets seeds only
   with --enable-deterministic-inference: sampling/sampling_batch_info.py L157-172). Requests
-  stop at the model's `eos_ids` too (checkpoint_eos_ids)."""
+  stop at the model's `eos_ids` too (checkpoint_eos_ids). A vision-language model's
+  (`vision_cfg`) take their image_data (_images_of)."""
   if "text" in body or "input_embeds" in body:
     raise BadRequest("this server is token-in, token-out: send input_ids (it runs as with "
                      "--skip-tokenizer-init)")
@@ -223,66 +329,70 @@ def expand_request(body: dict, deterministic: bool = False, eos_ids: Sequence[in
   if any((s.get("n", 1) or 1) != n for s in per_item):
     raise BadRequest("n must be the same in every sampling_params")
   rids = _rids(body.get("rid"), len(prompts), batched)
-  return_logprob = body.get("return_logprob", False)
-  if isinstance(return_logprob, list):
-    if n > 1:
-      raise BadRequest("list-valued return_logprob is not allowed with n > 1")
-  else:
-    return_logprob = [bool(return_logprob)] * len(prompts)
-  start_len = body.get("logprob_start_len", -1)
-  if isinstance(start_len, list):
-    if n > 1 or len(start_len) != len(prompts):
-      raise BadRequest("a list-valued logprob_start_len needs n == 1 and one entry per prompt")
-  else:
-    start_len = [start_len] * len(prompts)
+  return_logprob = _listed(body, "return_logprob", False, len(prompts), n)
+  start_len = _listed(body, "logprob_start_len", -1, len(prompts), n)
   if not all(isinstance(s, int) and not isinstance(s, bool) for s in start_len):
     raise BadRequest("logprob_start_len must be an integer")
-  top_num = body.get("top_logprobs_num", 0) or 0
-  if isinstance(top_num, list):
-    if n > 1 or len(top_num) != len(prompts):
-      raise BadRequest("a list-valued top_logprobs_num needs n == 1 and one entry per prompt")
-  else:
-    top_num = [top_num] * len(prompts)
+  top_num = _listed(body, "top_logprobs_num", 0, len(prompts), n)
   if not all(type(k) is int and k >= 0 for k in top_num):
     raise BadRequest("top_logprobs_num must be an integer >= 0")
   # One value for the whole batch, copied into each request (io_struct.py L1000-1002).
   routes_start = body.get("routed_experts_start_len", 0)
   if type(routes_start) is not int:
     raise BadRequest("routed_experts_start_len must be an integer")
+  if type(body.get("return_prompt_token_ids", False)) is not bool:
+    raise BadRequest("invalid type for `return_prompt_token_ids`, expected a boolean")
+  # n > 1 makes even one prompt a batch (io_struct.py _handle_parallel_sampling).
+  inputs = _images_of(body, prompts, batched or n > 1, vision_cfg)
   requests = []
-  for prompt, params, item_rid, want_logprob, start, top in zip(
-      prompts, per_item, rids, return_logprob, start_len, top_num):
+  for (prompt, images), params, item_rid, want_logprob, start, top in zip(
+      inputs, per_item, rids, return_logprob, start_len, top_num):
     if top and (params.get("max_new_tokens", 128) > 0 or start < 0 or not want_logprob):
       # Top-k of the prompt's tokens is teacher scoring's; generation does not need it.
       raise BadRequest("top_logprobs_num > 0 is served for prompt scoring only "
                        "(max_new_tokens 0, return_logprob, logprob_start_len >= 0)")
+    if images and want_logprob and start >= 0:
+      raise BadRequest("this server does not score prompts with images (logprob_start_len "
+                       ">= 0 with image_data)")
+    key = image_key(images)
     for _ in range(n):
-      temperature = float(params.get("temperature", 1.0))
-      seed = params.get("sampling_seed") if deterministic else None
-      seed = 42 if deterministic and seed is None else seed
-      requests.append(Request(
-          rid=item_rid if n == 1 else uuid.uuid4().hex, input_ids=list(prompt),
-          max_new_tokens=int(params.get("max_new_tokens", 128)),
-          temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-          top_p=float(params.get("top_p", 1.0)),
-          stop_token_ids=() if params.get("ignore_eos") else tuple(
-              params.get("stop_token_ids") or ()) + tuple(eos_ids),
-          seed=(int(seed) % 2**32 if seed is not None
-                else int.from_bytes(os.urandom(4), "little")),
-          return_logprob=bool(want_logprob), logprob_start_len=start,
-          top_logprobs_num=top,
-          return_routed_experts=bool(body.get("return_routed_experts", False)),
-          routed_experts_start_len=routes_start))
+      requests.append(_request(params, prompt, deterministic, eos_ids, images=images,
+                               image_key=key, rid=item_rid if n == 1 else uuid.uuid4().hex,
+                               return_logprob=bool(want_logprob), logprob_start_len=start,
+                               top_logprobs_num=top,
+                               return_routed_experts=bool(body.get("return_routed_experts",
+                                                                   False)),
+                               routed_experts_start_len=routes_start,
+                               return_prompt_token_ids=body.get("return_prompt_token_ids",
+                                                                False)))
   return requests, batched or n > 1
 
 
+def _request(params: dict, prompt: list[int], deterministic: bool, eos_ids: Sequence[int],
+             **fields) -> Request:
+  """One Request of `prompt` under sampling `params`; `fields`: the rest of Request's."""
+  temperature = float(params.get("temperature", 1.0))
+  seed = params.get("sampling_seed") if deterministic else None
+  seed = 42 if deterministic and seed is None else seed
+  return Request(
+      input_ids=list(prompt), max_new_tokens=int(params.get("max_new_tokens", 128)),
+      temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+      top_p=float(params.get("top_p", 1.0)),
+      stop_token_ids=() if params.get("ignore_eos") else tuple(
+          params.get("stop_token_ids") or ()) + tuple(eos_ids),
+      seed=(int(seed) % 2**32 if seed is not None
+            else int.from_bytes(os.urandom(4), "little")),
+      **fields)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill(params, prompts, positions, kv_valid, cache, *, cfg):
+def _prefill(params, prompts, positions, kv_valid, cache, images=None, *, cfg):
   """(next-token logits, cache, a mixture's experts of the prompt tokens i32[rows, width,
-  sparse layers, k] or None)."""
+  sparse layers, k] or None). `images`: the prompts' (vision.Images), positions then
+  i32[rows, width, 3]."""
   hidden, cache, routes = transformer.prefill(params, cfg, prompts, positions,
                                               kv_valid[:, :prompts.shape[1]].astype(jnp.int32),
-                                              cache)
+                                              cache, images)
   return (hidden[:, -1] @ transformer.output_projection(params, cfg), cache,
           None if routes is None else routes.experts)
 
@@ -338,6 +448,39 @@ class CachedPrefix:
   routes: np.ndarray | None = None
 
 
+def batch_images(v: VisionConfig, rows: Sequence[Request | None], width: int, count: int
+                 ) -> tuple[np.ndarray, vision.Images, np.ndarray]:
+  """(positions i32[count, width, 3], the images, each row's first generated token's position
+  i32[count]) of `rows` (requests, None for padding) left-padded to `width` in `count` rows: a
+  prompt with images has its multimodal RoPE positions (models/vision.py), the others count
+  from 0 on all three axes; tokens go on from a prompt's largest position + 1 (SGLang's
+  mrope_position_delta). The images' patches are padded to a power of two (few shapes)."""
+  positions = np.zeros((count, width, 3), np.int32)
+  following = np.ones(count, np.int32)
+  images, slots = [], []
+  for row, r in enumerate(rows):
+    if r is None:
+      continue
+    pad = width - len(r.input_ids)
+    at = (vision.mrope_positions(r.input_ids, [im.grid for im in r.images], v) if r.images
+          else np.repeat(np.arange(len(r.input_ids))[:, None], 3, axis=1))
+    positions[row, pad:] = at
+    following[row] = at.max() + 1
+    if r.images:
+      images += r.images
+      slots += [row * width + pad + i for i in vision.placeholder_slots(r.input_ids, v)]
+  patches = bucket(max(sum(im.patches.shape[0] for im in images), 1), 64)
+  return positions, vision.batch_images(images, v, slots, patches), following
+
+
+def _prefix_key(r: Request, fed: int) -> tuple:
+  """What the prefix cache keeps `r`'s input and first `fed` generated tokens under: the
+  tokens, then its images' digests (the same ids with other images are another prefix; SGLang
+  keys image tokens by their image's hash: schedule_batch.py
+  MultimodalDataItem.pad_value)."""
+  return tuple(r.input_ids) + tuple(r.tokens[:fed]) + r.image_key
+
+
 def _layout(r: Request) -> tuple[int, int]:
   """What fixes a row's shapes in a batch: its prompt-width bucket and max_new_tokens bucket
   (with them the prompt width, the cache's length and when it grows)."""
@@ -377,7 +520,7 @@ class Scheduler:
     self.updating = 0  # weight updates waiting for the requests in flight
     self.paused: str | None = None  # None, "in_place" or "retract" (abort unpauses nothing)
     self.stopped = False
-    self.prefixes: dict[tuple[int, ...], CachedPrefix] = {}  # insertion order = age
+    self.prefixes: dict[tuple, CachedPrefix] = {}  # _prefix_key -> prefix; order = age
     self.last_output = 0.0  # time.time() of the last token or finished request (/health)
     self.healthy = True  # the last /health passed (SGLang's ServerStatus.Up), for /ready
     # Memory release (release_memory): SGLang's --enable-memory-saver and
@@ -762,14 +905,11 @@ class Scheduler:
     with it a row's sums, may change with the row count)."""
     return self.max_batch if self.deterministic else shape_bucket(requests, 8)
 
-  def _run(self, batch: list[Request]):
-    rows = self._rows(len(batch))
-    plen = bucket(max(len(r.input_ids) for r in batch), 16)
-    max_new = bucket(max(r.max_new_tokens for r in batch), 16)
-    # The cache starts with room for 32 new tokens and grows to the next bucket when full:
-    # decode attention spans the whole cache, and most batches (aborted, or short answers)
-    # end early.
-    size = shape_bucket(plen + min(max_new, 32), 64)
+  def _batch_arrays(self, batch: list[Request], rows: int, plen: int, size: int):
+    """The batch's prompts left-padded into i32[rows, plen], their lengths i32[rows], the
+    cache's validity bool[rows, size], the prompts' positions (i32[rows, plen], or [rows,
+    plen, 3] and their images when some prompt has images: batch_images) and each row's
+    first generated token's position i32[rows]."""
     prompts = np.zeros((rows, plen), np.int32)
     lens = np.ones(rows, np.int32)
     for i, r in enumerate(batch):
@@ -778,17 +918,32 @@ class Scheduler:
     slots = np.arange(plen)
     kv_valid = np.zeros((rows, size), bool)
     kv_valid[:, :plen] = slots[None, :] >= (plen - lens)[:, None]
-    positions = np.maximum(slots[None, :] - (plen - lens)[:, None], 0)
+    if not any(r.images for r in batch):
+      return (prompts, lens, kv_valid, np.maximum(slots[None, :] - (plen - lens)[:, None], 0),
+              None, lens)
+    positions, images, following = batch_images(self.cfg.vision, batch, plen, rows)
+    return prompts, lens, kv_valid, positions, images, following
+
+  def _run(self, batch: list[Request]):
+    rows = self._rows(len(batch))
+    plen = bucket(max(len(r.input_ids) for r in batch), 16)
+    max_new = bucket(max(r.max_new_tokens for r in batch), 16)
+    # The cache starts with room for 32 new tokens and grows to the next bucket when full:
+    # decode attention spans the whole cache, and most batches (aborted, or short answers)
+    # end early.
+    size = shape_bucket(plen + min(max_new, 32), 64)
+    prompts, lens, kv_valid, positions, images, following = self._batch_arrays(
+        batch, rows, plen, size)
     with self.lock:
       params = self.params
       cached = {} if self.deterministic else {
-          i: self._cached_prefix(tuple(r.input_ids)) for i, r in enumerate(batch)}
+          i: self._cached_prefix(_prefix_key(r, 0)) for i, r in enumerate(batch)}
     cached = {i: c for i, c in cached.items() if c is not None}
     for i in cached:
       batch[i].cached_tokens = len(batch[i].input_ids)
     t0 = time.perf_counter()
     logits, cache, routes = self._prefill_missing(params, prompts, positions, kv_valid, lens,
-                                                  cached, size)
+                                                  cached, size, (batch, images))
     if self.records_routes:
       routes = np.asarray(routes)
       for i, r in enumerate(batch):
@@ -829,8 +984,8 @@ class Scheduler:
         cache, kv_valid = _grow(cache, kv_valid, grown - size)
         size = grown
       token, logp, logits, cache, kv_valid, routes = _step(
-          params, logits, cache, kv_valid, keys, temperature, top_p, jnp.asarray(lens + i),
-          plen + i, jnp.asarray(active), i, cfg=self.cfg)
+          params, logits, cache, kv_valid, keys, temperature, top_p,
+          jnp.asarray(following + i), plen + i, jnp.asarray(active), i, cfg=self.cfg)
       self._take(batch, active, np.asarray(token), np.asarray(logp), version,
                  np.asarray(routes) if self.records_routes else None)
     self._keep_prefixes(batch, stopped_at, cache, plen, lens, version)
@@ -858,17 +1013,20 @@ class Scheduler:
           self._finish(r, {"type": "length", "length": r.max_new_tokens})
       self.lock.notify_all()
 
-  def _prefill_missing(self, params, prompts, positions, kv_valid, lens, cached, size):
+  def _prefill_missing(self, params, prompts, positions, kv_valid, lens, cached, size,
+                       inputs: tuple[list[Request], vision.Images | None]):
     """(logits f32[rows, vocab], KVCache of `size` slots, a mixture's experts of the prompt
     tokens i32[rows, plen, sparse layers, k] or None) for the batch: prefill for the rows
     without a cached prefix (all rows when none has one), the cached keys, values, logits
-    and routes placed for the others, left-padded like a prefill would."""
+    and routes placed for the others, left-padded like a prefill would. `inputs`: the
+    batch's requests and their images (None: none has any)."""
     rows, plen = prompts.shape
+    batch, images = inputs
     missing = [i for i in range(rows) if i not in cached]
     if not cached:  # prefilled at the prompts' width, whatever the cache's: fewer shapes
       logits, cache, routes = _prefill(params, jnp.asarray(prompts), jnp.asarray(positions),
                                        jnp.asarray(kv_valid[:, :plen]),
-                                       transformer.init_cache(self.cfg, rows, plen),
+                                       transformer.init_cache(self.cfg, rows, plen), images,
                                        cfg=self.cfg)
       return logits, _grow(cache, kv_valid[:, :plen], size - plen)[0], routes
     logits = np.zeros((rows, self.cfg.vocab_size), np.float32)
@@ -887,10 +1045,14 @@ class Scheduler:
       # already compiled, instead of a new one for every count of missing rows.
       pick = np.array(missing + [missing[0]] * (rows - len(missing)))
       cols = slice(plen - width, plen)
+      if images is not None:  # the picked rows' images, at their places in this layout
+        images = batch_images(self.cfg.vision, [batch[i] if i < len(batch) else None
+                                                for i in pick], width, rows)[1]
       part_logits, part, part_routes = _prefill(params, jnp.asarray(prompts[pick, cols]),
                                    jnp.asarray(positions[pick, cols]),
                                    jnp.asarray(kv_valid[pick, cols]),
-                                   transformer.init_cache(self.cfg, rows, width), cfg=self.cfg)
+                                   transformer.init_cache(self.cfg, rows, width), images,
+                                   cfg=self.cfg)
       n = len(missing)
       logits[missing] = np.asarray(part_logits)[:n]
       k[:, missing, :, cols] = np.stack(part.k)[:, :n]
@@ -905,11 +1067,12 @@ class Scheduler:
     return jnp.asarray(logits), transformer.KVCache(tuple(map(jnp.asarray, k)),
                                                     tuple(map(jnp.asarray, v))), routes
 
-  def _cached_prefix(self, tokens: tuple[int, ...]) -> CachedPrefix | None:
-    """The cached prefix of exactly `tokens`, made the most recent; call under the lock."""
-    found = self.prefixes.pop(tokens, None)
+  def _cached_prefix(self, key: tuple) -> CachedPrefix | None:
+    """The cached prefix of exactly `key` (_prefix_key), made the most recent; call under the
+    lock."""
+    found = self.prefixes.pop(key, None)
     if found is not None:
-      self.prefixes[tokens] = found
+      self.prefixes[key] = found
     return found
 
   def _keep_prefixes(self, batch, stopped_at, cache, plen, lens, version):
@@ -924,7 +1087,7 @@ class Scheduler:
       for row, (fed, logits) in stopped_at.items():
         r = batch[row]
         span = slice(plen - lens[row], plen + fed)
-        self.prefixes[tuple(r.input_ids) + tuple(r.tokens[:fed])] = CachedPrefix(
+        self.prefixes[_prefix_key(r, fed)] = CachedPrefix(
             k[:, row, :, span].copy(), v[:, row, :, span].copy(), logits,
             np.stack(r.routes[:lens[row] + fed]) if self.records_routes else None)
       while len(self.prefixes) > PREFIX_CACHE_ENTRIES:
@@ -959,7 +1122,10 @@ def response(r: Request, weight_version: str) -> dict:
     meta["output_token_logprobs_length"] = len(r.tokens)
   if r.routed_experts is not None:
     meta["routed_experts"] = r.routed_experts
-  return {"output_ids": list(r.tokens), "meta_info": meta}
+  out = {"output_ids": list(r.tokens), "meta_info": meta}
+  if r.return_prompt_token_ids:  # the ids after the images' expansion (tokenizer_manager.py
+    out["prompt_token_ids"] = list(r.input_ids)  # generate_request, _handle_batch_output)
+  return out
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -1019,6 +1185,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self._send(400, {"error": str(e)})
     except RequestError as e:
       self._send(400, {"error": {"message": str(e)}})
+    except InternalError as e:  # Starlette's answer to an exception nobody caught
+      print(f"rollouts.server: {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+      self._send(500, text="Internal Server Error")
     except SchedulerCrash as e:  # SGLang's process is gone: its connections close unanswered
       self._send(500, {"error": {"message": f"server down: {e}"}})
     except (BrokenPipeError, ConnectionResetError):
@@ -1117,7 +1286,7 @@ class Server(http.server.ThreadingHTTPServer):
   def generate(self, h: Handler):
     body = h._body()
     requests, as_list = expand_request(body, self.scheduler.deterministic,
-                                       self.scheduler.eos_ids)
+                                       self.scheduler.eos_ids, self.scheduler.cfg.vision)
     self.scheduler.submit(requests)
     if body.get("stream"):
       self._stream(h, requests, as_list)
