@@ -125,9 +125,10 @@ class RolloutEngine(Protocol):
     `stop_when(index, completion)`, for engines with Capabilities.abort only, is asked as
     each completion arrives (on the engine's thread, quickly); once it says True the
     requests still running are aborted and come back cut short ("abort").
-    `images` (a vision-language model's; JaxEngine takes them): each prompt's images, raw
-    (PNG/JPEG bytes, a path, a PIL image), in the order of its runs of image tokens; the
-    engine preprocesses them as the trainer does (models.vision.preprocess)."""
+    `images` (a vision-language model's; JaxEngine and SGLangEngine take them): each
+    prompt's images, raw (PNG/JPEG bytes, a path, a PIL image), in the order of its runs of
+    image tokens; the engine, or its server, preprocesses them as the trainer does
+    (models.vision.preprocess)."""
     ...
 
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:

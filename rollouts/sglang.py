@@ -14,6 +14,17 @@ protocol, aborting a call's requests when its `stop_when` says so. It does not o
 rollouts pause (rl/envs/driver.py, rl/sources.py) or the server (an SGLang deployment, or
 rollouts/server.py in tests).
 
+Images (a vision-language model's, `SGLangEngine.generate(images=)`) go as each request's
+image_data: data URLs of PNG bytes of every image's RGB pixels, in the order of its runs of
+image tokens (rollouts/image_data.py); a request without images sends none. The trainer's
+prompts hold an image as one token per merged patch; SGLang takes one token per image and
+expands it by the image's size (base_processor.py _expand_input_ids, with
+SGLANG_MM_AVOID_RETOKENIZE on), so each run is sent as one token, continuations (prompt +
+tokens so far) alike. Such requests ask for return_prompt_token_ids, the ids after that
+expansion (tokenizer_manager.py generate_request), and a server whose expansion is not the
+trainer's (other min/max pixels) is a ServerError naming both counts (check_expansion).
+docs/sglang.md 3(j) has the lines.
+
 Log-probs are SGLang's: log_softmax(logits / temperature) over the whole vocabulary, before
 top-p; at temperature 1 that is what the trainer recomputes.
 """
@@ -33,6 +44,7 @@ from typing import Any, Callable, Sequence
 import aiohttp
 import numpy as np
 
+from rollouts import image_data
 from rollouts import router as router_lib
 from rollouts.engine import Capabilities, Completion, SamplingParams
 
@@ -56,14 +68,27 @@ class ServerError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class RequestImages:
+  """A request's images: `data`, what is sent as its image_data (data URLs, in the order of
+  its placeholders), and `expanded`, its input ids with each image token repeated for every
+  merged patch of its image (`image_token_id`), which the server's prompt_token_ids must
+  equal."""
+  data: tuple[str, ...]
+  expanded: tuple[int, ...]
+  image_token_id: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
   """One trajectory's /generate call. `affinity` picks the server (same key, same server);
-  `input_ids` may be prompt + an earlier partial completion (partial rollouts)."""
+  `input_ids` may be prompt + an earlier partial completion (partial rollouts); with
+  `images`, one image token stands for each image (image_data.collapse)."""
   rid: str
   input_ids: tuple[int, ...]
   max_new_tokens: int
   affinity: int = 0
   sampling_seed: int | None = None
+  images: RequestImages | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +119,10 @@ def request_body(request: Request, sampling: SamplingParams, *,
   """The /generate body: only keys SGLang's contract accepts (an unknown sampling key is a
   400 there), the shape slime and AReaL send; `routed_experts`: also return_routed_experts
   (GenerateReqInput's, io_struct.py L263-268: FastAPI parses the body into it, so it gets
-  through though the JSON contract does not list it), from the first input token on."""
+  through though the JSON contract does not list it), from the first input token on. A
+  request with images sends them as image_data (a list: one request's images,
+  tokenizer_manager.py _tokenize_one_request) and asks for return_prompt_token_ids, the ids
+  after SGLang expanded each image token (check_expansion)."""
   params = {"max_new_tokens": request.max_new_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_k": -1, "min_p": 0.0,
             "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
@@ -106,7 +134,33 @@ def request_body(request: Request, sampling: SamplingParams, *,
           "return_text_in_logprobs": False, "stream": False}
   if routed_experts:
     body.update(return_routed_experts=True, routed_experts_start_len=0)
+  if request.images is not None:
+    body.update(image_data=list(request.images.data), return_prompt_token_ids=True)
   return body
+
+
+def check_expansion(server: str, body: Any, request: Request) -> None:
+  """ServerError unless the server's prompt_token_ids (`body`, a /generate response) are
+  the request's expanded ids: else it would decode, and report log-probs, on another count
+  of image tokens than the trainer computes."""
+  got = body.get("prompt_token_ids") if isinstance(body, dict) else None
+  want = list(request.images.expanded)
+  if got == want:
+    return
+  if not isinstance(got, list):
+    raise ServerError(f"{server}/generate answered no prompt_token_ids for {request.rid}, "
+                      "asked with return_prompt_token_ids (SGLang >= 0.5 returns them)")
+  theirs = image_data.run_lengths(got, request.images.image_token_id)
+  ours = image_data.run_lengths(want, request.images.image_token_id)
+  if theirs != ours:
+    raise ServerError(
+        f"{server}/generate expanded the images of {request.rid} to {theirs} image tokens, "
+        f"the trainer to {ours}: the server resizes images otherwise than the model's "
+        "VisionConfig (min_pixels / max_pixels of its preprocessor_config.json, or its "
+        "--mm-process-config), and the trainer would score other tokens than it generated")
+  at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+  raise ServerError(f"{server}/generate: the prompt_token_ids of {request.rid} differ from "
+                    f"the trainer's at position {at} ({len(got)} and {len(want)} tokens)")
 
 
 def _version(text: str | None) -> int:
@@ -404,6 +458,8 @@ class SGLangClient:
                                 np.zeros(0, np.int32))
       else:
         completion = parse_response(*sent, routes)
+        if request.images is not None:
+          check_expansion(*sent, request)
       results[index] = completion
       if on_ready is not None:
         on_ready({index: completion})
@@ -692,34 +748,72 @@ class SGLangEngine:
     return f"{self.rid_prefix}-{kind}{next(self._calls)}-"
 
   def requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-               seed: int, *, affinity: Sequence[int] | None = None) -> list[Request]:
+               seed: int, *, affinity: Sequence[int] | None = None,
+               images: Sequence[Sequence[Any]] | None = None) -> list[Request]:
     """Requests with rids a new call's prefix + index, `max_new_tokens` each (or one per
     prompt); each goes to the server its affinity key picks (default: its prompt's hash, so
-    the samples of a group share a server and its prefix cache)."""
+    the samples of a group share a server and its prefix cache). `images`: each prompt's
+    (`_images`)."""
     if isinstance(max_new_tokens, int):
       max_new_tokens = [max_new_tokens] * len(prompts)
-    for name, values in (("affinity keys", affinity), ("max_new_tokens", max_new_tokens)):
+    for name, values in (("affinity keys", affinity), ("max_new_tokens", max_new_tokens),
+                         ("image lists", images)):
       if values is not None and len(values) != len(prompts):
         raise ValueError(f"SGLangEngine: {len(values)} {name} for {len(prompts)} prompts")
     prefix = self._call_prefix("g")
     keys = affinity if affinity is not None else [hash(tuple(p)) & 0x7FFFFFFF for p in prompts]
-    return [Request(rid=f"{prefix}{i}", input_ids=tuple(p), max_new_tokens=int(n),
-                    affinity=int(key), sampling_seed=(seed * 1_000_003 + i) % 2**31)
-            for i, (p, n, key) in enumerate(zip(prompts, max_new_tokens, keys))]
+    sent = self._images(prompts, images) if images is not None else [None] * len(prompts)
+    return [Request(rid=f"{prefix}{i}", max_new_tokens=int(n), affinity=int(key),
+                    sampling_seed=(seed * 1_000_003 + i) % 2**31,
+                    input_ids=tuple(p) if ims is None else
+                    tuple(image_data.collapse(p, ims.image_token_id)), images=ims)
+            for i, (p, n, key, ims) in enumerate(zip(prompts, max_new_tokens, keys, sent))]
+
+  def _images(self, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[Any]]
+              ) -> list[RequestImages | None]:
+    """Each prompt's RequestImages (None without images): its images as data URLs of PNG
+    bytes (image_data.data_url; encoded once per image object of the call: a group's samples
+    share their record's). A prompt holds each image as its run of image tokens, in order
+    (as the trainer's: models.vision.expand_image_tokens), SGLang one token each
+    (docs/sglang.md 3(j)); a continuation (prompt + tokens so far) too, unless a generated
+    image token makes a run more (ValueError: SGLang would take it for a placeholder)."""
+    if self.cfg.vision is None:
+      raise ValueError(f"SGLangEngine.generate: images given to a {self.cfg.family} model, "
+                       "which has no vision tower")
+    token = self.cfg.vision.image_token_id
+    urls: dict[int, str] = {}
+    out = []
+    for i, (prompt, ims) in enumerate(zip(prompts, images)):
+      runs = len(image_data.run_lengths(prompt, token))
+      if not ims and not runs:
+        out.append(None)
+        continue
+      if runs != len(ims):
+        raise ValueError(f"SGLangEngine.generate: prompt {i} holds {runs} runs of image "
+                         f"tokens (id {token}) for its {len(ims)} images")
+      for im in ims:
+        if id(im) not in urls:
+          urls[id(im)] = image_data.data_url(im)
+      out.append(RequestImages(tuple(urls[id(im)] for im in ims), tuple(prompt), token))
+    return out
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                seed: int, affinity: Sequence[int] | None = None,
                max_new_tokens: Sequence[int] | None = None,
                on_ready: Callable[[dict[int, Completion]], None] | None = None,
-               stop_when: Callable[[int, Completion], bool] | None = None
-               ) -> list[Completion]:
+               stop_when: Callable[[int, Completion], bool] | None = None,
+               images: Sequence[Sequence[Any]] | None = None) -> list[Completion]:
     """Once `stop_when` says stop, this call's requests still running are aborted (by their
     rids) and the ones not yet sent are not sent. `seed` seeds the requests' sampling_seed,
-    which SGLang honours only with --enable-deterministic-inference."""
+    which SGLang honours only with --enable-deterministic-inference. `images` (a
+    vision-language model's): each prompt's raw images (as JaxEngine's), sent as image_data
+    with the prompt's image tokens collapsed (_images); ServerError if a server expands them
+    to other counts than the prompt's (check_expansion)."""
     if not prompts:
       return []
     limits = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
-    return self.client.generate(self.requests(prompts, limits, seed, affinity=affinity),
+    return self.client.generate(self.requests(prompts, limits, seed, affinity=affinity,
+                                              images=images),
                                 sampling, on_ready=on_ready, stop_when=stop_when,
                                 routes=RoutesLayout.of(self.cfg))
 
