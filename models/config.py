@@ -354,7 +354,8 @@ def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,
          num_heads: int = 4, num_kv_heads: int = 2,
          intermediate_size: int = 384, attention: str = "auto",
          remat: str = "none", weight_format: str | None = None,
-         moe: MoeConfig | None = None, vision: VisionConfig | None = None) -> ModelConfig:
+         moe: MoeConfig | None = None, vision: VisionConfig | None = None,
+         rope_theta: float = 10000.0) -> ModelConfig:
   """A model small enough to train on a 2-core CPU in minutes: a Qwen2, with `moe` a
   Qwen3-MoE (its sparse layers' experts as `moe` says), with `vision` a Qwen2.5-VL (that
   tower in front; the rotary pairs split 1 : 1.5 : 1.5 over time, height and width as the
@@ -362,6 +363,7 @@ def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,
   head_dim = hidden_size // num_heads
   section = None
   if vision is not None:
+    vision = dataclasses.replace(vision, out_hidden_size=hidden_size)
     pairs = head_dim // 2
     section = (pairs - 2 * (3 * pairs // 8), 3 * pairs // 8, 3 * pairs // 8)
   family = "qwen2" if moe is None and vision is None else (
@@ -371,15 +373,18 @@ def tiny(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2,
       num_heads=num_heads, num_kv_heads=num_kv_heads,
       head_dim=head_dim, intermediate_size=intermediate_size,
       attention=attention, remat=remat, weight_format=weight_format, moe=moe,
-      family=family, qkv_bias=moe is None, vision=vision, mrope_section=section)
+      family=family, qkv_bias=moe is None, vision=vision, mrope_section=section,
+      rope_theta=rope_theta)
 
 
-def tiny_vision(out_hidden_size: int, token_ids: tuple[int, int, int, int], *,
-                hidden_size: int = 64, depth: int = 2, num_heads: int = 2,
+def tiny_vision(out_hidden_size: int = 128, token_ids: tuple[int, int, int, int] = (4, 3, 5, 6),
+                *, hidden_size: int = 64, depth: int = 2, num_heads: int = 2,
                 intermediate_size: int = 128, max_pixels: int = 224 * 224) -> VisionConfig:
   """A vision tower small enough for a 2-core CPU: Qwen2.5-VL's patches (14 px, merged 2 x 2),
   windows of 56 px, the last block over the whole image; images of at most `max_pixels`.
-  token_ids: (image, vision start, vision end, video)."""
+  token_ids: (image, vision start, vision end, video), by default those of a CharTokenizer
+  with models.tokenizer.VISION_SPECIALS. `tiny(vision=...)` sets out_hidden_size to its
+  width."""
   image, start, end, video = token_ids
   return VisionConfig(depth=depth, hidden_size=hidden_size, intermediate_size=intermediate_size,
                       num_heads=num_heads, out_hidden_size=out_hidden_size,

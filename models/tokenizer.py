@@ -20,6 +20,11 @@ import tokenizers
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 DEFAULT_ALPHABET = string.digits + string.ascii_lowercase + "+-*/=()<>.,;:#? "
+# Qwen2.5-VL's placeholder tokens (models.vision.PLACEHOLDER's, and its video's), as a
+# CharTokenizer's extra_specials: ids 3 (vision start), 4 (image), 5 (vision end), 6 (video),
+# models.config.tiny_vision's; and an alphabet that also spells the visual tasks' questions.
+VISION_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+VISION_ALPHABET = DEFAULT_ALPHABET + string.ascii_uppercase + "\n'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +86,12 @@ class CharTokenizer:
       if i >= offset:
         out.append(self.alphabet[i - offset])
     return "".join(out)
+
+
+def vision_chars() -> CharTokenizer:
+  """The CharTokenizer of a tiny vision-language model (models.config.tiny_vision's token
+  ids): VISION_ALPHABET, and VISION_SPECIALS as single tokens."""
+  return CharTokenizer(VISION_ALPHABET, VISION_SPECIALS)
 
 
 def _split_specials(text: str, specials: Sequence[str]) -> list[str]:

@@ -44,6 +44,9 @@ class RLConfig:
   weight_sync_every 1 (the engine's weights come back with the new ones). Each step's
   metrics have the switch seconds (rl.loop.rl_steps). On GPUs, JAX must give freed memory
   back to the device for the engine to use it: BUILD.md, "Hybrid deployment".
+
+  freeze_vision: a vision-language model's tower (params["visual"], the patch merger
+  included) keeps its starting weights through RL; False trains it with the decoder.
   """
   num_steps: int = 100
   prompts_per_step: int = 32
@@ -59,6 +62,7 @@ class RLConfig:
   weight_sync_every: int = 1
   deterministic: bool = False
   hybrid: bool = False
+  freeze_vision: bool = False
 
   def check(self) -> None:
     """ConfigError for sizes that cannot run (rl.trainer.build calls it before anything is

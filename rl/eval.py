@@ -35,8 +35,9 @@ def greedy_eval(engine: RolloutEngine | None, task, tokenizer, *, num_records: i
                 max_new_tokens: int, split: str = "test", batch_size: int = 512
                 ) -> dict[str, float]:
   """Greedy decoding over the first `num_records` of `split`: {"accuracy", "length" (the mean
-  of the policy's tokens)}, and for an agentic task the episode metrics without their
-  "episode_" prefix (rl.envs.episode_metrics: turns, tool_calls, tool_calls_rate, ...).
+  of the policy's tokens)}, for a Mixture each task's "accuracy_<domain>", and for an agentic
+  task the episode metrics without their "episode_" prefix (rl.envs.episode_metrics: turns,
+  tool_calls, tool_calls_rate, ...).
   With several JAX processes all call it together: each decodes its share of the records
   (rl.tasks.process_share) on an engine of its own, or process 0 all of them on servers (the
   others pass None), and the results are gathered."""
@@ -52,8 +53,12 @@ def greedy_eval(engine: RolloutEngine | None, task, tokenizer, *, num_records: i
     part = distributed.checked(lambda: rollout.generate(engine, task, tokenizer, records,
                                                         sampling) if records else None)
     trajectories += [t for p in distributed.gather(part) if p is not None for t in p]
-  metrics = {"accuracy": float(column(trajectories, "correct", bool).mean()),
+  correct = column(trajectories, "correct", bool)
+  metrics = {"accuracy": float(correct.mean()),
              "length": float(column(trajectories, "policy_count", np.int32).mean())}
+  domains = [t.record.get("domain") for t in trajectories]
+  for domain in dict.fromkeys(d for d in domains if d is not None):  # a Mixture's tasks
+    metrics[f"accuracy_{domain}"] = float(correct[[d == domain for d in domains]].mean())
   if multi_turn(environment_of(task)):
     metrics.update({key.removeprefix("episode_"): value for key, value in episode_metrics(
         [t.episode() for t in trajectories]).items()})

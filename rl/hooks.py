@@ -191,7 +191,8 @@ class Progress(Hook):
 
 class Summary(Hook):
   """At the end: summary.json, metrics.png, and the last lines: the held-out evaluation and
-  `sft_accuracy=... rl_accuracy=...` (for an agentic task with its tool-call rates)."""
+  `sft_accuracy=... rl_accuracy=...` (for an agentic task with its tool-call rates, for a
+  Mixture with each task's accuracy_<domain>)."""
   every = 0
 
   def end(self, run) -> None:
@@ -207,7 +208,8 @@ class Summary(Hook):
     final = {key[3:]: value for key, value in run.summary.items() if key.startswith("rl_")}
     run.say(f"after RL: held-out {held_out_text(final)}")
     summary = run.summary
-    last = ["accuracy"] + (["tool_calls_rate"] if "rl_tool_calls_rate" in summary else [])
+    last = ["accuracy"] + (["tool_calls_rate"] if "rl_tool_calls_rate" in summary else []) + [
+        key[3:] for key in summary if key.startswith("rl_accuracy_")]  # a Mixture's tasks
     run.say(" ".join(f"{prefix}_{key}={summary.get(f'{prefix}_{key}', float('nan')):.2f}"
                      for key in last for prefix in ("sft", "rl")))
 

@@ -117,11 +117,17 @@ def init_state(params, optimizer: optax.GradientTransformation, parts: Parts,
 
 @functools.lru_cache(maxsize=None)
 def rl_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0,
-                 weight_decay: float = 0.0) -> optax.GradientTransformation:
+                 weight_decay: float = 0.0,
+                 frozen: tuple[str, ...] = ()) -> optax.GradientTransformation:
   """AdamW after a global-norm clip; one object per setting, so that the runs of one process
-  share compiled train steps (rl.trainer)."""
-  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                     optax.adamw(learning_rate, weight_decay=weight_decay))
+  share compiled train steps (rl.trainer). The params' top-level subtrees named in `frozen`
+  (e.g. "visual", a vision tower) get zero gradients, before the clip, and never move."""
+  chain = [optax.clip_by_global_norm(max_grad_norm),
+           optax.adamw(learning_rate, weight_decay=weight_decay)]
+  if frozen:
+    mask = lambda params: {k: jax.tree.map(lambda _: k in frozen, v) for k, v in params.items()}
+    chain.insert(0, optax.masked(optax.set_to_zero(), mask))
+  return optax.chain(*chain)
 
 
 def rl_steps(state: LoopState, parts: Parts) -> Iterator[StepRecord]:

@@ -31,10 +31,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from models import distributed, sharding, transformer
+from models import distributed, sharding, transformer, vision
 from models.attention import dispatch
 from models.config import ModelConfig
-from models.tokenizer import CharTokenizer, ChatPrompts
+from models.tokenizer import CharTokenizer, ChatPrompts, WithImages
 from rl import ConfigError
 from rl import advantages as advantages_lib
 from rl import checkpoint
@@ -392,7 +392,7 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   # Before anything is built, with what the factory says its engine can do; again once made.
   sources.check(rollouts, sources.Context(None, task, tokenizer, rl, plan.sampler,
                                           getattr(factory, "capabilities", None)))
-  cfg = plan.cfg
+  cfg, tokenizer = plan.cfg, plan.tokenizer
   # Nothing is loaded, started or written before process 0 holds the directory; it lets go last.
   held = distributed.checked(lambda: run_lock.hold(run_dir) if distributed.is_primary() else None)
   closers = [lambda: held is not None and held.release()]
@@ -406,7 +406,8 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
     say(f"train step: mesh {'one device' if mesh is None else dict(mesh.shape)}, attention "
         f"{plan.kernel}" + (f", {jax.process_count()} processes"
                                if jax.process_count() > 1 else ""))
-    optimizer = loop.rl_optimizer(rl.learning_rate)
+    optimizer = loop.rl_optimizer(rl.learning_rate,
+                                  frozen=("visual",) if rl.freeze_vision else ())
     # A pretrained model's params are where any start begins (a WarmStart fine-tunes them).
     params, place = _initial_params(pretrained or start, cfg, mesh, seed, optimizer)
     rollout_engine = _make_engine(factory, cfg, params, 0)
@@ -431,6 +432,7 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
 class _Plan:
   """What the configuration resolves to, once checked."""
   cfg: ModelConfig
+  tokenizer: Any  # a vision-language model's: WithImages
   kernel: str  # the attention kernel, in words
   loss: losses.BoundLoss
   advantage: str
@@ -489,6 +491,7 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                       f"{tokenizer.vocab_size}")
+  tokenizer = _with_images(tokenizer, cfg, rl)
   context = 1 if mesh is None else mesh.shape["context"]
   try:
     kernel = dispatch.plan(cfg.attention, context, cfg.compute_dtype)
@@ -505,7 +508,7 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
     _check_processes(mesh, start, objective)
   if kernel.startswith("ring/"):
     kernel = f"ring over {context} sequence shards, {kernel.removeprefix('ring/')} chunks"
-  return _Plan(cfg, kernel,
+  return _Plan(cfg, tokenizer, kernel,
                loss, advantage, correction,
                objective.reward or rewards_lib.named_chain(
                    {"correctness": rewards_lib.correctness()}),
@@ -516,12 +519,39 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
 _MIN_ROOM = 16
 
 
+def _with_images(tokenizer, cfg: ModelConfig, rl: RLConfig):
+  """A vision-language model's tokenizer: `tokenizer` with the model's VisionConfig
+  (WithImages), once its image placeholder is the model's image tokens; a text model's as
+  it is. ConfigError for freeze_vision without a tower."""
+  if cfg.vision is None:
+    if rl.freeze_vision:
+      raise ConfigError(f"RLConfig.freeze_vision: the model ({cfg.family}) has no vision tower")
+    return tokenizer
+  v = cfg.vision
+  raw = getattr(tokenizer, "tokenizer", tokenizer)  # a chat template's would wrap the text
+  try:
+    placeholder = raw.encode(vision.PLACEHOLDER)
+  except ValueError as e:
+    placeholder = str(e)
+  want = [v.vision_start_token_id, v.image_token_id, v.vision_end_token_id]
+  if placeholder != want:
+    raise ConfigError(f"the tokenizer encodes the image placeholder {vision.PLACEHOLDER!r} as "
+                      f"{placeholder}, the model's image tokens are {want}: a vision-language "
+                      "model needs a tokenizer with them (CharTokenizer(extra_specials="
+                      "VISION_SPECIALS) for models.config.tiny_vision's ids)")
+  return WithImages(tokenizer, v)
+
+
 def _check_room(task, tokenizer, rl: RLConfig, sample: int = 64) -> None:
   """ConfigError when the first `sample` training prompts leave a packed row of seq_len
   tokens too little room for a completion (a chat template and system prompt can take
   hundreds of tokens); each completion would end after a few tokens, truncated."""
   count = min(sample, len(task.train))
-  longest = max(len(rollout.prompt_ids(task, tokenizer, task.train[i])) for i in range(count))
+  try:
+    longest = max(len(rollout.prompt_ids(task, tokenizer, task.train[i]))
+                  for i in range(count))
+  except ValueError as e:  # e.g. images for a text model
+    raise ConfigError(f"the task's prompts: {e}") from None
   room = rl.seq_len + 1 - longest
   if room < min(rl.max_new_tokens, _MIN_ROOM):
     raise ConfigError(f"a training prompt has {longest} tokens (under the chat template, if "

@@ -35,3 +35,12 @@ def test_agentic_notebook_runs(monkeypatch):
                                            "rl_tool_calls_rate")), last
   assert "[<result>" in text  # a demonstration's observation, shown out of the loss
   assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+@pytest.mark.slow
+def test_vision_notebook_runs(monkeypatch):
+  text, outputs = _run("vision.ipynb", monkeypatch)
+  last = text.strip().splitlines()[-1]
+  assert all(f"rl_accuracy_{name}=" in last for name in ("rendered", "text", "scenes")), last
+  assert "reward=" in text  # what the policy wrote about an image
+  assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # the images, the curves

@@ -3,21 +3,29 @@ quickstart's decoder): prompts with image placeholders, SFT on them, the embedde
 rollouts, packed batches with each row's images, and a train step whose log-probs equal the
 engine's."""
 
-import string
+import io
+import json
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from PIL import Image
 
 from models import transformer, vision
 from models.config import tiny, tiny_vision
-from models.tokenizer import DEFAULT_ALPHABET, CharTokenizer, WithImages
+from models.tokenizer import VISION_ALPHABET, VISION_SPECIALS, CharTokenizer, WithImages
 from rl import batch as batch_lib
-from rl import losses, rollout, sft
+from rl import eval as eval_lib
+from rl import loop, losses, rollout, sft
 from rl.config import RLConfig
 from rl.tasks.arithmetic import Arithmetic
+from rl.tasks.mixture import Mixture
 from rl.tasks.visual import Rendered, Scenes
 from rl.train_step import init_train_state, make_train_step
 from rollouts.engine import SamplingParams
@@ -25,16 +33,23 @@ from rollouts.jax_engine import JaxEngine
 
 pytestmark = pytest.mark.xdist_group("vision")
 
-SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VISION = os.path.join(ROOT, "experiments/configs/vision.gin")
 
+
+def run_cli(*args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments/run.py"), *args],
+                        capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 def tiny_vision_language():
   """(tokenizer, cfg): a CharTokenizer with Qwen2.5-VL's placeholder tokens, and the tiny
   decoder behind a tiny tower whose image tokens are those."""
-  chars = CharTokenizer(DEFAULT_ALPHABET + string.ascii_uppercase + "\n'", SPECIALS)
-  ids = tuple(chars.encode(s)[0] for s in SPECIALS)  # start, image, end, video
-  tower = tiny_vision(128, (ids[1], ids[0], ids[2], ids[3]))
-  return WithImages(chars, tower), tiny(chars.vocab_size, vision=tower)
+  chars = CharTokenizer(VISION_ALPHABET, VISION_SPECIALS)
+  cfg = tiny(chars.vocab_size, vision=tiny_vision())
+  assert chars.encode(vision.PLACEHOLDER) == [cfg.vision.vision_start_token_id,
+                                              cfg.vision.image_token_id,
+                                              cfg.vision.vision_end_token_id]
+  return WithImages(chars, cfg.vision), cfg
 
 
 def test_prompt_ids_expand_each_image_to_its_grid():
@@ -101,3 +116,73 @@ def test_sft_rollouts_and_train_step_with_images():
   assert float(metrics["logp_diff_max"]) < 1e-4
   assert float(metrics["kl_to_reference"]) < 1e-6  # the reference, with images, is the policy
   assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+
+
+def test_a_frozen_tower_keeps_its_weights_while_the_decoder_moves():
+  tokenizer, cfg = tiny_vision_language()
+  task = Rendered(Arithmetic(digits=1), cell=14, font_size=20)
+  params = transformer.init_params(cfg, jax.random.key(1))
+  examples = [sft.solution_example(task, tokenizer, task.train[i]) for i in range(4)]
+  batch = next(sft.sft_batches(lambda i: examples[i], 4, batch_size=4, seq_len=64, seed=0,
+                               row_multiple=2, vision_cfg=cfg.vision))
+  batch = jax.tree.map(jnp.asarray, batch.replace(advantages=batch.loss_mask))
+  optimizer = loop.rl_optimizer(1e-2, frozen=("visual",))
+  step = make_train_step(cfg, optimizer, losses.bind("k1.5"))
+  state, _ = step(init_train_state(params, optimizer), batch)
+  moved = lambda key: max(jax.tree.leaves(jax.tree.map(
+      lambda a, b: float(jnp.abs(a - b).max()), state.params[key], params[key])))
+  assert moved("visual") == 0.0 and moved("layers_0") > 0.0
+
+
+def test_rendered_cells_put_one_glyph_in_each_patch_column():
+  task = Rendered(Arithmetic(), cell=14, font_size=20)
+  record = task.train[0]
+  text = task.text_prompt(record)
+  pixels = np.asarray(Image.open(io.BytesIO(record["images"][0])).convert("L"))
+  assert pixels.shape[1] % 28 == 0 and pixels.shape[0] % 28 == 0
+  ink = pixels[:28] < 128  # the text line fills the first row of merge blocks
+  assert not (pixels[28:] < 128).any()
+  columns = [ink[:, 14 * k:14 * (k + 1)].any() for k in range(pixels.shape[1] // 14)]
+  assert columns == [k < len(text) for k in range(len(columns))]
+
+
+def test_greedy_eval_reports_each_mixture_tasks_accuracy():
+  tokenizer, cfg = tiny_vision_language()
+  task = Mixture({"rendered": Rendered(Arithmetic(digits=1), cell=14, font_size=20),
+                  "text": Arithmetic(digits=1)})
+  engine = JaxEngine(cfg, transformer.init_params(cfg, jax.random.key(2)))
+  metrics = eval_lib.greedy_eval(engine, task, tokenizer, num_records=4, max_new_tokens=4)
+  assert set(metrics) >= {"accuracy", "accuracy_rendered", "accuracy_text"}
+  assert metrics["accuracy"] == (metrics["accuracy_rendered"] + metrics["accuracy_text"]) / 2
+
+
+@pytest.mark.parametrize("params,message", [
+    (["train.tokenizer = @CharTokenizer()"], "the tokenizer encodes the image placeholder"),
+    (["tiny.vision = None"], "the model takes no images"),
+    (["RLConfig.freeze_vision = True", "tiny.vision = None", "train.task = @Arithmetic()"],
+     "freeze_vision: the model \\(qwen2\\) has no vision tower"),
+])
+def test_vision_configurations_that_cannot_run_are_refused(params, message, tmp_path):
+  result = run_cli("--gin", VISION, "--run_dir", str(tmp_path / "run"),
+                   *[a for p in params for a in ("--gin_param", p)])
+  assert result.returncode != 0 and re.search(message, result.stderr), result.stderr[-2000:]
+
+
+def test_the_vision_config_runs_sft_rl_and_reports_each_task(tmp_path):
+  """experiments/configs/vision.gin shrunk to a few steps: the mixture of rendered
+  arithmetic, the same problems as text and counting scenes, through the warm start, an RL
+  step and both evaluations; its last line names each task's accuracy."""
+  run_dir = tmp_path / "run"
+  result = run_cli("--gin", VISION, "--run_dir", str(run_dir), "--gin_param",
+                   "Hooks.progress = False", "--gin_param", "WarmStart.steps = 4",
+                   "--gin_param", "RLConfig.num_steps = 1", "--gin_param",
+                   "RLConfig.prompts_per_step = 6", "--gin_param",
+                   "RLConfig.samples_per_prompt = 2", "--gin_param", "Evaluation.records = 6",
+                   "--gin_param", "Evaluation.every = 0", "--gin_param",
+                   "RLConfig.freeze_vision = True")
+  assert result.returncode == 0, result.stderr[-3000:]
+  last = result.stdout.strip().splitlines()[-1]
+  for name in ("rendered", "text", "scenes"):
+    assert re.search(f"sft_accuracy_{name}=[0-9.]+ rl_accuracy_{name}=[0-9.]+", last), last
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert "rl_accuracy_rendered" in summary

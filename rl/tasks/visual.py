@@ -177,6 +177,30 @@ def render_text(text: str, *, font_size: int, max_width: int, min_side: int) -> 
   return image
 
 
+def render_cells(text: str, *, font_size: int, cell: int, max_width: int,
+                 min_side: int) -> Image.Image:
+  """`text` monospaced, as code is shown: each character centred in a cell `cell` pixels wide
+  and 2 * cell tall, lines of at most max_width / cell characters (wrapped at any
+  character), no margin; the image padded with white to an even number of cells each way
+  and to at least `min_side`. With cell = 14 every glyph fills one column of Qwen2.5-VL's
+  14-pixel patches and each 2 x 2 merge block holds two characters, whatever the text."""
+  typeface = font(font_size)
+  per_line = max(1, max_width // cell)
+  lines = [row[k:k + per_line] for row in text.split("\n")
+           for k in range(0, max(len(row), 1), per_line)]
+  even = lambda n: n + n % 2
+  width = max(min_side, cell * even(max(len(line) for line in lines)))
+  height = max(min_side, 2 * cell * len(lines))
+  image = Image.new("RGB", (even(-(-width // cell)) * cell, even(-(-height // cell)) * cell),
+                    _WHITE)
+  draw = ImageDraw.Draw(image)
+  for row, line in enumerate(lines):
+    for col, char in enumerate(line):
+      draw.text((col * cell + cell / 2, row * 2 * cell + cell), char, fill=_BLACK,
+                font=typeface, anchor="mm")
+  return image
+
+
 @dataclasses.dataclass(frozen=True)
 class RenderedSource:
   """The wrapped task's source with each record's prompt drawn: {**record, "images": [png]}."""
@@ -186,6 +210,7 @@ class RenderedSource:
   font_size: int
   max_width: int
   min_side: int
+  cell: int
 
   def __len__(self) -> int:
     return len(self.inner)
@@ -194,8 +219,9 @@ class RenderedSource:
     record = self.inner[index]
     if "images" in record:
       raise ValueError("Rendered.task must be a text task; its records already have images")
-    image = render_text(self.text_prompt(record), font_size=self.font_size,
-                        max_width=self.max_width, min_side=self.min_side)
+    draw = functools.partial(render_cells, cell=self.cell) if self.cell else render_text
+    image = draw(self.text_prompt(record), font_size=self.font_size,
+                 max_width=self.max_width, min_side=self.min_side)
     return {**record, "images": [png(image)]}
 
 
@@ -208,13 +234,23 @@ class Rendered:
   """`task` (a text task with short prompts: Arithmetic, MathTask) asked through a picture of
   its prompt. The prompt is "<image>\\n<instruction>"; records are the task's records plus
   `images`; solution, verify, well_formed and answer are the task's. `text_prompt(record)`
-  is the same problem's text prompt, for comparing accuracy on the two."""
+  is the same problem's text prompt, for comparing accuracy on the two.
+
+  cell: 0 draws the text proportionally (`render_text`); n > 0 monospaced in cells n pixels
+  wide (`render_cells`: with 14, one glyph per column of a Qwen2.5-VL patch, which a tiny
+  tower learns to read in minutes).
+
+  transcribe: the reference solution first copies the image's text, then a line break, then
+  the task's solution (reading taught token by token, as OCR data does); the format check
+  and the answer are the task's on the last line, the verifier the task's on the whole."""
 
   task: Any
   instruction: str = "Solve the problem in the image."
   font_size: int = 14
   max_width: int = 224
   min_side: int = 56
+  cell: int = 0
+  transcribe: bool = False
 
   def __post_init__(self):
     if IMAGE in self.instruction:
@@ -225,6 +261,9 @@ class Rendered:
     if not 1 <= self.min_side <= self.max_width:
       raise ValueError(f"Rendered needs 1 <= min_side <= max_width, got min_side="
                        f"{self.min_side}, max_width={self.max_width}")
+    if self.cell < 0 or self.cell > self.max_width:
+      raise ValueError(f"Rendered.cell must be in [0, max_width={self.max_width}] pixels, got "
+                       f"{self.cell}")
     if self.max_width < 2 * self.font_size + 2 * _MARGIN:
       raise ValueError(f"Rendered.max_width must fit two characters: >= "
                        f"{2 * self.font_size + 2 * _MARGIN} at font_size {self.font_size}, "
@@ -232,7 +271,7 @@ class Rendered:
 
   def _source(self, inner) -> RenderedSource:
     return RenderedSource(inner, self.task.prompt, self.font_size, self.max_width,
-                          self.min_side)
+                          self.min_side, self.cell)
 
   @property
   def train(self) -> RenderedSource:
@@ -250,16 +289,20 @@ class Rendered:
     return self.task.prompt(_text_record(record))
 
   def solution(self, record: dict[str, Any]) -> str:
-    return self.task.solution(_text_record(record))
+    solution = self.task.solution(_text_record(record))
+    return f"{self.text_prompt(record)}\n{solution}" if self.transcribe else solution
 
   def verify(self, completion: str, record: dict[str, Any]) -> bool:
     return self.task.verify(completion, _text_record(record))
 
+  def _solved(self, completion: str) -> str:
+    return completion.rsplit("\n", 1)[-1] if self.transcribe else completion
+
   def well_formed(self, completion: str) -> bool:
-    return self.task.well_formed(completion)
+    return self.task.well_formed(self._solved(completion))
 
   def answer(self, completion: str) -> str | None:
-    return self.task.answer(completion)
+    return self.task.answer(self._solved(completion))
 
 
 # ---------------------------------------------------------------------------------------------
