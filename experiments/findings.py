@@ -170,7 +170,8 @@ def _files(config: str) -> list[str]:
 @contextlib.contextmanager
 def _configured(config: str):
   """gin holding `config` (plus the tiny overrides in tiny mode), with the repository root
-  as working directory (gin includes are relative to it) until the end."""
+  as working directory (gin includes are relative to it), until the end: then neither the
+  bindings nor the directory outlive it."""
   cwd = os.getcwd()
   os.chdir(ROOT)
   try:
@@ -178,6 +179,7 @@ def _configured(config: str):
     run_lib.load_config(_files(config), TINY_BINDINGS if tiny() else [], run_dir=None)
     yield
   finally:
+    gin.clear_config()
     os.chdir(cwd)
 
 

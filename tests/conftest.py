@@ -31,6 +31,16 @@ from models import config, transformer
 from models.tokenizer import CharTokenizer
 
 
+@pytest.fixture(autouse=True)
+def empty_gin_config():
+  """Each test starts without bindings: experiments/run.py's main, called in-process by some
+  tests, leaves its config's bindings in gin's global state for whatever runs next."""
+  import gin
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
   return CharTokenizer()

@@ -795,14 +795,10 @@ def test_partial_and_offpolicy_bindings_that_cannot_run_fail_before_compiling(
     corrections.trust_region(low=0.5, high=1.0)
   from experiments import gin_externals  # noqa: F401 - registers the corrections
   from experiments import run as run_lib
-  import gin
-  try:
-    with pytest.raises(SystemExit, match=r"No configurable matching reference '@drop\(\)'"):
-      run_lib.load_config([os.path.join(os.path.dirname(os.path.dirname(
-          os.path.abspath(__file__))), "experiments/configs/quickstart.gin")],
-                          ["Objective.correction = @drop()"])
-  finally:
-    gin.clear_config()
+  with pytest.raises(SystemExit, match=r"No configurable matching reference '@drop\(\)'"):
+    run_lib.load_config([os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "experiments/configs/quickstart.gin")],
+                        ["Objective.correction = @drop()"])
   with pytest.raises(ConfigError, match="needs an engine that can abort"):
     sources.check(sources.Partial(finish_fraction=0.5), context(JaxEngine(tiny_cfg, tiny_params)))
   # fine: lambda mode needs no token budget

@@ -266,12 +266,9 @@ def test_rendered_refuses_a_task_with_images():
 def test_the_tasks_are_configurable_with_gin():
   import gin
   from experiments import gin_externals  # noqa: F401 - registers the tasks
-  try:
-    gin.parse_config("Rendered.task = @Arithmetic()\nArithmetic.digits = 3\n"
-                     "Scenes.kind = 'locate'\nCharts.kind = 'line'\nCharts.question = 'max'")
-    rendered = gin.get_configurable("Rendered")()
-    assert rendered.task == Arithmetic(digits=3)
-    assert gin.get_configurable("tasks.Scenes")() == visual.Scenes("locate")
-    assert gin.get_configurable("Charts")() == visual.Charts("line", "max")
-  finally:
-    gin.clear_config()
+  gin.parse_config("Rendered.task = @Arithmetic()\nArithmetic.digits = 3\n"
+                   "Scenes.kind = 'locate'\nCharts.kind = 'line'\nCharts.question = 'max'")
+  rendered = gin.get_configurable("Rendered")()
+  assert rendered.task == Arithmetic(digits=3)
+  assert gin.get_configurable("tasks.Scenes")() == visual.Scenes("locate")
+  assert gin.get_configurable("Charts")() == visual.Charts("line", "max")
