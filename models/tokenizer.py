@@ -1,8 +1,9 @@
 """Tokenizers. `CharTokenizer` maps each character of a fixed alphabet to one id; it serves
 the synthetic tasks, where a real vocabulary would only slow a tiny model down. `HFTokenizer`
 is a real checkpoint's tokenizer: tokenizer.json through the `tokenizers` library, and the
-chat template, special tokens and stop tokens from its tokenizer_config.json and
-generation_config.json. Both have encode / decode / pad_id / bos_id / eos_id / vocab_size.
+chat template, special tokens and stop tokens from its tokenizer_config.json (or
+chat_template.jinja) and generation_config.json. Both have encode / decode / pad_id / bos_id /
+eos_id / vocab_size.
 """
 
 import dataclasses
@@ -123,6 +124,25 @@ def _special_token(value) -> str | None:
   return value
 
 
+def _chat_template(ckpt_dir: str, config: dict[str, Any]) -> str | None:
+  """The checkpoint's default chat template, where transformers 5 finds it: chat_template.jinja
+  first (what its save_pretrained writes, dropping the template from tokenizer_config.json;
+  tokenization_utils_base.py's from_pretrained gives that file priority), then
+  tokenizer_config.json's (a string, or named templates: the one named default), then the
+  processor's legacy chat_template.json (where a vision-language checkpoint may keep its
+  only one: the processor renders its chats, processing_utils.py reads that file)."""
+  path = os.path.join(ckpt_dir, "chat_template.jinja")
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  template = config.get("chat_template")
+  if isinstance(template, list):
+    return {t["name"]: t["template"] for t in template}.get("default")
+  if template is None:
+    template = HFTokenizer._read_json(ckpt_dir, "chat_template.json").get("chat_template")
+  return template
+
+
 def _template_environment() -> jinja2.Environment:
   """Jinja as Hugging Face runs chat templates: sandboxed (templates are untrusted code),
   trim_blocks and lstrip_blocks, loop controls, and their helper functions."""
@@ -143,8 +163,9 @@ class HFTokenizer:
   """The tokenizer of a Hugging Face checkpoint directory (no network access).
 
   Reads tokenizer.json (required), tokenizer_config.json (special tokens, chat template),
-  and the eos_token_id of generation_config.json and config.json (the stop tokens: SGLang
-  stops at all of them, configs/model_config.py L2190-2208) when present.
+  the chat template from its own file where there is one (`_chat_template`), and the
+  eos_token_id of generation_config.json and config.json (the stop tokens: SGLang stops at
+  all of them, configs/model_config.py L2190-2208) when present.
   """
 
   def __init__(self, ckpt_dir: str):
@@ -158,9 +179,7 @@ class HFTokenizer:
         for key in ("bos_token", "eos_token", "pad_token", "unk_token")
         if _special_token(self._config.get(key)) is not None}
     self._template = None
-    self.chat_template = self._config.get("chat_template")
-    if isinstance(self.chat_template, list):  # named templates: use the default one
-      self.chat_template = {t["name"]: t["template"] for t in self.chat_template}.get("default")
+    self.chat_template = _chat_template(ckpt_dir, self._config)
     eos = () if self.eos_id is None else (self.eos_id,)
     self.stop_token_ids = tuple(dict.fromkeys((*checkpoint_eos_ids(ckpt_dir), *eos)))
 
@@ -214,7 +233,8 @@ class HFTokenizer:
     arguments (tools, enable_thinking, ...) go to the template. Encode it with `encode`: the
     template writes the special tokens itself."""
     if not self.chat_template:
-      raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
+      raise ValueError("this checkpoint has no chat template (chat_template.jinja, or "
+                       "tokenizer_config.json's chat_template)")
     if self._template is None:  # compiled once: compiling costs more than rendering
       self._template = _template_environment().from_string(self.chat_template)
     return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,

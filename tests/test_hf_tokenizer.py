@@ -114,3 +114,28 @@ def test_generation_stops_where_an_sglang_server_would(tmp_path, ckpt):
     shutil.copy(f"{ckpt}/{name}", tmp_path / name)
   (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
   assert set(stop_ids(ChatPrompts(HFTokenizer(str(tmp_path))))) == {im_end, end_of_text, 7}
+
+
+def test_the_chat_template_is_read_where_transformers_saves_it(ckpt, tmp_path):
+  """transformers 5's save_pretrained moves the template to chat_template.jinja (a fine-tuned
+  model a researcher brings); that file wins over tokenizer_config.json's, as in
+  transformers; a vision-language checkpoint may hold its only one in chat_template.json."""
+  saved = tmp_path / "saved"
+  transformers.AutoTokenizer.from_pretrained(ckpt).save_pretrained(saved)
+  assert (saved / "chat_template.jinja").is_file()
+  assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
+  theirs = transformers.AutoTokenizer.from_pretrained(saved)
+  for messages in MESSAGES:
+    assert HFTokenizer(str(saved)).apply_chat_template(messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+  config = json.loads((saved / "tokenizer_config.json").read_text())
+  (saved / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "x"}))
+  assert HFTokenizer(str(saved)).chat_template == CHAT_TEMPLATE
+  assert transformers.AutoTokenizer.from_pretrained(saved).chat_template == CHAT_TEMPLATE
+  (saved / "chat_template.jinja").unlink()
+  (saved / "tokenizer_config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="no chat template"):
+    HFTokenizer(str(saved)).apply_chat_template(MESSAGES[0])
+  (saved / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+  assert HFTokenizer(str(saved)).apply_chat_template(MESSAGES[0]) == \
+      HFTokenizer(ckpt).apply_chat_template(MESSAGES[0])
