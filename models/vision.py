@@ -7,13 +7,15 @@ section 4):
   pixels with its area in [min_pixels, max_pixels] (`smart_resize`), rescaled by 1/255,
   normalised by CLIP's mean and std, cut into patches block-major: each spatial_merge_size^2
   consecutive patches are one merge block, one token of the decoder.
+  `preprocess_each`: a batch's, each distinct image once.
 - `Images`: a batch's images as the tower takes them under jit, every image's patches
   concatenated and padded to a fixed count, with each patch's (row, column), image and window.
 - `VisionTower`: patch embedding, blocks of 2D-RoPE attention (within windows, or over the
   image in the full-attention blocks) and SwiGLU, the patch merger -> [patches / merge,
   out_hidden_size]. transformers reorders the patches window by window and runs attention
-  per window; here every patch stays in place and attention is masked to its window (the
-  same sums: a merge block never straddles windows).
+  per window; here every patch stays in place and attends within its window, or its image,
+  as a segment of blockwise attention (the same sums: a merge block never straddles windows;
+  memory linear in the batch's patches).
 - `mrope_positions`: each token's (temporal, height, width) position, transformers'
   get_rope_index: text tokens count on in all three, an image's tokens hold its start in the
   first and start + row, start + column in the others, and text resumes at start +
@@ -25,7 +27,7 @@ The decoder (models/transformer.py) scatters the tower's rows into its image tok
 import io
 import math
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image as PILImage
 
-from models.attention import reference
+from models.attention import blockwise
 from models.config import VisionConfig
 from models.layers import RMSNorm, swiglu
 
@@ -100,6 +102,17 @@ def preprocess(image, cfg: VisionConfig) -> PatchedImage:
   x = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
   x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))  # one frame, t times
   return PatchedImage(np.ascontiguousarray(x.reshape(gh * gw, cfg.patch_dim)), (1, gh, gw))
+
+
+def preprocess_each(images: Sequence[Sequence], cfg: VisionConfig
+                    ) -> list[list[PatchedImage]]:
+  """`preprocess` of each prompt's images, each distinct image object once: a group of n
+  samples of one prompt repeats its images n times, and decoding and resizing dominate."""
+  done: dict[int, PatchedImage] = {}
+  for image in (im for ims in images for im in ims):
+    if id(image) not in done:
+      done[id(image)] = preprocess(image, cfg)
+  return [[done[id(im)] for im in ims] for ims in images]
 
 
 def image_grid(image, cfg: VisionConfig) -> tuple[int, int, int]:
@@ -263,8 +276,9 @@ class VisionBlock(nn.Module):
   param_dtype: str
 
   @nn.compact
-  def __call__(self, x, cos, sin, mask):
-    """x [B, P, hidden]; cos, sin f32[B, P, head_dim]; mask bool[B, P, P] -> [B, P, hidden]"""
+  def __call__(self, x, cos, sin, segments):
+    """x [B, P, hidden]; cos, sin f32[B, P, head_dim]; segments i32[B, P] (0: padding; a
+    patch attends to its segment's patches) -> [B, P, hidden]"""
     c = self.cfg
     dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
                                      name=name)
@@ -279,7 +293,7 @@ class VisionBlock(nn.Module):
       rotated = a * cos[:, :, None] + jnp.concatenate([-a2, a1], -1) * sin[:, :, None]
       return rotated.astype(x.dtype)
 
-    out = reference.attention(turn(q), turn(k), v, mask)
+    out = blockwise.attention(turn(q), turn(k), v, segments, causal=False)
     x = x + dense(c.hidden_size, "proj")(out.reshape(*x.shape[:2], c.hidden_size))
     y = RMSNorm(1e-6, self.param_dtype, name="norm2")(x)
     mlp = lambda name, n: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -310,12 +324,14 @@ class VisionTower(nn.Module):
               * jnp.asarray(inv_freq, jnp.float32)).reshape(*x.shape[:2], d // 2)  # rows' first
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))
-    image, window = images.image, images.window
-    whole = (image[:, :, None] == image[:, None, :]) & (image != 0)[:, :, None]
-    windowed = whole & (window[:, :, None] == window[:, None, :])
+    # Attention within segments in linear memory (blockwise tiles; tiles of other images and
+    # far windows skipped): a dense [P, P] mask over a batch's patches took 25 GB for 256
+    # small rendered problems. Segments: the image, or its window (windows count from 0).
+    whole = images.image
+    windowed = jnp.where(whole != 0, images.window + 1, 0)
     for i in range(c.depth):
-      mask = whole if i in c.full_attention_blocks else windowed
-      x = VisionBlock(c, dtype, self.param_dtype, name=f"blocks_{i}")(x, cos, sin, mask)
+      segments = whole if i in c.full_attention_blocks else windowed
+      x = VisionBlock(c, dtype, self.param_dtype, name=f"blocks_{i}")(x, cos, sin, segments)
     x = RMSNorm(1e-6, self.param_dtype, name="merger_ln_q")(x)
     x = x.reshape(-1, c.merge * c.hidden_size)  # the rows' merged patches, row after row
     x = nn.gelu(dense(c.merge * c.hidden_size, "merger_mlp_0")(x), approximate=False)

@@ -118,7 +118,7 @@ def with_images(sequences: list[dict[str, np.ndarray]], prompts: Sequence[Sequen
   with the places of their prompts' placeholders in the row. -> (TrainBatch, placements)"""
   if vision_cfg is None:
     raise ValueError("trajectory_batch: prompts with images need the model's VisionConfig")
-  patched = [[vision.preprocess(im, vision_cfg) for im in ims] for ims in images]
+  patched = vision.preprocess_each(images, vision_cfg)
   for sequence, prompt, ims in zip(sequences, prompts, patched):
     sequence["mrope"] = vision.sequence_positions(
         prompt, len(sequence["tokens"]) - len(prompt) + 1, [im.grid for im in ims],

@@ -486,7 +486,7 @@ class JaxEngine:
                        "which has no vision tower")
     if len(images) != count:
       raise ValueError(f"JaxEngine.generate: images for {len(images)} prompts, {count} given")
-    return [[vision.preprocess(im, self._cfg.vision) for im in ims] for ims in images]
+    return vision.preprocess_each(images, self._cfg.vision)
 
   def _sample(self, params, version: int, prompts: Sequence[Sequence[int]],
               sampling: SamplingParams, max_new: int, key, images=None) -> list[Completion]:

@@ -85,6 +85,28 @@ def test_blockwise_equals_dense(case, tile_loops, monkeypatch):
       case)
 
 
+@pytest.mark.parametrize("tile_loops", ["unrolled", "looped"])
+def test_blockwise_without_causality_sees_the_whole_segment(tile_loops, monkeypatch):
+  """causal=False (the vision tower's windows and images): each query attends to every key
+  of its segment, before or after it, as the dense reference with that mask; interleaved
+  segments (windows of one image are not contiguous) and padding included."""
+  monkeypatch.setattr(blockwise, "UNROLL_TILES", 16 if tile_loops == "unrolled" else 0)
+  segments = [[1, 2] * 12 + [3] * 20 + [0] * 8, [4] * 30 + [5, 6, 5, 6] * 4 + [0] * 6]
+
+  def bidirectional(q, k, v, seg):
+    mask = (seg[:, :, None] == seg[:, None, :]) & (seg != 0)[:, :, None]
+    return reference.attention(q, k, v, mask)
+
+  q, k, v, seg, cot = _inputs(2, 52, 4, 2, 8, segments)
+  want_out, want_grads = _value_and_grads(bidirectional, q, k, v, seg, cot)
+  out, grads = _value_and_grads(lambda q, k, v, seg: blockwise.attention(
+      q, k, v, seg, causal=False, block_q=16, block_k=8), q, k, v, seg, cot)
+  np.testing.assert_allclose(out, want_out, **TOL)
+  for name, got, want in zip("qkv", grads, want_grads):
+    np.testing.assert_allclose(got, want, **TOL, err_msg=f"d{name}")
+  np.testing.assert_array_equal(out[0, -8:], 0.0)
+
+
 def test_blockwise_skips_masked_tiles_without_changing_results():
   """One tile per sequence is the same computation with nothing to skip."""
   q, k, v, seg, _ = _inputs(*CASES["packed"][:5], CASES["packed"][5])

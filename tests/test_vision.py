@@ -81,6 +81,13 @@ def test_preprocessing_equals_transformers_image_processor(checkpoint):
   images[0].save(buffer, format="PNG")
   from_bytes = vision.preprocess(buffer.getvalue(), cfg.vision)
   np.testing.assert_array_equal(from_bytes.patches, vision.preprocess(images[0], cfg.vision)[0])
+  # a group's prompts share their image objects: each is preprocessed once, and equal
+  each = vision.preprocess_each([[images[0]], [images[0], images[1]], [], [images[0]]],
+                                cfg.vision)
+  assert [len(ims) for ims in each] == [1, 2, 0, 1]
+  assert each[0][0] is each[1][0] is each[3][0]
+  np.testing.assert_array_equal(each[1][1].patches,
+                                vision.preprocess(images[1], cfg.vision).patches)
   with pytest.raises(TypeError, match="an image must be"):
     vision.preprocess(3.0, cfg.vision)
   with pytest.raises(FileNotFoundError, match="no such file"):

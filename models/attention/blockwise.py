@@ -12,7 +12,9 @@ Grouped-query heads are handled by grouping query heads under their key/value he
 values are never repeated.
 
 Masking rule, the same as the dense reference: query i sees key j iff index[j] <= index[i],
-segment[j] == segment[i] and segment[i] != 0. A query that sees no key outputs zeros.
+segment[j] == segment[i] and segment[i] != 0. A query that sees no key outputs zeros. Without
+causality (`attention(..., causal=False)`, the vision tower's) every index is 0: a query sees
+its whole segment.
 """
 
 from typing import NamedTuple
@@ -261,9 +263,10 @@ def _flash_bwd(residuals, dout):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def attention(q, k, v, segment_ids, *, block_q: int = DEFAULT_BLOCK,
+def attention(q, k, v, segment_ids, *, causal: bool = True, block_q: int = DEFAULT_BLOCK,
               block_k: int = DEFAULT_BLOCK):
-  """Causal attention within segments, memory linear in the sequence length.
+  """Causal attention within segments, memory linear in the sequence length; with
+  causal=False each query sees its whole segment (a vision tower's windows and images).
 
   Args:
     q: [batch, seq, num_heads, head_dim]
@@ -276,7 +279,8 @@ def attention(q, k, v, segment_ids, *, block_q: int = DEFAULT_BLOCK,
   b, s, h, d = q.shape
   kh = k.shape[2]
   bq, bk = block_size(s, block_q), block_size(s, block_k)
-  index = jnp.arange(s, dtype=jnp.int32)
+  # one causal index for all: every key is at or before every query
+  index = jnp.arange(s, dtype=jnp.int32) if causal else jnp.zeros(s, jnp.int32)
   scaled = (q * d ** -0.5).astype(q.dtype).reshape(b, s, kh, h // kh, d)
   out = _flash(to_q_blocks(scaled, bq), to_kv_blocks(k, bk), to_kv_blocks(v, bk),
                to_meta(segment_ids, index, bq), to_meta(segment_ids, index, bk))
