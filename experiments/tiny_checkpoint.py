@@ -1,19 +1,21 @@
 """A tiny pretrained checkpoint to try the recipes on without a model hub:
-`python -m experiments.tiny_checkpoint OUT_DIR [--family qwen2|qwen3] [--sft_steps N]`.
+`python -m experiments.tiny_checkpoint OUT_DIR [--family qwen2|qwen3|qwen2_5_vl]
+[--sft_steps N]`.
 
 Writes what a researcher brings to a run, at a size a CPU trains in minutes:
 - OUT_DIR/data: column-addition word problems in GSM8K's shape (train.jsonl, test.jsonl:
   {"question", "answer": "<worked solution>\\n#### N"}) and sft.jsonl, chat demonstrations
   ({"messages": [user, assistant]}) from a sloppy demonstrator that drops the last column's
   carry from 60% of the answers that have one (as the quickstart's);
-- OUT_DIR: a Qwen2 or Qwen3 checkpoint written by transformers (config.json, safetensors),
-  with a byte-level BPE tokenizer trained here with `tokenizers` (Qwen's digit-by-digit split,
-  <|im_start|> / <|im_end|> / <|endoftext|>) and Qwen's chat template (Qwen3's with its
-  enable_thinking switch);
+- OUT_DIR: a Qwen2, Qwen3 or Qwen2.5-VL checkpoint written by transformers (config.json,
+  safetensors; the Qwen2.5-VL's preprocessor_config.json), with a byte-level BPE tokenizer
+  trained here with `tokenizers` (Qwen's digit-by-digit split, <|im_start|> / <|im_end|> /
+  <|endoftext|>, Qwen2.5-VL's vision tokens) and the family's chat template (Qwen3's with its
+  enable_thinking switch, Qwen2.5-VL's with image parts);
 - then made competent outside the RL loop: SFT on the demonstrations under the chat template,
   loss on the assistant's tokens (rl.sft.read_demonstrations, as WarmStart.demonstrations
-  reads them), saved back over the weights, so that RL starts from a model that is right about half the time and sloppy in a
-  way a verifier of the true sum can unlearn.
+  reads them), saved back over the weights, so that RL starts from a model that is right
+  about half the time and sloppy in a way a verifier of the true sum can unlearn.
 
 Needs torch and transformers (the test extras). Nothing is downloaded.
 """
@@ -74,10 +76,33 @@ QWEN3_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}")
+# Qwen2.5-VL's (its chat_template.json, as transformers' Qwen2-VL processor tests hold it): a
+# message's content is a string, or parts of which an image part becomes the placeholder
+# <|vision_start|><|image_pad|><|vision_end|> that the processor expands per image.
+QWEN2_5_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATES = {"qwen2": QWEN2_TEMPLATE, "qwen3": QWEN3_TEMPLATE, "qwen2_5_vl": QWEN2_5_VL_TEMPLATE}
 # Qwen2's pre-tokenizer split: digits one by one, newlines apart from the text around them.
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2.5-VL's image bounds shrunk: a rendered problem is a few dozen image tokens.
+MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
 
 
 def _problem(rng: random.Random, operands: int, digits: int) -> list[int]:
@@ -143,14 +168,17 @@ def write_tokenizer(out_dir: str, corpus: list[str], *, family: str,
       tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT), behavior="isolated"),
       tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   tok.decoder = tokenizers.decoders.ByteLevel()
+  specials = SPECIALS + (VISION_SPECIALS if family == "qwen2_5_vl" else ())
   tok.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
-      vocab_size=vocab_size, special_tokens=list(SPECIALS),
+      vocab_size=vocab_size, special_tokens=list(specials),
       initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
   tok.save(os.path.join(out_dir, "tokenizer.json"))
-  template = QWEN2_TEMPLATE if family == "qwen2" else QWEN3_TEMPLATE
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATES[family],
                "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}, f)
+  if family == "qwen2_5_vl":  # the hub's Qwen2.5-VL holds it in the processor's file too
+    with open(os.path.join(out_dir, "chat_template.json"), "w") as f:
+      json.dump({"chat_template": TEMPLATES[family]}, f)
   with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
     json.dump({"eos_token_id": [tok.token_to_id("<|im_end|>"),
                                 tok.token_to_id("<|endoftext|>")]}, f)
@@ -159,7 +187,9 @@ def write_tokenizer(out_dir: str, corpus: list[str], *, family: str,
 
 def write_model(out_dir: str, vocab_size: int, *, family: str, hidden_size: int = 128,
                 num_layers: int = 2, seed: int = 0) -> None:
-  """A randomly initialised Qwen2 / Qwen3 checkpoint written by transformers."""
+  """A randomly initialised Qwen2 / Qwen3 / Qwen2.5-VL checkpoint written by transformers
+  (Qwen2.5-VL's: a 2-block vision tower, the second with full attention, and its
+  preprocessor_config.json)."""
   import torch
   import transformers
   torch.manual_seed(seed)
@@ -168,6 +198,23 @@ def write_model(out_dir: str, vocab_size: int, *, family: str, hidden_size: int 
                max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-6)
   if family == "qwen2":
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+  elif family == "qwen2_5_vl":
+    with open(os.path.join(out_dir, "tokenizer.json")) as f:
+      ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+    model = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config=dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [4, 6, 6]}, **shape),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=hidden_size, window_size=56,
+                           fullatt_block_indexes=[1]),
+        tie_word_embeddings=True, bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"]))
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+                             ).save_pretrained(out_dir)
   else:
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         head_dim=hidden_size // 4, **shape))
@@ -202,7 +249,7 @@ def make(out_dir: str, *, family: str = "qwen2", sft_steps: int = 400, batch_siz
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("out_dir")
-  parser.add_argument("--family", choices=("qwen2", "qwen3"), default="qwen2")
+  parser.add_argument("--family", choices=tuple(TEMPLATES), default="qwen2")
   parser.add_argument("--sft_steps", type=int, default=600)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
