@@ -233,8 +233,8 @@ class HFTokenizer:
     arguments (tools, enable_thinking, ...) go to the template. Encode it with `encode`: the
     template writes the special tokens itself."""
     if not self.chat_template:
-      raise ValueError("this checkpoint has no chat template (chat_template.jinja, or "
-                       "tokenizer_config.json's chat_template)")
+      raise ValueError("this checkpoint has no chat template (chat_template.jinja, "
+                       "tokenizer_config.json's chat_template or chat_template.json)")
     if self._template is None:  # compiled once: compiling costs more than rendering
       self._template = _template_environment().from_string(self.chat_template)
     return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,

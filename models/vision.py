@@ -153,11 +153,11 @@ class Images(NamedTuple):
   fixed count (a multiple of the merge, padding in image 0).
 
   pixels f32[P, patch_dim]; rows_cols i32[P, 2] each patch's row and column in its image;
-  image i32[P] 1 + the index of its image (frame), 0 for padding; window i32[P] its
-  attention window, numbered over the batch; slots i32[P / merge] the token each merged
-  patch replaces (its index in the tokens flattened), NOWHERE for padding. Or each with a
-  leading axis [rows, P, ...]: each packed row's images (`row_images`), attended to row by
-  row, slots indexing the tokens of its row.
+  image i32[P] 1 + the index of its image (frame), 0 for padding; window i32[P] 1 + the
+  index of its attention window over the batch, 0 for padding; slots i32[P / merge] the
+  token each merged patch replaces (its index in the tokens flattened), NOWHERE for
+  padding. Or each with a leading axis [rows, P, ...]: each packed row's images
+  (`row_images`), attended to row by row, slots indexing the tokens of its row.
 
   The slots are a prompt's placeholders (`placeholder_slots`), never found by token id: an
   image token a policy generated is no placeholder, and one before another sequence's images
@@ -200,7 +200,7 @@ def batch_images(images: list[PatchedImage], cfg: VisionConfig, slots,
     pixels[start:start + n] = im.patches
     rc, frame, win = _patch_layout(im.grid, cfg)
     rows_cols[start:start + n], image[start:start + n] = rc, frames + 1 + frame
-    window[start:start + n] = windows + win
+    window[start:start + n] = windows + 1 + win
     start, frames, windows = start + n, frames + im.grid[0], windows + win.max() + 1
   placed = np.full(patches // cfg.merge, NOWHERE, np.int32)
   placed[:len(slots)] = slots
@@ -324,13 +324,11 @@ class VisionTower(nn.Module):
               * jnp.asarray(inv_freq, jnp.float32)).reshape(*x.shape[:2], d // 2)  # rows' first
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))
-    # Attention within segments in linear memory (blockwise tiles; tiles of other images and
-    # far windows skipped): a dense [P, P] mask over a batch's patches took 25 GB for 256
-    # small rendered problems. Segments: the image, or its window (windows count from 0).
-    whole = images.image
-    windowed = jnp.where(whole != 0, images.window + 1, 0)
+    # Attention within segments, the image or the window, in linear memory (blockwise
+    # tiles; tiles of other images and far windows skipped): a dense [P, P] mask over a
+    # batch's patches took 25 GB for 256 small rendered problems.
     for i in range(c.depth):
-      segments = whole if i in c.full_attention_blocks else windowed
+      segments = images.image if i in c.full_attention_blocks else images.window
       x = VisionBlock(c, dtype, self.param_dtype, name=f"blocks_{i}")(x, cos, sin, segments)
     x = RMSNorm(1e-6, self.param_dtype, name="merger_ln_q")(x)
     x = x.reshape(-1, c.merge * c.hidden_size)  # the rows' merged patches, row after row

@@ -3,12 +3,12 @@
 Owns what a run takes from a checkpoint directory and gives back to it: the model config
 (config.json, with how it computes as bindings: bf16 compute over float32 master weights by
 default), the tokenizer and its chat format (tokenizer.json, the chat template of
-chat_template.jinja or tokenizer_config.json, a system prompt, template options such as Qwen3's enable_thinking),
-the starting params (read tensor by tensor straight into their shards on the run's mesh, no
-SFT warm start), which are also the reference policy of a KL term (read again from the
-directory, not copied into the run), and the run's export: a complete Hugging Face directory
-(weights, config.json and the checkpoint's tokenizer files) that transformers and SGLang
-load as it is.
+chat_template.jinja or tokenizer_config.json, a system prompt, template options such as
+Qwen3's enable_thinking), the starting params (read tensor by tensor straight into their
+shards on the run's mesh, no SFT warm start), which are also the reference policy of a KL
+term (read again from the directory, not copied into the run), and the run's export: a
+complete Hugging Face directory (weights, config.json and the checkpoint's tokenizer files)
+that transformers and SGLang load as it is.
 """
 
 import dataclasses

@@ -33,8 +33,8 @@ from models.tokenizer import CharTokenizer
 
 @pytest.fixture(autouse=True)
 def empty_gin_config():
-  """Each test starts without bindings: experiments/run.py's main, called in-process by some
-  tests, leaves its config's bindings in gin's global state for whatever runs next."""
+  """Each test starts without bindings: gin's config is global, and a test that parses one
+  in-process (run.load_config, the findings) would hand its bindings to whatever runs next."""
   import gin
   gin.clear_config()
   yield

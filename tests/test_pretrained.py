@@ -74,13 +74,13 @@ def _logits(params, cfg, tokens):
 # (scripts/test.sh distributes by xdist_group), the lightest first (it makes the checkpoint):
 # making one takes longer than a run.
 QWEN2, QWEN3 = (pytest.mark.xdist_group(family) for family in ("qwen2", "qwen3"))
-# The three RL runs that must gain, shorter than the recipe's 30 steps, on half its prompts a step and at half
-# its learning rate: on 16 prompts at the recipe's 2e-4 the Qwen2 overshoots and oscillates
-# (three runs of the same command through a server, whose batching varies the samples, ended
-# 12 steps at +0.02, +0.08 and +0.27 held-out accuracy). At 1e-4, by step 8 the Qwen2 gained
-# +0.31 to +0.42 in five runs (three through a server, seeds 0 and 1 on the embedded engine)
-# and the Qwen3 +0.51 to +0.52 in three. A checkpoint every 4 steps (the interruption comes
-# after the first), evaluated at the start and the end.
+# The three RL runs that must gain, shorter than the recipe's 30 steps, on half its prompts a
+# step and at half its learning rate: on 16 prompts at the recipe's 2e-4 the Qwen2 overshoots
+# and oscillates (three runs of the same command through a server, whose batching varies the
+# samples, ended 12 steps at +0.02, +0.08 and +0.27 held-out accuracy). At 1e-4, by step 8
+# the Qwen2 gained +0.31 to +0.42 in five runs (three through a server, seeds 0 and 1 on the
+# embedded engine) and the Qwen3 +0.51 to +0.52 in three. A checkpoint every 4 steps (the
+# interruption comes after the first), evaluated at the start and the end.
 STEPS = 8
 SHORT = ("--gin_param", f"RLConfig.num_steps = {STEPS}", "--gin_param", "Evaluation.every = 0",
          "--gin_param", "Hooks.checkpoint_every = 4", "--gin_param",

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import types
 
 import numpy as np
@@ -27,12 +26,12 @@ from rl.pretrained import HFCheckpoint
 from rl.rollout import prompt_ids
 from rl.tasks.math import MathTask
 from rl.tasks.visual import Rendered
+from tests.test_pretrained import _command
 from tests.test_vision import our_logits
 
 pytestmark = pytest.mark.xdist_group("vision_pretrained")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "experiments/configs/recipes/tiny/grpo_math.gin")
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +86,13 @@ def test_prompts_with_images_equal_the_processors(checkpoint):
 
 def test_the_recipe_trains_it_on_rendered_problems_and_exports_it(checkpoint, tmp_path):
   run_dir = str(tmp_path / "run")
-  command = [sys.executable, os.path.join(ROOT, "experiments/run.py"), "--gin", RECIPE,
-             "--gin_param", f"CHECKPOINT = {checkpoint!r}",
-             "--gin_param", f"TRAIN = '{checkpoint}/data/train.jsonl'",
-             "--gin_param", f"TEST = '{checkpoint}/data/test.jsonl'",
-             "--gin_param", "train.task = @Rendered()", "--gin_param", "Rendered.task = @MathTask()",
-             "--gin_param", "RLConfig.num_steps = 2", "--gin_param", "RLConfig.prompts_per_step = 4",
-             "--gin_param", "RLConfig.samples_per_prompt = 4",
-             "--gin_param", "RLConfig.seq_len = 192", "--gin_param", "Evaluation.records = 8",
-             "--gin_param", "Hooks.progress = False", "--run_dir", run_dir]
+  command = _command(checkpoint, run_dir, "--gin_param", "train.task = @Rendered()",
+                     "--gin_param", "Rendered.task = @MathTask()",
+                     "--gin_param", "RLConfig.num_steps = 2",
+                     "--gin_param", "RLConfig.prompts_per_step = 4",
+                     "--gin_param", "RLConfig.samples_per_prompt = 4",
+                     "--gin_param", "RLConfig.seq_len = 192",
+                     "--gin_param", "Evaluation.records = 8")
   result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   summary = json.load(open(os.path.join(run_dir, "summary.json")))
