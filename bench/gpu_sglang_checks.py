@@ -1,6 +1,10 @@
 """Checks of rollouts/sglang.py against a real SGLang server; run by bench/gpu_sglang_e2e.sh.
 
   python bench/gpu_sglang_checks.py URL WEIGHTS_DIR API_TYPES_PY
+  python bench/gpu_sglang_checks.py --refit fp8|int4 URL WEIGHTS_DIR
+
+The second: a server started from WEIGHTS_DIR/v000000, a quantized export, is refit with
+WEIGHTS_DIR/v000001 (refit_check).
 
 WEIGHTS_DIR holds v000000 (what the server was started with) and v000001 (other weights),
 both tiny random Qwen2 checkpoints in bf16 written by the script (the server runs --dtype
@@ -175,5 +179,70 @@ def main(url, weights_dir, api_types_path):
   sys.exit(1 if failures else 0)
 
 
+def refit_check(fmt: str, url: str, weights_dir: str) -> None:
+  """A server serving WEIGHTS_DIR/v000000 in `fmt` is refit from disk with v000001 (by
+  SGLangClient.sync_weights, as SGLangEngine would, which refuses INT4 ahead of a run).
+  FP8: it must answer success, report version 1, and greedy-decode as the embedded engine
+  holding v1 as stored (log-probs within LOGPROB_ATOL). INT4: sglang 0.5.23's source says the
+  refit takes the server down (rollouts/sglang.py refusals): PASS when it does; a server
+  that survives and serves v1 fails the check, so that the refusal can be lifted."""
+  # As stored (quantize.Packed): requantizing dequantized INT4 would pick other scales.
+  v0, v1 = (os.path.join(weights_dir, f"v{i:06d}") for i in (0, 1))
+  cfg, params0 = hf.load(v0, dtype="bfloat16", param_dtype="bfloat16", packed=True)
+  _, params1 = hf.load(v1, dtype="bfloat16", param_dtype="bfloat16", packed=True)
+  client = SGLangClient([url], retries=1, control_timeout=120)
+  client.check_health(300)
+  greedy = SamplingParams(32, temperature=0.0)
+
+  def served(tag: str):
+    return client.generate([Request(f"{tag}-{i}", tuple(p), 32) for i, p in
+                            enumerate(PROMPTS)], greedy)
+
+  def close_to(made, params) -> tuple[bool, float]:
+    local = JaxEngine(cfg, params).generate(PROMPTS, greedy, seed=0)
+    gap = max(float(np.abs(m.logprobs[:8] - l.logprobs[:8]).max()) for m, l in zip(made, local))
+    same = all(m.token_ids[:8].tolist() == l.token_ids[:8].tolist() for m, l in zip(made, local))
+    return same and gap < LOGPROB_ATOL, gap
+
+  ok, gap = close_to(served("before"), params0)
+  print(f"{'PASS' if ok else 'FAIL'} {fmt}: served as the embedded {fmt} engine "
+        f"(first 8 greedy tokens, log-prob gap {gap:.2e})", flush=True)
+  failures = [] if ok else ["served"]
+  started = time.perf_counter()
+  try:
+    client.sync_weights(v1, 1)
+    error = None
+  except Exception as e:  # noqa: BLE001 (reported)
+    error = f"{type(e).__name__}: {e}"
+  seconds = time.perf_counter() - started
+  alive = True
+  try:
+    client.check_health(30)
+  except Exception:  # noqa: BLE001 (down is an answer here)
+    alive = False
+  if fmt == "int4":
+    ok = not alive
+    print(f"{'PASS' if ok else 'FAIL'} int4 refit takes sglang down, as its source says "
+          f"({error or 'the update answered success'}; {seconds:.2f} s)"
+          + ("" if ok else ": it survived, so INT4 refits may work: check the outputs and "
+             "lift rollouts/sglang.py refusals"), flush=True)
+  else:
+    made = served("after") if alive and error is None else None
+    close, gap = close_to(made, params1) if made else (False, float("nan"))
+    version = client.model_info()[url].get("weight_version") if alive else None
+    ok = alive and error is None and version == "1" and close and all(
+        set(m.versions.tolist()) == {1} for m in made)
+    print(f"{'PASS' if ok else 'FAIL'} fp8 refit from disk: version {version}, outputs those "
+          f"of v1 as stored (gap {gap:.2e}), {seconds:.2f} s" + (f"; {error}" if error else ""),
+          flush=True)
+  failures += [] if ok else ["refit"]
+  client.close()
+  print(json.dumps({"format": fmt, "failures": failures}))
+  sys.exit(1 if failures else 0)
+
+
 if __name__ == "__main__":
-  main(*sys.argv[1:4])
+  if sys.argv[1] == "--refit":
+    refit_check(*sys.argv[2:5])
+  else:
+    main(*sys.argv[1:4])

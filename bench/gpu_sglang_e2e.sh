@@ -4,7 +4,11 @@
 # Writes a tiny random Qwen2 checkpoint, starts a real SGLang server on it, and runs the
 # contract, log-prob parity, refit, teacher scoring, partial rollout (aborts by rid) and hybrid
 # release/resume checks, then generation and a refit through the real sglang-router
-# (bench/gpu_sglang_checks.py). --enable-memory-saver needs torch_memory_saver, which SGLang's
+# (bench/gpu_sglang_checks.py). Then quantized refits: a server started from the FP8 export
+# refit with another FP8 export, and one from the INT4 export refit with another INT4 export
+# (bench/gpu_sglang_checks.py --refit: FP8 must refit, INT4 is expected to take the server
+# down, which rollouts/sglang.py refuses ahead of a run; a server that survives it fails the
+# check, so that the refusal is lifted). --enable-memory-saver needs torch_memory_saver, which SGLang's
 # own dependencies install.
 #
 # SGLang comes from SGLANG_PYTHON (an interpreter that can `import sglang`, default: a venv
@@ -30,17 +34,36 @@ cfg = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
 for version in (0, 1):
     params = transformer.init_params(cfg, jax.random.PRNGKey(version))
     hf.save(params, cfg, f"{sys.argv[1]}/v{version:06d}")
+    for fmt in ("fp8", "int4"):
+      hf.save(params, cfg, f"{sys.argv[1]}/{fmt}/v{version:06d}", quantization=fmt)
 PY
 
-"$SGLANG_PYTHON" -m sglang.launch_server --model-path "$WORK/v000000" --skip-tokenizer-init \
-  --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype bfloat16 \
-  --mem-fraction-static 0.2 --disable-cuda-graph --enable-memory-saver \
-  > "$WORK/server.log" 2>&1 &
-SERVER=$!
+# serve DIR [FLAGS...]: a server on DIR in the background (SERVER its pid), up.
+serve() {
+  local dir=$1
+  shift
+  "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$dir" --skip-tokenizer-init \
+    --host 127.0.0.1 --port "$PORT" --weight-version 0 --dtype bfloat16 \
+    --mem-fraction-static 0.2 --disable-cuda-graph "$@" > "$WORK/server.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 600); do
+    if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then return 0; fi
+    if ! kill -0 $SERVER 2>/dev/null; then cat "$WORK/server.log"; return 1; fi
+    sleep 1
+  done
+  return 1
+}
 trap 'kill $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-  if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then break; fi
-  if ! kill -0 $SERVER 2>/dev/null; then cat "$WORK/server.log"; exit 1; fi
-  sleep 1
+status=0
+serve "$WORK/v000000" --enable-memory-saver
+.venv/bin/python bench/gpu_sglang_checks.py "http://127.0.0.1:$PORT" "$WORK" "$API_TYPES" \
+  || status=1
+for fmt in fp8 int4; do
+  kill $SERVER 2>/dev/null || true
+  wait $SERVER 2>/dev/null || true
+  serve "$WORK/$fmt/v000000" || { echo "FAIL $fmt: the server did not start"; status=1; continue; }
+  .venv/bin/python bench/gpu_sglang_checks.py --refit "$fmt" "http://127.0.0.1:$PORT" \
+    "$WORK/$fmt" || status=1
+  tail -n 20 "$WORK/server.log"
 done
-.venv/bin/python bench/gpu_sglang_checks.py "http://127.0.0.1:$PORT" "$WORK" "$API_TYPES"
+exit $status

@@ -36,7 +36,7 @@ from rl.checkpoint import CheckpointCorrupt  # noqa: E402
 from rl.run_lock import RunDirectoryBusy  # noqa: E402
 from rl.sources import RolloutsFailed  # noqa: E402
 from rl.trainer import make_deterministic  # noqa: E402
-from rollouts.sglang import ServerError  # noqa: E402
+from rollouts.sglang import ServerError, Unservable  # noqa: E402
 
 
 def parse_args(argv):
@@ -105,7 +105,7 @@ def main(argv=None):
   try:
     summary = gin_externals.train()  # validates its configuration before any compile
   except (ConfigError, KernelUnavailable, MeshUnavailable, RunDirectoryBusy,
-          CheckpointCorrupt) as e:
+          CheckpointCorrupt, Unservable) as e:
     raise SystemExit(f"error: {e}") from None
   except (ServerError, ProcessFailed, RolloutsFailed) as e:  # a fault mid-run, and what next
     raise SystemExit(f"error: {e}\n{resume_hint(run_dir)}") from None

@@ -492,9 +492,25 @@ def _hybrid_refusals(source: Source, context: Context) -> list[str]:
   return out
 
 
+def _length_refusals(context: Context) -> list[str]:
+  """Why a run's sequences do not fit its engine: a trajectory's prompt and continuation hold
+  up to seq_len + 1 tokens (a row's room), and an SGLang server refuses a request whose input
+  + max_new_tokens exceed its context length with a 400 (tokenizer_manager.py L1351-1377),
+  which would fail the first generate call that reached the bound."""
+  limit = context.can.context_length if context.can is not None else None
+  need = context.config.seq_len + 1
+  if limit is None or need <= limit:
+    return []
+  return [f"RLConfig.seq_len = {context.config.seq_len} lets a request hold {need} tokens "
+          f"(prompt + completion), above the servers' context length of {limit} (SGLang "
+          f"refuses it: tokenizer_manager.py L1351-1377); start them with --context-length "
+          f">= {need} or lower seq_len"]
+
+
 def check(source: Source, context: Context) -> None:
   """ConfigError listing why `source` cannot run in `context`, if it cannot: the one rule for
   every combination of sources, engine, task and sizes."""
-  reasons = source.refusals(context) + _hybrid_refusals(source, context)
+  reasons = (source.refusals(context) + _hybrid_refusals(source, context)
+             + _length_refusals(context))
   if reasons:
     raise ConfigError("rollouts cannot run: " + "; ".join(reasons))

@@ -90,12 +90,15 @@ class Capabilities:
     KV cache between generations (a hybrid deployment: the trainer has the memory while it
     trains); the next update_weights takes them back with the new weights, and generating
     or scoring before it is an error.
+  context_length: the most tokens (prompt + completion) one request may hold (a server's
+    --context-length: SGLang refuses a request above it); None: no limit.
   """
   abort: bool = False
   pause: bool = False
   serves_all_processes: bool = False
   keeps_weight_arrays: bool = False
   release_memory: bool = False
+  context_length: int | None = None
 
 
 class RolloutEngine(Protocol):

@@ -61,8 +61,7 @@ def launch(worker_urls: Sequence[str], *, timeout: float = 60.0
   url = f"http://127.0.0.1:{port}"
   log = tempfile.TemporaryFile("w+")
   line = command(worker_urls, port=port, metrics_port=_free_port())
-  if sys.platform == "linux":
-    line = [sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()), *line]
+  line = exiting_with_parent(line)
   # Its own session keeps it apart from the trainer's Ctrl-C: the trainer stops it cleanly.
   process = subprocess.Popen(line, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
   deadline = time.monotonic() + timeout
@@ -88,6 +87,15 @@ def launch(worker_urls: Sequence[str], *, timeout: float = 60.0
 _EXIT_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
                      "os.getppid() == int(sys.argv[1]) or sys.exit('parent gone'); "
                      "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def exiting_with_parent(line: list[str]) -> list[str]:
+  """`line` (an executable's path first) run so that it gets SIGTERM when this process dies
+  (on Linux; elsewhere as it is). Start it from a thread that outlives it: the signal comes
+  when the thread that started it ends."""
+  if sys.platform != "linux":
+    return line
+  return [sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()), *line]
 
 
 def _listening(port: int) -> bool:

@@ -18,7 +18,12 @@ only with --deterministic, --dtype auto serves float32 in float16, requests stop
 checkpoint's eos ids, and a release while busy, a resume of what was not released, or a
 request or weight load on released memory takes the server down. A quantized checkpoint (FP8
 blocks or compressed-tensors INT4, models/hf.py) is served as SGLang serves it: its projections
-held as stored, dequantized at every step (the model's unpack_projections).
+held as stored, dequantized at every step (the model's unpack_projections); a refit of an INT4
+one takes the server down, as it takes SGLang's (rollouts/sglang.py refusals). A /generate
+call's rids are registered before its images are read, so an abort meanwhile is lost, as in
+SGLang (Scheduler.register); a request whose input + max_new_tokens exceed --context-length
+(default config.json's) is refused with SGLang's 400 (context_error); --api-key and
+--admin-api-key guard the calls as SGLang's do (Server.refuses).
 
 Images (a qwen2_5_vl checkpoint; rollouts/image_data.py and docs/sglang.md 3(j) cite SGLang's
 lines): /generate takes `image_data` in the forms SGLang's HTTP server reads that need no
@@ -48,7 +53,8 @@ Log-probs follow SGLang: log_softmax(logits / temperature) over the whole vocabu
                            [--max_batch 64] [--warmup_len TOKENS] [--deterministic]
                            [--dtype auto|float32|bfloat16|float16]
                            [--enable-memory-saver] [--enable-weights-cpu-backup]
-                           [--enable-return-routed-experts]
+                           [--enable-return-routed-experts] [--context-length N]
+                           [--api-key KEY] [--admin-api-key KEY]
   python -m experiments.serve --gin FILE [--gin_param B] [the options above]
 
 (the second serves a model bound in gin, e.g. `load_model.model = @tiny`: gin is the entry
@@ -80,6 +86,7 @@ import base64
 import dataclasses
 import functools
 import hashlib
+import hmac
 import http.server
 import json
 import os
@@ -96,7 +103,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import hf, host_allocator, transformer, vision
+from models import hf, host_allocator, quantize, transformer, vision
 from models.config import ModelConfig, VisionConfig
 from models.tokenizer import checkpoint_eos_ids
 from rollouts import image_data
@@ -194,6 +201,52 @@ class Request:
   return_prompt_token_ids: bool = False  # the response carries input_ids, as expanded
   started: float = dataclasses.field(default_factory=time.time)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+@dataclasses.dataclass
+class Pending:
+  """A rid whose /generate call is still reading its images (Scheduler.register)."""
+  abort_sent: bool = False
+
+
+def body_rids(body: dict) -> list[str]:
+  """The rids a /generate body names: its list of rids, or its rid for one prompt (a batch
+  under one rid, or no rid, gets rids made here, which no abort can name yet)."""
+  rid, ids = body.get("rid"), body.get("input_ids")
+  if isinstance(rid, list):
+    return [r for r in rid if isinstance(r, str)]
+  batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+  return [rid] if isinstance(rid, str) and not batched else []
+
+
+def derived_context_length(hf_config: dict) -> int:
+  """SGLang's context length for a config.json without --context-length
+  (srt/utils/hf_transformers/common.py L668-694): the first of its length keys, times a rope
+  scaling factor that has no original_max_position_embeddings and is not llama3's."""
+  rope = hf_config.get("rope_scaling") or {}
+  factor = 1 if ("original_max_position_embeddings" in rope
+                 or rope.get("rope_type") == "llama3") else rope.get("factor", 1)
+  for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+              "max_position_embeddings"):
+    if hf_config.get(key) is not None:
+      return int(factor * hf_config[key])
+  return 2048
+
+
+def context_error(r: "Request", context_length: int) -> str | None:
+  """SGLang's refusal of a request too long for the server (tokenizer_manager.py
+  L1337-1377, without --allow-auto-truncate), or None."""
+  given = len(r.input_ids)
+  if given >= context_length:
+    return (f"The input ({given} tokens) is longer than the model's context length "
+            f"({context_length} tokens).")
+  if given + r.max_new_tokens > context_length:
+    return (f"Requested token count exceeds the model's maximum context length of "
+            f"{context_length} tokens. You requested a total of {given + r.max_new_tokens} "
+            f"tokens: {given} tokens from the input messages and {r.max_new_tokens} tokens "
+            "for the completion. Please reduce the number of tokens in the input messages or "
+            "the completion to fit within the limit.")
+  return None
 
 
 def _parse_sampling(params: dict) -> dict:
@@ -503,6 +556,9 @@ class Scheduler:
                memory_saver: bool = False, weights_cpu_backup: bool = False,
                return_routed_experts: bool = False):
     self.cfg, self.params = cfg, params
+    self.serves_int4 = any(isinstance(leaf, quantize.Packed) and leaf.fmt == "int4" for leaf in
+                           jax.tree.leaves(params, is_leaf=lambda x: isinstance(
+                               x, quantize.Packed)))
     # SGLang's --enable-return-routed-experts: without it a request asking for them gets
     # none, and no error (moe.md section 4.1); a dense model has none to record.
     self.return_routed_experts = return_routed_experts
@@ -517,6 +573,10 @@ class Scheduler:
     # SGLang's wait in its tokenizer manager (tokenizer_manager.py L938-942), not counted in
     # /v1/loads.
     self.held: list[Request] = []
+    # Rids of /generate calls still reading their body's images: SGLang registers a rid
+    # before it loads and processes the request's images (tokenizer_manager.py L926, then
+    # L1202-1217), so an abort in between is spent on nothing (abort_by_rid).
+    self.pending: dict[str, Pending] = {}
     self.updating = 0  # weight updates waiting for the requests in flight
     self.paused: str | None = None  # None, "in_place" or "retract" (abort unpauses nothing)
     self.stopped = False
@@ -535,6 +595,23 @@ class Scheduler:
     self.thread.start()
 
   # --- control, from HTTP threads
+
+  def register(self, rids: Sequence[str]) -> list[str]:
+    """Hold `rids` (a /generate body's) while the call reads its images: RequestError when
+    one is alive or pending (SGLang's _init_req_state refuses it before anything else,
+    tokenizer_manager.py L926, L3833-3836). Returns them, for `unregister`."""
+    with self.lock:
+      alive = {r.rid for r in self.waiting + self.running + self.held if not r.done.is_set()}
+      for rid in rids:
+        if rid in alive or rid in self.pending or rids.count(rid) > 1:
+          raise RequestError(f"Duplicate request ID detected: {rid}")
+      self.pending.update({rid: Pending() for rid in rids})
+    return list(rids)
+
+  def unregister(self, rids: Sequence[str]) -> None:
+    with self.lock:
+      for rid in rids:
+        self.pending.pop(rid, None)
 
   def submit(self, requests: list[Request]):
     """Queue `requests`; RequestError when a rid is one still alive here (SGLang refuses it,
@@ -574,6 +651,8 @@ class Scheduler:
         self._score(params, group)
     with self.lock:
       for r in requests:
+        # An abort spent while it was pending: later ones are dropped (abort_by_rid).
+        r.abort_sent = r.abort_sent or (r.rid in self.pending and self.pending[r.rid].abort_sent)
         if r.max_new_tokens == 0:
           self._finish(r, {"type": "length", "length": 0})
         else:
@@ -616,14 +695,18 @@ class Scheduler:
 
   def abort_by_rid(self, rid: str) -> None:
     """/abort_request with a rid, as SGLang's tokenizer manager passes it on
-    (tokenizer_manager.py L2241-2253): an unknown or empty rid, or one aborted before, does
-    nothing; a held request's abort is lost (it runs once let through: L926-951)."""
+    (tokenizer_manager.py L2241-2260): an unknown or empty rid, or one aborted before, does
+    nothing; the abort of a request still reading its images (pending) or held (paused,
+    updating) is lost: it reaches a scheduler that does not have it yet, and the request runs
+    once let through (L926-951)."""
     with self.lock:
       found = [r for r in self.held + self.waiting + self.running if r.rid == rid]
+      if not found and rid in self.pending:
+        found = [self.pending[rid]]
       if not rid or not found or found[0].abort_sent:
         return
       found[0].abort_sent = True
-      if found[0] in self.held:
+      if found[0] in self.held or isinstance(found[0], Pending):
         return
     self.abort(rid)
 
@@ -1179,6 +1262,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     if path not in routes:
       self._send(404, {"detail": "Not Found"})
       return
+    if self.server.refuses(path, self.headers.get("Authorization")):
+      self._send(401, {"error": "Unauthorized"})
+      return
     try:
       routes[path](self)
     except BadRequest as e:
@@ -1199,10 +1285,29 @@ class Server(http.server.ThreadingHTTPServer):
   request_queue_size = 1024  # a trainer opens hundreds of connections at once; the default
   # backlog of 5 drops their SYNs and each retry costs a second
 
-  def __init__(self, address, scheduler: Scheduler, *, served_model_name: str = "longrl"):
+  def __init__(self, address, scheduler: Scheduler, *, served_model_name: str = "longrl",
+               context_length: int = 32768, api_key: str | None = None,
+               admin_api_key: str | None = None):
     super().__init__(address, Handler)
     self.scheduler = scheduler
     self.served_model_name = served_model_name
+    self.context_length = context_length
+    self.api_key, self.admin_api_key = api_key, admin_api_key
+
+  def refuses(self, path: str, authorization: str | None) -> int | None:
+    """401 when the call lacks the key SGLang asks of it, else None (srt/utils/auth.py
+    decide_request_auth): /health and /ready need none; the control calls (ADMIN_CALLS, and
+    /update_weight_version: ADMIN_OPTIONAL in http_server.py) the admin key when the server
+    has one, else the API key when it has one; the rest the API key when it has one."""
+    if path.startswith(("/health", "/ready")):
+      return None
+    admin = path in sglang.ADMIN_CALLS or path == "/update_weight_version"
+    key = (self.admin_api_key or self.api_key) if admin else self.api_key
+    if not key:
+      return None
+    scheme, _, token = (authorization or "").partition(" ")
+    given = token if scheme.lower() == "bearer" else ""
+    return None if hmac.compare_digest(given.encode(), key.encode()) else 401
 
   def handle_error(self, request, client_address):
     """A client that went away (a router's health check that timed out while /health waited
@@ -1271,6 +1376,7 @@ class Server(http.server.ThreadingHTTPServer):
                   "enable_memory_saver": s.memory_saver,
                   "enable_weights_cpu_backup": s.weights_cpu_backup,
                   "enable_return_routed_experts": s.return_routed_experts,
+                  "context_length": self.context_length,
                   "internal_states": [s.loads()], "version": "0.5.23 (longrl embedded)"})
 
   def v1_loads(self, h: Handler):
@@ -1284,10 +1390,20 @@ class Server(http.server.ThreadingHTTPServer):
       h._send(200, text="Cache flushed.\nPlease check backend logs for more details.")
 
   def generate(self, h: Handler):
+    """The rids first (Scheduler.register), then the images and the length checks, then the
+    queue, in SGLang's order (tokenizer_manager.py generate_request)."""
     body = h._body()
-    requests, as_list = expand_request(body, self.scheduler.deterministic,
-                                       self.scheduler.eos_ids, self.scheduler.cfg.vision)
-    self.scheduler.submit(requests)
+    rids = self.scheduler.register(body_rids(body))
+    try:
+      requests, as_list = expand_request(body, self.scheduler.deterministic,
+                                         self.scheduler.eos_ids, self.scheduler.cfg.vision)
+      for r in requests:
+        error = context_error(r, self.context_length)
+        if error:
+          raise RequestError(error)
+      self.scheduler.submit(requests)
+    finally:
+      self.scheduler.unregister(rids)
     if body.get("stream"):
       self._stream(h, requests, as_list)
       return
@@ -1355,6 +1471,10 @@ class Server(http.server.ThreadingHTTPServer):
     s = self.scheduler
     with s.lock:  # loading into released weights: SGLang writes into unmapped memory
       s._check_not_released("a weight update", ("weights",))
+      if s.serves_int4:  # SGLang cannot load into its repacked INT4 layers: it goes down
+        s._crash("AttributeError: 'Parameter' object has no attribute 'weight_loader' (an "
+                 "INT4 model refit from disk, which takes SGLang 0.5.23 down: "
+                 "rollouts/sglang.py refusals has its lines)")
     if body.get("abort_all_requests"):  # first, as SGLang (tokenizer_manager.py L2299-2300)
       s.abort(None)
     dropped = s.drop_weights_if_paused()
@@ -1411,20 +1531,27 @@ def _memory_tags(body: dict) -> list[str] | None:
 
 
 def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
-          weight_version: str = "default", model_path: str = "", max_batch: int = 64,
-          warmup_len: int = 0, deterministic: bool = False, memory_saver: bool = False,
-          weights_cpu_backup: bool = False, return_routed_experts: bool = False) -> Server:
+          warmup_len: int = 0, context_length: int | None = None, api_key: str | None = None,
+          admin_api_key: str | None = None, **scheduler_options) -> Server:
   """A running server (on a background thread); `server.server_address` has the port.
   With warmup_len > 0, every batch shape for requests of up to that many tokens is compiled
-  first (Scheduler.warmup). `memory_saver`, `weights_cpu_backup`: Scheduler.release_memory.
-  `return_routed_experts`: a mixture's routes are recorded for requests that ask."""
-  scheduler = Scheduler(cfg, params, weight_version=weight_version, model_path=model_path,
-                        max_batch=max_batch, deterministic=deterministic,
-                        memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup,
-                        return_routed_experts=return_routed_experts)
+  first (Scheduler.warmup). `context_length`: requests above it are refused as SGLang
+  refuses them (context_error; default as SGLang derives it from the config.json the model
+  has or would export: derived_context_length). `api_key`, `admin_api_key`: SGLang's
+  --api-key and --admin-api-key (Server.refuses). `scheduler_options`: Scheduler's
+  (weight_version, model_path, max_batch, deterministic, memory_saver and
+  weights_cpu_backup for its release_memory, return_routed_experts: a mixture's routes are
+  recorded for requests that ask)."""
+  scheduler = Scheduler(cfg, params, **scheduler_options)
   if warmup_len > 0:
     scheduler.warmup(warmup_len)
-  server = Server((host, port), scheduler)
+  if context_length is None:
+    context_length = derived_context_length(hf.config_to_hf(cfg))
+    if scheduler.model_path:
+      with open(os.path.join(scheduler.model_path, "config.json")) as f:
+        context_length = derived_context_length(json.load(f))
+  server = Server((host, port), scheduler, context_length=context_length, api_key=api_key,
+                  admin_api_key=admin_api_key)
   threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
   return server
 
@@ -1463,9 +1590,8 @@ def load_model(*, model=None, hf_checkpoint: str | None = None, seed: int = 0,
   return cfg, transformer.init_params(cfg, jax.random.PRNGKey(seed)), ""
 
 
-def main(argv=None, *, load=None):
-  """Serve until interrupted. `load() -> (cfg, params, model_path)` gives the model when the
-  caller built it (experiments/serve.py: from gin); else --hf_checkpoint does."""
+def _parser() -> argparse.ArgumentParser:
+  """The command line of `main` (the module docstring has its synopsis)."""
   parser = argparse.ArgumentParser(description="Serve the embedded JAX engine over SGLang's "
                                    "HTTP protocol.")
   parser.add_argument("--hf_checkpoint", help="a Hugging Face checkpoint directory to serve")
@@ -1496,8 +1622,24 @@ def main(argv=None, *, load=None):
                       action="store_true", help="a mixture's experts of every token are "
                       "recorded and returned to requests with return_routed_experts "
                       "(SGLang's flag; without it they get none)")
+  parser.add_argument("--context-length", "--context_length", type=int, default=None,
+                      help="the most tokens (input + max_new_tokens) a request may hold; "
+                      "longer ones are refused with SGLang's 400 (default: config.json's, "
+                      "as SGLang derives it)")
+  parser.add_argument("--api-key", "--api_key", default=None,
+                      help="SGLang's --api-key: every call but /health and /ready needs it")
+  parser.add_argument("--admin-api-key", "--admin_api_key", default=None,
+                      help="SGLang's --admin-api-key: the control calls need it (and no "
+                      "longer take the API key)")
   parser.add_argument("--exit_with_parent", action="store_true",
                       help="stop when the process that started this one exits (launch sets it)")
+  return parser
+
+
+def main(argv=None, *, load=None):
+  """Serve until interrupted. `load() -> (cfg, params, model_path)` gives the model when the
+  caller built it (experiments/serve.py: from gin); else --hf_checkpoint does."""
+  parser = _parser()
   args = parser.parse_args(argv)
   if args.exit_with_parent:
     parent = os.getppid()
@@ -1524,7 +1666,9 @@ def main(argv=None, *, load=None):
                  warmup_len=args.warmup_len, deterministic=args.deterministic,
                  memory_saver=args.enable_memory_saver,
                  weights_cpu_backup=args.enable_weights_cpu_backup,
-                 return_routed_experts=args.enable_return_routed_experts)
+                 return_routed_experts=args.enable_return_routed_experts,
+                 context_length=args.context_length, api_key=args.api_key,
+                 admin_api_key=args.admin_api_key)
   server.scheduler.on_crash = lambda: os._exit(1)  # as SGLang's server goes down
   del params  # the scheduler's is then the only reference: a release frees the weights
   host, port = server.server_address[:2]
@@ -1588,10 +1732,14 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   `export_dtype`: the exported weights' dtype (SGLangEngine; default the model's compute
   dtype), which the servers are started with (--dtype). `memory_saver`: they start with
   --enable-memory-saver (RLConfig.hybrid: they free their memory between generations).
-  `weight_format` ("fp8" or "int4"): they start from, and are refit with, quantized exports
+  `weight_format` ("fp8"): they start from, and are refit with, quantized exports
   (SGLangEngine), the starting weights included: from `checkpoint` too they start from its
-  quantized export, the quantization being fixed when a server starts. A mixture of
-  experts' servers start with --enable-return-routed-experts (rollout routing replay)."""
+  quantized export, the quantization being fixed when a server starts; "int4" is refused,
+  as it is for SGLang (rollouts/sglang.py refusals). A mixture of experts' servers start
+  with --enable-return-routed-experts (rollout routing replay)."""
+  refused = sglang.refusals(cfg, weight_format)
+  if refused:
+    raise sglang.Unservable(refused)
   weights_dir = weights_dir or tempfile.mkdtemp(prefix="longrl-weights-")
   os.makedirs(weights_dir, exist_ok=True)
   export_dtype = export_dtype or cfg.dtype
@@ -1622,7 +1770,12 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
       weights_dir=weights_dir, copy_from=checkpoint or None, version=version,
       weights_path=start, processes=processes, export_dtype=export_dtype,
       weight_format=weight_format)
-  engine.client.check_health()
+  try:
+    engine.client.check_health()
+    engine.context_length = engine.client.context_length()
+  except BaseException:
+    engine.close()
+    raise
   return engine
 
 

@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import threading
 import time
+import uuid
 from typing import Any, Callable, Sequence
 
 import aiohttp
@@ -49,6 +50,12 @@ from rollouts import router as router_lib
 from rollouts.engine import Capabilities, Completion, SamplingParams
 
 FINISH_TYPES = ("stop", "length", "abort")
+# The calls SGLang marks ADMIN_OPTIONAL, which take the admin key when the server has one
+# (srt/entrypoints/http_server.py L1025, L1300, L1575, L1587, L1721, L1831, L1844); the others
+# (/generate, /model_info, /server_info, /v1/loads) take the API key.
+ADMIN_CALLS = frozenset({"/flush_cache", "/update_weights_from_disk",
+                         "/release_memory_occupation", "/resume_memory_occupation",
+                         "/abort_request", "/pause_generation", "/continue_generation"})
 # "1" in a reproducible run (rl.trainer.make_deterministic): servers must then honour seeds.
 DETERMINISTIC_ENV = "LONGRL_DETERMINISTIC"
 # Weight exports for the servers: shards this size, EXPORT_WORKERS written at once (a 1.5B
@@ -242,6 +249,14 @@ def parse_scores(server: str, body: Any, tokens: Sequence[int], top_k: int = 0
           np.array([[e[0] for e in row] for row in rows], np.float32).reshape(-1, top_k))
 
 
+@dataclasses.dataclass(eq=False)
+class _Call:
+  """One generate or score call's requests in flight (rid -> the server it went to) and
+  whether the call is stopping them (aborting what runs)."""
+  in_flight: dict[str, str] = dataclasses.field(default_factory=dict)
+  stopping: bool = False
+
+
 class _Retry(Exception):
   """An attempt that failed in a way worth another: no connection, a timeout, or a 5xx
   (`status`)."""
@@ -265,24 +280,37 @@ class SGLangClient:
   Deadlines: a /generate call may take `read_timeout` s between bytes (a long chain of
   thought); every control call (pause, update, continue, abort, /model_info, ...) answers
   within `control_timeout` s or is retried, then fails naming the server and the call.
+
+  A stopped call's requests are aborted by rid; one still running `abort_grace` s after its
+  first abort, which SGLang may have spent before the request reached its scheduler, has its
+  worker aborted whole (_abort_until_returned).
+
+  Keys, as SGLang checks them (srt/utils/auth.py decide_request_auth): /generate,
+  /model_info and /server_info carry `api_key` (needed when the server has --api-key); the
+  control calls (pause, continue, aborts, weight updates, memory, /flush_cache: ADMIN_OPTIONAL
+  in http_server.py) carry `admin_api_key`, or `api_key` when there is no admin key (a server
+  with --admin-api-key takes only that one there); /health needs none.
   """
 
   def __init__(self, urls: Sequence[str], *, router: str | None = None,
                max_in_flight: int = 64, read_timeout: float = 3600.0,
                connect_timeout: float = 10.0, retries: int = 2, retry_backoff: float = 0.5,
-               api_key: str | None = None, control_timeout: float = 600.0,
-               unavailable_wait: float = 300.0):
+               api_key: str | None = None, admin_api_key: str | None = None,
+               control_timeout: float = 600.0, unavailable_wait: float = 300.0,
+               abort_grace: float = 1.0):
     if not urls:
       raise ValueError("SGLangClient needs at least one server URL")
     self.urls = [u.rstrip("/") for u in urls]
     self.router = router.rstrip("/") if router else None
     self.max_in_flight, self.retries, self.retry_backoff = max_in_flight, retries, retry_backoff
-    self.unavailable_wait = unavailable_wait
+    self.unavailable_wait, self.abort_grace = unavailable_wait, abort_grace
+    self._calls: set[_Call] = set()  # the calls running (on the event-loop thread)
     self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                          sock_read=read_timeout)
     self.control_timeout = aiohttp.ClientTimeout(total=control_timeout,
                                                  sock_connect=connect_timeout)
-    self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    bearer = lambda key: {"Authorization": f"Bearer {key}"} if key else {}
+    self.headers, self.admin_headers = bearer(api_key), bearer(admin_api_key or api_key)
     self.down: set[str] = set()
     self.released: set[str] = set()  # workers whose memory release_memory released
     # One event loop on a thread of its own, with one connection pool: connections are kept
@@ -317,9 +345,10 @@ class SGLangClient:
     (`timeout`; by default control calls' control_timeout, /generate's read_timeout) or a
     5xx; ServerError on a 4xx."""
     timeout = timeout or (self.control_timeout if http is self._control else None)
+    keys = self.admin_headers if path in ADMIN_CALLS else self.headers
     try:
       async with http.request(method, server + path, json=body, timeout=timeout,
-                              headers={**self.headers, **(headers or {})}) as reply:
+                              headers={**keys, **(headers or {})}) as reply:
         status, text = reply.status, await reply.text()
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
       raise _Retry(f"{type(e).__name__}: {e}") from None
@@ -426,33 +455,54 @@ class SGLangClient:
         helper.cancel()
     return [results[i] for i in range(total)]
 
-  async def _abort_until_returned(self, in_flight: dict[str, str]) -> None:
-    """Abort each rid in `in_flight` (rid -> server) by its exact rid, on its worker (every
-    worker when it went through the router), again every half second until none is left: a
-    request not yet registered on its worker when its abort arrived is not aborted (SGLang
-    drops an unknown rid, tokenizer_manager.py L2246-2253)."""
-    while in_flight:
+  async def _abort_until_returned(self, call: _Call) -> None:
+    """Abort each rid of `call` in flight by its exact rid, on its worker (every worker when
+    it went through the router), again every half second until none is left: a request not
+    yet registered on its worker when its abort arrived is not aborted (SGLang drops an
+    unknown rid, tokenizer_manager.py L2246-2253).
+
+    SGLang passes on only the first abort of a rid it knows (abort_sent, L2249-2251), and
+    that one is lost when the request has not reached its scheduler yet: while its images
+    are loaded and processed (L926 registers the rid, L1202-1217 then await), or while it
+    waits out a pause or a weight update (L938-942). The request then runs to its whole
+    max_new_tokens. So a rid still running `abort_grace` s after its first abort has its
+    worker aborted whole (abort_all), again every half second, once no call that is not
+    stopping has requests there: only this client's calls are known, so a fleet shared with
+    another client loses that client's requests in flight too."""
+    first: dict[str, float] = {}
+    while call.in_flight:
+      now = time.monotonic()
+      workers = {rid: self._live() if server == self.router else [server]
+                 for rid, server in list(call.in_flight.items())}
       calls = [self._call(self._control, worker, "POST", "/abort_request", {"rid": rid})
-               for rid, server in list(in_flight.items())
-               for worker in (self._live() if server == self.router else [server])]
+               for rid, those in workers.items() for worker in those]
+      stuck = {worker for rid, those in workers.items()
+               if now - first.setdefault(rid, now) > self.abort_grace for worker in those}
+      calls += [self._call(self._control, worker, "POST", "/abort_request", {"abort_all": True})
+                for worker in stuck if self._only_stopping_on(worker)]
       await asyncio.gather(*calls, return_exceptions=True)  # a dead worker aborts nothing
       await asyncio.sleep(0.5)
+
+  def _only_stopping_on(self, worker: str) -> bool:
+    """Whether every call of this client with requests on `worker` (directly or through the
+    router) is stopping them."""
+    return all(c.stopping for c in self._calls
+               if any(s in (worker, self.router) for s in c.in_flight.values()))
 
   async def _generate(self, requests: Sequence[Request], sampling: SamplingParams,
                       stop_when: Callable[[int, Completion], bool] | None,
                       on_ready: Callable[[dict[int, Completion]], None] | None,
                       routes: RoutesLayout | None):
     results: dict[int, Completion] = {}
-    in_flight: dict[str, str] = {}
-    stopping = False
+    call = _Call()
     limits = self._limits()
     aborter = []
 
     async def one(index: int, request: Request):
-      nonlocal stopping
       sent = await self._post_generate(
           request_body(request, sampling, routed_experts=routes is not None),
-          request.affinity, limits, results, len(requests), in_flight, lambda: stopping)
+          request.affinity, limits, results, len(requests), call.in_flight,
+          lambda: call.stopping)
       if sent is None:  # the iteration ended before this request was sent
         completion = Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort",
                                 np.zeros(0, np.int32))
@@ -465,16 +515,21 @@ class SGLangClient:
         on_ready({index: completion})
       if sent is None:
         return
-      if stop_when is not None and not stopping and stop_when(index, completion):
-        stopping = True  # the rest come back aborted, with what they generated so far
-        aborter.append(asyncio.create_task(self._abort_until_returned(in_flight)))
+      if stop_when is not None and not call.stopping and stop_when(index, completion):
+        call.stopping = True  # the rest come back aborted, with what they generated so far
+        aborter.append(asyncio.create_task(self._abort_until_returned(call)))
 
-    return await self._gather([one(i, r) for i, r in enumerate(requests)], results,
-                              len(requests), aborter)
+    self._calls.add(call)
+    try:
+      return await self._gather([one(i, r) for i, r in enumerate(requests)], results,
+                                len(requests), aborter)
+    finally:
+      self._calls.discard(call)
 
   async def _score(self, requests: Sequence[Request], starts: Sequence[int], top_k: int):
     results: dict[int, tuple] = {}
     limits = self._limits()
+    call = _Call()  # known to other calls' aborts (_only_stopping_on)
 
     async def one(index: int, request: Request, start: int):
       # From the token before the first scored one: SGLang's entry at logprob_start_len is
@@ -484,11 +539,16 @@ class SGLangClient:
               "return_logprob": True, "logprob_start_len": start - 1,
               "top_logprobs_num": top_k, "return_text_in_logprobs": False, "stream": False}
       server, reply = await self._post_generate(body, request.affinity, limits, results,
-                                                len(requests), {})
+                                                len(requests), call.in_flight)
       results[index] = parse_scores(server, reply, request.input_ids[start - 1:], top_k)
 
-    return await self._gather([one(i, r, s) for i, (r, s) in enumerate(zip(requests, starts))],
-                              results, len(requests))
+    self._calls.add(call)
+    try:
+      return await self._gather(
+          [one(i, r, s) for i, (r, s) in enumerate(zip(requests, starts))], results,
+          len(requests))
+    finally:
+      self._calls.discard(call)
 
   def score(self, requests: Sequence[Request], starts: Sequence[int], *, top_k: int = 0
             ) -> list[tuple]:
@@ -536,23 +596,44 @@ class SGLangClient:
     return dict(zip(live, replies))
 
   def check_health(self, timeout: float = 30.0) -> None:
-    """GET /health on every worker; ServerError naming each one that does not answer 200
-    within `timeout` seconds."""
+    """Wait until every worker's GET /health answers 200, at most `timeout` s: a starting
+    SGLang refuses connections until it has loaded the model, then answers 503 until its
+    warm-up request is done (http_server.py L735-736). ServerError naming each one that did
+    not, and what it answered last."""
+    async def wait(url):
+      deadline = time.monotonic() + timeout
+      while True:
+        why = await self._unhealthy(url, max(1.0, deadline - time.monotonic()))
+        if why is None or time.monotonic() >= deadline:
+          return why
+        await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
     async def probe():
-      return await asyncio.gather(*(self._unhealthy(u, timeout) for u in self.urls))
+      return await asyncio.gather(*(wait(u) for u in self.urls))
     failures = [f"{u} ({why})" for u, why in zip(self.urls, self._run(probe())) if why]
     if failures:
-      raise ServerError("SGLang server(s) not healthy: " + "; ".join(failures))
+      raise ServerError(f"SGLang server(s) not healthy within {timeout:g} s: "
+                        + "; ".join(failures))
     self.down.clear()
 
   async def _unhealthy(self, url: str, timeout: float) -> str | None:
     """Why GET url/health does not answer 200 (None when it does)."""
     try:
-      async with self._control.get(url + "/health", headers=self.headers,
+      async with self._control.get(url + "/health",
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as reply:
         return None if reply.status == 200 else f"HTTP {reply.status}"
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
       return f"{type(e).__name__}: {e}"
+
+  def context_length(self) -> int | None:
+    """The fewest tokens (prompt + completion) any worker takes in one request: its
+    /server_info context_length (SGLang's --context-length, else config.json's, from
+    model_config.py _derive_context_length; it refuses input + max_new_tokens above it,
+    tokenizer_manager.py L1351-1377); None when no worker reports one."""
+    info = self._run(self._each("GET", "/server_info"))
+    lengths = [i["context_length"] for i in info.values()
+               if isinstance(i, dict) and isinstance(i.get("context_length"), int)]
+    return min(lengths) if lengths else None
 
   def abort_all(self) -> None:
     """Abort every request on every worker (also other callers'); they return partial output
@@ -698,6 +779,37 @@ CAPABILITIES = Capabilities(abort=True, pause=True, serves_all_processes=True,
                             release_memory=True)
 
 
+class Unservable(ValueError):
+  """A configuration SGLang cannot serve, refused before any server is asked, naming the
+  lines of SGLang that say why."""
+
+
+def refusals(cfg, weight_format: str | None) -> str | None:
+  """Why servers cannot be refit in `weight_format` (None when they can). INT4: SGLang 0.5.23
+  serves a compressed-tensors pack-quantized checkpoint through CompressedTensorsWNA16, whose
+  process_weights_after_loading repacks weight_packed and weight_scale for Marlin into plain
+  parameters of other shapes without a weight_loader
+  (layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py L234-245);
+  nothing puts them back for a linear layer before the next load (base_config.py L49-54:
+  only the MoE scheme restores, compressed_tensors_wNa16_moe.py L406-418), so the next
+  /update_weights_from_disk fails at param.weight_loader (models/qwen2.py L704), the rollback
+  reloads the same checkpoint outside any try (model_runner_components/weight_updater.py
+  L193, L228-238) and the scheduler exits (managers/scheduler.py L6369-6374): the first
+  refit takes the server down. Those who roll out in INT4 (slime and miles, Kimi K2 Thinking)
+  quantize only the routed experts, and push them through patched or newer endpoints;
+  longrl's INT4 export quantizes every projection."""
+  if weight_format == "int4":
+    return ("SGLang servers cannot be refit with INT4 (compressed-tensors) exports: SGLang "
+            "0.5.23 repacks a linear layer's INT4 weights for Marlin without their "
+            "weight_loader (compressed_tensors_wNa16.py L234-245, never restored: "
+            "base_config.py L49-54), so the first /update_weights_from_disk fails at "
+            "models/qwen2.py L704 and its rollback takes the server down "
+            "(weight_updater.py L228-238, scheduler.py L6369-6374). Roll out INT4 on the "
+            "embedded engine (embedded_engine.weight_format = 'int4'), or serve FP8 "
+            "(weight_format = 'fp8')")
+  return None
+
+
 class SGLangEngine:
   """The RolloutEngine over SGLang servers. `update_weights` writes a Hugging Face
   checkpoint to `weights_dir/v<version>` (a directory the servers can read; config and,
@@ -707,27 +819,35 @@ class SGLangEngine:
   --enable-return-routed-experts return them, others none (and no error: moe.md 4.1)."""
 
   def __init__(self, client: SGLangClient, cfg, *, weights_dir: str,
-               copy_from: str | None = None, version: int = 0, rid_prefix: str = "longrl",
+               copy_from: str | None = None, version: int = 0, rid_prefix: str | None = None,
                keep_versions: int = 2, weights_path: str | None = None,
                processes: Sequence[subprocess.Popen] = (), export_dtype: str | None = None,
-               weight_format: str | None = None):
+               weight_format: str | None = None, context_length: int | None = None):
     """`weights_path`: the checkpoint the servers already hold as `version` (None: none yet,
     update_weights exports one); `processes`: servers this engine started, stopped by
     close(); `export_dtype`: the dtype of the exported weights (None: the model's compute
     dtype, bfloat16 for a pretrained model: half the bytes of float32 master weights; start
     the servers with the same --dtype: SGLang's `auto` serves a float32 export in float16).
-    `weight_format` ("fp8" or "int4"): every export is a quantized checkpoint in that format
-    (models/hf.py save), so the servers serve it quantized and a refit moves its bytes. The
-    servers must start from a checkpoint in the same format: SGLang fixes the quantization
-    method when it starts (configs/model_config.py L723-727, config.json's
-    quantization_config) and a disk update loads new tensors into that model
-    (model_runner_components/weight_updater.py L192-217)."""
+    `weight_format` ("fp8"; "int4" is refused, refusals): every export is a quantized
+    checkpoint in that format (models/hf.py save), so the servers serve it quantized and a
+    refit moves its bytes. The servers must start from a checkpoint in the same format:
+    SGLang fixes the quantization method when it starts (configs/model_config.py L723-727,
+    config.json's quantization_config) and a disk update loads new tensors into that model
+    (model_runner_components/weight_updater.py L192-217). `rid_prefix` begins every rid
+    (default: "longrl-" and 8 random hex digits, so that two trainers on one fleet never
+    send the same rid: SGLang refuses a live one). `context_length`: the servers' (the most
+    tokens a request may hold, SGLangClient.context_length), which the run's sequences must
+    fit (Capabilities.context_length)."""
+    refused = refusals(cfg, weight_format)
+    if refused:
+      raise Unservable(refused)
     self.client = client
     self.cfg = dataclasses.replace(cfg, param_dtype=export_dtype or cfg.dtype,
                                    weight_format=None)
     self.weight_format = weight_format
     self.weights_dir, self.copy_from = weights_dir, copy_from
-    self.rid_prefix, self.keep_versions = rid_prefix, keep_versions
+    self.rid_prefix = rid_prefix or f"longrl-{uuid.uuid4().hex[:8]}"
+    self.keep_versions, self.context_length = keep_versions, context_length
     self._version = version
     self._calls = itertools.count(1)  # numbers each call: its rids share a unique prefix
     self.weights_path = weights_path  # the checkpoint of the current version
@@ -741,7 +861,7 @@ class SGLangEngine:
 
   @property
   def capabilities(self) -> Capabilities:
-    return CAPABILITIES
+    return dataclasses.replace(CAPABILITIES, context_length=self.context_length)
 
   def _call_prefix(self, kind: str) -> str:
     """The rid prefix of a new call's requests: no other call's rids start with it."""
@@ -907,32 +1027,42 @@ class SGLangEngine:
 def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
                   router: str | None = None, weights_dir: str = "", copy_from: str | None = None,
                   max_in_flight: int = 64, read_timeout: float = 3600.0,
-                  health_timeout: float = 30.0, export_dtype: str | None = None,
+                  health_timeout: float = 300.0, export_dtype: str | None = None,
                   weight_format: str | None = None) -> SGLangEngine:
-  """train.rollout_engine for running SGLang servers: checks /health (ServerError naming
-  each server that does not answer 200 within `health_timeout` s), then loads the
-  starting weights into every server (written under `weights_dir`, which the servers must
-  be able to read at the same path; `copy_from` supplies the tokenizer files; `export_dtype`
-  e.g. 'bfloat16', and `weight_format` e.g. 'fp8' (servers started on a checkpoint in that
-  format), see SGLangEngine)."""
+  """train.rollout_engine for running SGLang servers: waits for every server's /health (a
+  starting one answers 503 or refuses connections; ServerError naming each one that does
+  not answer 200 within `health_timeout` s), reads their context length (which the run's
+  sequences must fit: rl/sources.py refuses seq_len + 1 above it), then loads the starting
+  weights into every server (written under `weights_dir`, which the servers must be able to
+  read at the same path; `copy_from` supplies the tokenizer files; `export_dtype` e.g.
+  'bfloat16', and `weight_format` 'fp8' (servers started on a checkpoint in that format), see
+  SGLangEngine; 'int4' is refused before any server is asked: `refusals`). The servers'
+  --api-key and --admin-api-key, if they have them, come from the environment
+  (LONGRL_SGLANG_API_KEY, LONGRL_SGLANG_ADMIN_API_KEY: SGLangClient), so that no key is
+  written into a run's config.gin."""
   if not urls or not weights_dir:
     raise ValueError("remote_engine needs urls (the SGLang workers) and weights_dir (a "
                      "directory they share with the trainer)")
+  refused = refusals(cfg, weight_format)
+  if refused:
+    raise Unservable(refused)
   client = SGLangClient(urls, router=router, max_in_flight=max_in_flight,
-                        read_timeout=read_timeout)
+                        read_timeout=read_timeout,
+                        api_key=os.environ.get("LONGRL_SGLANG_API_KEY"),
+                        admin_api_key=os.environ.get("LONGRL_SGLANG_ADMIN_API_KEY"))
   try:
     client.check_health(health_timeout)
     if os.environ.get(DETERMINISTIC_ENV) == "1":
       # Without it SGLang ignores sampling_seed (sampling/sampling_batch_info.py L157-172)
       # and a batch's makeup changes a request's numbers.
       client.check_started_with("--enable-deterministic-inference", "a reproducible run")
-  except ServerError:
+    engine = SGLangEngine(client, cfg, weights_dir=weights_dir, copy_from=copy_from,
+                          version=version, export_dtype=export_dtype,
+                          weight_format=weight_format, context_length=client.context_length())
+    engine.update_weights(params, version)
+  except BaseException:
     client.close()
     raise
-  engine = SGLangEngine(client, cfg, weights_dir=weights_dir, copy_from=copy_from,
-                        version=version, export_dtype=export_dtype,
-                        weight_format=weight_format)
-  engine.update_weights(params, version)
   return engine
 
 

@@ -19,7 +19,8 @@ from rl.train_step import policy_logprobs
 from rollouts import jax_engine
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import local_engine
+from rollouts.server import launch, local_engine
+from rollouts.sglang import SGLangClient, SGLangEngine, ServerError, Unservable, remote_engine
 
 
 def _weight(out, inp, seed=0):
@@ -225,24 +226,24 @@ def test_quantization_aware_training_computes_what_the_int4_engine_does():
     dataclasses.replace(cfg, weight_format="int3")
 
 
-def test_our_server_serves_and_is_refit_with_int4_exports(tmp_path):
-  """The production path on CPU: servers (rollouts/server.py, standing in for SGLang) started
-  from an INT4 export and refit with INT4 exports compute what the embedded INT4 engine
-  does."""
+def test_our_server_serves_and_is_refit_with_fp8_exports(tmp_path):
+  """The production path on CPU: servers (rollouts/server.py) started from an FP8 export and
+  refit with FP8 exports compute what the embedded FP8 engine does (SGLang keeps FP8's
+  parameters through a reload: docs/sglang.md 3(m))."""
   cfg = config.tiny(64, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
   params = [transformer.init_params(cfg, jax.random.PRNGKey(seed)) for seed in (0, 1)]
   prompts = [[3, 17, 22, 9], [40, 41], [5] * 9]
   greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
   engine = local_engine(cfg, params[0], 0, weights_dir=str(tmp_path), export_dtype="float32",
-                        weight_format="int4")
+                        weight_format="fp8")
   try:
     with open(os.path.join(engine.weights_path, "config.json")) as f:
-      assert json.load(f)["quantization_config"] == hf.QUANTIZATIONS["int4"]
+      assert json.load(f)["quantization_config"] == hf.QUANTIZATIONS["fp8"]
     for version, p in enumerate(params):
       if version:
         engine.update_weights(p, version)
       served = engine.generate(prompts, greedy, seed=0)
-      local = jax_engine.embedded_engine(cfg, p, version, weight_format="int4").generate(
+      local = jax_engine.embedded_engine(cfg, p, version, weight_format="fp8").generate(
           prompts, greedy, seed=0)
       for a, b in zip(served, local):
         assert a.token_ids.tolist() == b.token_ids.tolist()
@@ -250,3 +251,41 @@ def test_our_server_serves_and_is_refit_with_int4_exports(tmp_path):
         assert set(a.versions.tolist()) == {version}
   finally:
     engine.close()
+
+
+def test_int4_is_served_from_the_start_and_a_refit_takes_the_server_down_as_sglangs(
+    tmp_path):
+  """SGLang 0.5.23 serves an INT4 (compressed-tensors) checkpoint but goes down at its first
+  refit from disk (rollouts/sglang.py refusals has the lines): our server computes what the
+  embedded INT4 engine does and goes down at that refit too; local_engine and remote_engine
+  refuse INT4 before they start or ask anything."""
+  cfg = config.tiny(64, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+  params = [transformer.init_params(cfg, jax.random.PRNGKey(seed)) for seed in (0, 1)]
+  prompts = [[3, 17, 22, 9], [40, 41], [5] * 9]
+  greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+  paths = [hf.save(p, cfg, str(tmp_path / f"v{i}"), quantization="int4")
+           for i, p in enumerate(params)]
+  with open(os.path.join(paths[0], "config.json")) as f:
+    assert json.load(f)["quantization_config"] == hf.QUANTIZATIONS["int4"]
+  process, url = launch(["--hf_checkpoint", paths[0], "--weight_version", "0", "--dtype",
+                         "float32"])
+  client = SGLangClient([url], retries=0, retry_backoff=0.1)
+  try:
+    engine = SGLangEngine(client, cfg, weights_dir=str(tmp_path), weights_path=paths[0])
+    served = engine.generate(prompts, greedy, seed=0)
+    local = jax_engine.embedded_engine(cfg, params[0], 0, weight_format="int4").generate(
+        prompts, greedy, seed=0)
+    for a, b in zip(served, local):
+      assert a.token_ids.tolist() == b.token_ids.tolist()
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    with pytest.raises(ServerError):
+      client.sync_weights(paths[1], 1)
+    assert process.wait(timeout=60) != 0  # gone, as SGLang's scheduler exits
+  finally:
+    client.close()
+    process.kill()
+    process.wait()
+  for factory, where in ((local_engine, {}), (remote_engine, {"urls": ["http://127.0.0.1:1"],
+                                                             "weights_dir": str(tmp_path)})):
+    with pytest.raises(Unservable, match=r"compressed_tensors_wNa16\.py L234-245"):
+      factory(cfg, params[0], 0, weight_format="int4", **where)

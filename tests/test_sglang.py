@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -500,6 +501,21 @@ def test_killed_server_moves_its_work_and_keeps_what_was_received(model):
   assert all(len(c.token_ids) == 8 for c in error.completed.values())
 
 
+def test_each_engine_sends_rids_under_a_prefix_of_its_own(model):
+  """Two trainers on one fleet never send the same rid (SGLang refuses a live one): each
+  engine's rids begin with "longrl-" and 8 random hex digits, then its call and index."""
+  cfg = model[0]
+  engines = [SGLangEngine(SGLangClient(["http://127.0.0.1:1"]), cfg, weights_dir="unused")
+             for _ in range(2)]
+  try:
+    rids = [e.requests([[1, 2], [3]], 4, seed=0)[1].rid for e in engines]
+  finally:
+    for e in engines:
+      e.client.close()
+  assert all(re.fullmatch(r"longrl-[0-9a-f]{8}-g1-1", rid) for rid in rids), rids
+  assert rids[0] != rids[1]
+
+
 def test_clear_errors_for_down_error_and_wrong_shape(servers):
   urls, _ = servers
   with pytest.raises(ServerError, match=r"127\.0\.0\.1:1 \(ClientConnectorError"):
@@ -538,7 +554,7 @@ def test_a_run_that_cannot_reach_its_server_names_it_within_the_timeout(model, t
     for sock in (silent, closed):
       url = f"http://127.0.0.1:{sock.getsockname()[1]}"
       started = time.monotonic()
-      with pytest.raises(ServerError, match=rf"not healthy: {url} \("):
+      with pytest.raises(ServerError, match=rf"not healthy within 2 s: {url} \("):
         remote_engine(cfg, params, 0, urls=[url], weights_dir=str(tmp_path),
                       health_timeout=2.0)
       assert time.monotonic() - started < 10

@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import io
 import string
+import threading
 import time
 
 import httpx
@@ -19,6 +20,7 @@ from models import hf, transformer, vision
 from models.config import tiny, tiny_vision
 from models.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from rollouts import image_data
+from rollouts import server as server_module
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
 from rollouts.server import expand_request, load_model
@@ -319,3 +321,57 @@ def test_the_prefix_cache_tells_images_apart(model, server, http):
   for alone, together in zip((hit, miss), both):
     assert alone["output_ids"] == together["output_ids"]
     np.testing.assert_allclose(outputs(together)[1], outputs(alone)[1], atol=1e-5, rtol=0)
+
+
+def test_an_abort_while_images_load_is_lost_as_in_sglang_and_a_stop_holds_anyway(
+    model, server, monkeypatch):
+  """SGLang registers a rid before it loads and processes the request's images, and passes on
+  only the first abort of a rid it knows: one that comes meanwhile reaches a scheduler that
+  does not have the request yet, and the request runs its whole allowance
+  (tokenizer_manager.py L926, L1202-1217, L2246-2251). Our server does the same (images made
+  slow to load here). The client's stop holds anyway: a rid still running abort_grace s
+  after its first abort has its worker aborted whole, again until it returns."""
+  cfg, _, _ = model
+  url, _ = server
+  loads = server_module.prompt_images
+  monkeypatch.setattr(server_module, "prompt_images",
+                      lambda *args: (time.sleep(1.5), loads(*args))[1])
+  pic = picture(64, 64, 3)
+  ids = prompt(cfg, [pic], ["a ", " what"])
+  allowance = 1500
+  body = {"rid": "loading", "input_ids": image_data.collapse(ids, IMAGE),
+          "image_data": [f"data:image/png;base64,{b64(pic)}"],
+          "sampling_params": {"max_new_tokens": allowance, "temperature": 0.0,
+                              "ignore_eos": True}}
+  with httpx.Client(timeout=300) as http:
+    sent = time.monotonic()
+    thread = threading.Thread(target=lambda: box.append(http.post(url + "/generate",
+                                                                  json=body)))
+    box = []
+    thread.start()
+    time.sleep(0.5)  # the images are loading: the rid is known, the request is not queued
+    assert http.post(url + "/abort_request", json={"rid": "loading"}).status_code == 200
+    time.sleep(1.5)  # now it runs; a second abort of the rid is dropped too
+    assert http.post(url + "/abort_request", json={"rid": "loading"}).status_code == 200
+    thread.join(300)
+    ran = time.monotonic() - sent
+  reply = box[0].json()
+  assert reply["meta_info"]["finish_reason"]["type"] == "length"
+  assert len(reply["output_ids"]) == allowance
+
+  client = SGLangClient([url], abort_grace=0.3)
+  engine = SGLangEngine(client, cfg, weights_dir="unused")
+  try:
+    started = time.monotonic()
+    made = engine.generate([list(CHARS.encode("hi")), ids],
+                           SamplingParams(max_new_tokens=allowance, temperature=0.0,
+                                          stop_token_ids=()),
+                           seed=0, max_new_tokens=[1, allowance], images=[[], [pic]],
+                           stop_when=lambda index, completion: index == 0)
+    took = time.monotonic() - started
+  finally:
+    client.close()
+  assert made[0].finish_reason == "length" and len(made[0].token_ids) == 1
+  assert made[1].finish_reason == "abort", made[1].finish_reason
+  assert len(made[1].token_ids) < allowance / 2, (len(made[1].token_ids), ran)
+  assert took < ran, (took, ran)
