@@ -6,7 +6,7 @@ docs/sglang.md section 4 has the table.
 
 Both serve the same tiny Qwen2 checkpoint (float32, no tokenizer files: token ids in and out,
 SGLang with --skip-tokenizer-init) under an API key and an admin key, with a context length of
-CONTEXT tokens; each is started once for the module."""
+CONTEXT tokens; each is started once."""
 
 import dataclasses
 import subprocess
@@ -43,7 +43,9 @@ class Model:
   paths: list[str]  # their checkpoints
 
 
-@pytest.fixture(scope="module")
+# Session-scoped, so that the tests of other modules that pytest-xdist interleaves with these
+# on one worker do not stop and restart the servers.
+@pytest.fixture(scope="session")
 def model(tokenizer, tmp_path_factory) -> Model:
   cfg = config.tiny(tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=4,
                     num_kv_heads=2, intermediate_size=64)
@@ -55,17 +57,15 @@ def model(tokenizer, tmp_path_factory) -> Model:
 
 @dataclasses.dataclass
 class Served:
-  """A server process of `kind` ("ours" or "sglang") at `url`; `stop()` stops it, `wait()`
-  waits until it is up."""
+  """A server process of `kind` ("ours" or "sglang") at `url`; `stop()` stops it."""
   kind: str
   url: str
   stop: object
-  wait: object
 
 
 def start(kind: str, path: str, keys: bool = True, wait: bool = True) -> Served:
   """A server of `kind` on `path` (weight version 0, float32, CONTEXT; with `keys` KEY and
-  ADMIN), up (or, `wait` False, up once its `wait()` returns)."""
+  ADMIN), up (`wait` False: SGLang's maybe still starting; ours is up either way)."""
   extra = ["--api-key", KEY, "--admin-api-key", ADMIN] if keys else []
   if kind == "ours":
     process, url = launch(["--hf_checkpoint", path, "--weight_version", "0", "--dtype",
@@ -74,13 +74,13 @@ def start(kind: str, path: str, keys: bool = True, wait: bool = True) -> Served:
     def stop():
       process.kill()
       process.wait(timeout=30)
-    return Served(kind, url, stop, lambda: None)
+    return Served(kind, url, stop)
   real = real_sglang.Server(path, context_length=CONTEXT, wait=wait,
                             extra=["--skip-tokenizer-init", "--weight-version", "0", *extra])
-  return Served(kind, real.url, real.stop, real.wait)
+  return Served(kind, real.url, real.stop)
 
 
-@pytest.fixture(scope="module", params=["ours", "sglang"])
+@pytest.fixture(scope="session", params=["ours", "sglang"])
 def server(request, model):
   served = start(request.param, model.paths[0])
   yield served
@@ -343,15 +343,19 @@ def test_keys_guard_generation_and_control_as_sglangs(client):
 
 @pytest.mark.slow
 def test_two_servers_behind_the_router_generate_and_take_weights(model, server):
-  """sglang-router in front of two servers of the kind (without keys: the router would have
-  to pass them on): generation routed, a weight sync to both, then every token at the new
-  version."""
+  """Two servers of the kind, started together and waited for by the client (bounded), then
+  sglang-router in front of them (without keys: the router would have to pass them on):
+  generation routed, a weight sync to both, then every token at the new version."""
   fleet = []
   try:
     for _ in range(2):  # started together, from this thread (real_sglang.Server)
       fleet.append(start(server.kind, model.paths[0], keys=False, wait=False))
-    for served in fleet:
-      served.wait()
+    # The client waits out servers still starting (refused connections, then SGLang's 503s).
+    waiting = SGLangClient([served.url for served in fleet])
+    try:
+      waiting.check_health(300)
+    finally:
+      waiting.close()
     routed(model, [served.url for served in fleet])
   finally:
     for served in fleet:
