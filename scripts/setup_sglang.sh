@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real SGLang server the tests run against (tests/real_sglang.py): sglang==0.5.23 from the
 # package registry in a virtual environment of its own, .venv-sglang (longrl never imports
-# sglang). Idempotent; about 4 minutes and 11 GB the first time: sglang pins the registry's
+# sglang). Idempotent; about 4 minutes and 9 GB the first time: sglang pins the registry's
 # CUDA build of torch. On this CPU it runs with SGLANG_USE_CPU_ENGINE=1 and --device cpu, and
 # two things replace what only CUDA machines have:
 # - sglang-kernel is uninstalled: its sgl_kernel is CUDA-only, and SGLang's CPU path imports
