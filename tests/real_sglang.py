@@ -33,6 +33,11 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
              "pytorch", "--disable-overlap-schedule", "--sleep-on-idle")
 
 
+def _shared_memory() -> set[str]:
+  """The names of the files in /dev/shm (none where there is no /dev/shm)."""
+  return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -63,7 +68,7 @@ class Server:
                "--dtype", "float32", "--context-length", str(context_length),
                "--max-total-tokens", str(max(8192, 4 * context_length)),
                "--host", "127.0.0.1", "--port", str(port), *extra]
-    self.shm_before = set(os.listdir(SHM))
+    self.shm_before = _shared_memory()
     with open(self.log, "w") as out:
       self.process = subprocess.Popen(
           router.exiting_with_parent(command), stdout=out, stderr=subprocess.STDOUT,
@@ -132,7 +137,7 @@ class Server:
     """The shared-memory files SGLang leaves in /dev/shm when its processes die (its own CI
     sweeps them: srt/utils/stale_shm_cleanup.py): its load-snapshot slots and
     multiprocessing's semaphores that appeared since it started and no live process maps."""
-    new = [n for n in set(os.listdir(SHM)) - self.shm_before
+    new = [n for n in _shared_memory() - self.shm_before
            if n.startswith(("sglang_loads_", "sem.mp-"))]
     mapped = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
