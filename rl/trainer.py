@@ -57,9 +57,9 @@ from rl.checkpoint import Checkpointer
 from rl.config import KLReward, RLConfig
 from rl.pretrained import HFCheckpoint
 from rl.train_step import init_train_state, make_train_step, policy_logprobs
-from rollouts import server as server_lib
 from rollouts.engine import RolloutEngine
 from rollouts.jax_engine import embedded_engine
+from rollouts.sglang import DETERMINISTIC_ENV
 
 # (cfg, params, version) -> a RolloutEngine holding `params` as `version`.
 EngineFactory = Callable[[ModelConfig, Any, int], RolloutEngine]
@@ -322,7 +322,7 @@ def make_deterministic() -> None:
           "call rl.trainer.make_deterministic()) before importing jax, or run "
           "experiments/run.py, which sets it")
     os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_XLA_FLAG}".strip()  # and for children
-  os.environ[server_lib.DETERMINISTIC_ENV] = "1"
+  os.environ[DETERMINISTIC_ENV] = "1"
 
 
 def train(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=None,

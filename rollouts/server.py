@@ -128,7 +128,6 @@ NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "json_schema": 
 GREEDY_BELOW = 1e-6
 GATHER_SECONDS = 0.01
 PREFIX_CACHE_ENTRIES = 1024
-DETERMINISTIC_ENV = sglang.DETERMINISTIC_ENV  # "1": --deterministic by default
 # What /release_memory_occupation releases when it names no tags: SGLang's
 # GPU_MEMORY_ALL_TYPES (constants.py L2-10). There are no CUDA graphs here: that tag is kept
 # for the bookkeeping only.
@@ -1606,10 +1605,10 @@ def _parser() -> argparse.ArgumentParser:
                       "dtype, float32 becoming float16 (SGLang's --dtype, served_dtype)")
   parser.add_argument("--deterministic", "--enable-deterministic-inference",
                       action="store_true",
-                      default=os.environ.get(DETERMINISTIC_ENV) == "1",
+                      default=os.environ.get(sglang.DETERMINISTIC_ENV) == "1",
                       help="each request's output depends on it alone, not on its batch, "
                       "and sampling_seed is honoured (SGLang's --enable-deterministic-"
-                      f"inference; default: on when {DETERMINISTIC_ENV}=1)")
+                      f"inference; default: on when {sglang.DETERMINISTIC_ENV}=1)")
   parser.add_argument("--enable-memory-saver", "--enable_memory_saver", action="store_true",
                       help="/release_memory_occupation frees the weights and KV cache "
                       "(SGLang's flag; without it a release only flushes the cache)")
