@@ -36,7 +36,8 @@ from rl.packing import trajectory_batch  # noqa: E402
 from rl.train_step import policy_logprobs  # noqa: E402
 from rollouts.engine import SamplingParams  # noqa: E402
 from rollouts.jax_engine import JaxEngine  # noqa: E402
-from rollouts.sglang import Request, SGLangClient, SGLangEngine, request_body  # noqa: E402
+from rollouts.sglang import Request, SGLangClient, request_body  # noqa: E402
+from rollouts.sglang_engine import SGLangEngine  # noqa: E402
 
 # GPU kernels (bf16 matmuls, other reductions) are not bit-equal to XLA on CPU, and the
 # weights are bf16 on both sides.
@@ -184,7 +185,7 @@ def refit_check(fmt: str, url: str, weights_dir: str) -> None:
   SGLangClient.sync_weights, as SGLangEngine would, which refuses INT4 ahead of a run).
   FP8: it must answer success, report version 1, and greedy-decode as the embedded engine
   holding v1 as stored (log-probs within LOGPROB_ATOL). INT4: sglang 0.5.23's source says the
-  refit takes the server down (rollouts/sglang.py refusals): PASS when it does; a server
+  refit takes the server down (rollouts/sglang_engine.py refusals): PASS when it does; a server
   that survives and serves v1 fails the check, so that the refusal can be lifted."""
   # As stored (quantize.Packed): requantizing dequantized INT4 would pick other scales.
   v0, v1 = (os.path.join(weights_dir, f"v{i:06d}") for i in (0, 1))
@@ -225,7 +226,7 @@ def refit_check(fmt: str, url: str, weights_dir: str) -> None:
     print(f"{'PASS' if ok else 'FAIL'} int4 refit takes sglang down, as its source says "
           f"({error or 'the update answered success'}; {seconds:.2f} s)"
           + ("" if ok else ": it survived, so INT4 refits may work: check the outputs and "
-             "lift rollouts/sglang.py refusals"), flush=True)
+             "lift rollouts/sglang_engine.py refusals"), flush=True)
   else:
     made = served("after") if alive and error is None else None
     close, gap = close_to(made, params1) if made else (False, float("nan"))

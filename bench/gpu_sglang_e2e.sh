@@ -7,7 +7,7 @@
 # (bench/gpu_sglang_checks.py). Then quantized refits: a server started from the FP8 export
 # refit with another FP8 export, and one from the INT4 export refit with another INT4 export
 # (bench/gpu_sglang_checks.py --refit: FP8 must refit, INT4 is expected to take the server
-# down, which rollouts/sglang.py refuses ahead of a run; a server that survives it fails the
+# down, which rollouts/sglang_engine.py refuses ahead of a run; a server that survives it fails the
 # check, so that the refusal is lifted). --enable-memory-saver needs torch_memory_saver, which SGLang's
 # own dependencies install.
 #

@@ -43,8 +43,9 @@ from memory import CONFIGS  # noqa: E402
 from models import hf, sharding, transformer  # noqa: E402
 from rl.loop import rl_optimizer  # noqa: E402
 from rl.train_step import init_train_state  # noqa: E402
-from rollouts.server import launch  # noqa: E402
-from rollouts.sglang import SGLangClient, SGLangEngine  # noqa: E402
+from rollouts.server.main import launch  # noqa: E402
+from rollouts.sglang import SGLangClient  # noqa: E402
+from rollouts.sglang_engine import SGLangEngine  # noqa: E402
 
 MIB = 2**20
 

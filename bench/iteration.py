@@ -117,8 +117,7 @@ def build_ours(engine: str, max_staleness: int = 0, hybrid: bool = False) -> dic
   from rl.config import RLConfig
   from rl.train_step import make_train_step
   from rollouts.jax_engine import JaxEngine
-  from rollouts.server import local_engine
-  from rollouts.sglang import remote_engine
+  from rollouts.sglang_engine import local_engine, remote_engine
 
   p = ITERATION
   cfg, params = start_model()

@@ -30,7 +30,7 @@ a GPU's). Results go to OUT/memory_moe.json.
 A configuration fits a chip when its peak is at most 90% of the chip's memory (the rest for
 the runtime, fragmentation and, on one GPU, nothing else: the rollout engine is not counted).
 
-`--parts engine`: the embedded engine's decode of one batch (rollouts.jax_engine.sample over
+`--parts engine`: the embedded engine's decode of one batch (rollouts.decoding.sample over
 bf16 weights, the KV cache in bf16) at the rows a recipe's `embedded_engine.kv_cache_gib`
 allows, on one device, beside the weights + KV cache it was sized by.
 
@@ -52,7 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from models import hf, sharding, transformer  # noqa: E402
-from rollouts import jax_engine  # noqa: E402
+from rollouts import decoding, jax_engine  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from rl import loop, losses  # noqa: E402
 from rl.train_step import init_train_state, make_train_step  # noqa: E402
@@ -182,12 +182,12 @@ ENGINE_CASES = (("qwen2.5-1.5b", 256, 256, 3072, "grpo_math.gin: kv_cache_gib = 
 
 
 def compile_engine(cfg: ModelConfig, rows: int, prompt: int, max_new: int) -> dict[str, int]:
-  """XLA's memory analysis of the embedded engine's decode (rollouts.jax_engine.sample) of
+  """XLA's memory analysis of the embedded engine's decode (rollouts.decoding.sample) of
   `rows` prompts on one device, over bf16 weights (embedded_engine.dtype = 'bfloat16')."""
   cfg = dataclasses.replace(cfg, param_dtype="bfloat16")
   params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
   shape = jax.ShapeDtypeStruct
-  compiled = jax_engine.sample.lower(
+  compiled = decoding.sample.lower(
       params, shape((rows, prompt), jnp.int32), shape((rows,), jnp.int32),
       jax.random.PRNGKey(0), jnp.float32(1.0), jnp.float32(1.0), cfg=cfg, max_new=max_new,
       stop_ids=(0,)).compile()

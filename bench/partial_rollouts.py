@@ -35,8 +35,9 @@ from models.tokenizer import CharTokenizer  # noqa: E402
 from rl import envs, sft  # noqa: E402
 from rl.envs import driver  # noqa: E402
 from rollouts.engine import SamplingParams  # noqa: E402
-from rollouts.server import launch  # noqa: E402
-from rollouts.sglang import Request, SGLangClient, SGLangEngine  # noqa: E402
+from rollouts.server.main import launch  # noqa: E402
+from rollouts.sglang import Request, SGLangClient  # noqa: E402
+from rollouts.sglang_engine import SGLangEngine  # noqa: E402
 
 SHORT, LONG, LONG_SHARE = 12, 96, 0.15
 GROUPS, SAMPLES, ITERATIONS, WARMUP = 4, 8, 24, 8

@@ -40,8 +40,9 @@ import numpy as np  # noqa: E402
 
 from memory import CONFIGS  # noqa: E402
 from models import hf, transformer  # noqa: E402
-from rollouts.server import launch  # noqa: E402
-from rollouts.sglang import EXPORT_SHARD_BYTES, SGLangClient, SGLangEngine  # noqa: E402
+from rollouts.server.main import launch  # noqa: E402
+from rollouts.sglang import SGLangClient  # noqa: E402
+from rollouts.sglang_engine import EXPORT_SHARD_BYTES, SGLangEngine  # noqa: E402
 
 SYNCS = 3
 GIB = 2**30

@@ -3,7 +3,7 @@ train step on one JAX process vs two.
 
   python bench/scaleout.py [--parts fleet,trainers] [--servers 1,2,4] [--out bench/results]
 
-fleet: for 1, 2 and 4 `python -m rollouts.server` processes (rollouts.server.local_engine)
+fleet: for 1, 2 and 4 `python -m rollouts.server` processes (rollouts.sglang_engine.local_engine)
 behind sglang-router, one RL iteration's generation at the quickstart's sizes (its model,
 random weights; 32 prompts x 8 samples, up to 40 new tokens at temperature 1), through the
 router and, on the same servers, straight from the client (its own affinity balancing): the
@@ -63,8 +63,8 @@ def fleet(counts) -> list[dict]:
   from rl.rollout import prompt_ids
   from rl.tasks.arithmetic import Arithmetic
   from rollouts.engine import SamplingParams
-  from rollouts.server import local_engine
-  from rollouts.sglang import SGLangClient, SGLangEngine
+  from rollouts.sglang import SGLangClient
+  from rollouts.sglang_engine import SGLangEngine, local_engine
 
   tokenizer = CharTokenizer()
   cfg = quickstart_model(tokenizer)

@@ -41,16 +41,16 @@ from rl.tasks import mixture
 from rl.tasks import needle
 from rl.tasks import visual
 from rollouts import jax_engine
-from rollouts import server
-from rollouts import sglang
+from rollouts import sglang_engine
+from rollouts.server import main as server_main
 
 train = gin.external_configurable(trainer.train, module="rl")
 evaluate = gin.external_configurable(evaluation.evaluate_checkpoint, "evaluate", module="rl")
 long2short = gin.external_configurable(long2short_lib.run, "long2short", module="rl")
-load_model = gin.external_configurable(server.load_model, module="rollouts")
+load_model = gin.external_configurable(server_main.load_model, module="rollouts")
 embedded_engine = gin.external_configurable(jax_engine.embedded_engine, module="rollouts")
-local_engine = gin.external_configurable(server.local_engine, module="rollouts")
-remote_engine = gin.external_configurable(sglang.remote_engine, module="rollouts")
+local_engine = gin.external_configurable(sglang_engine.local_engine, module="rollouts")
+remote_engine = gin.external_configurable(sglang_engine.remote_engine, module="rollouts")
 # Several processes: `initialize.coordinator_address = 'host:port'`, `.num_processes`,
 # `.process_id` (or the JAX_* environment variables), or `initialize.detect_cluster = True`
 # on a TPU pod slice or under SLURM; run.py calls it before anything else.

@@ -36,7 +36,8 @@ from rl.checkpoint import CheckpointCorrupt  # noqa: E402
 from rl.run_lock import RunDirectoryBusy  # noqa: E402
 from rl.sources import RolloutsFailed  # noqa: E402
 from rl.trainer import make_deterministic  # noqa: E402
-from rollouts.sglang import ServerError, Unservable  # noqa: E402
+from rollouts.sglang import ServerError  # noqa: E402
+from rollouts.sglang_engine import Unservable  # noqa: E402
 
 
 def parse_args(argv):

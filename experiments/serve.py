@@ -1,4 +1,4 @@
-"""Serve a model bound in gin over SGLang's protocol (rollouts/server.py):
+"""Serve a model bound in gin over SGLang's protocol (rollouts/server/):
 `python -m experiments.serve --gin FILE [--gin_param BINDING ...] [server options]`.
 
 The gin files bind `load_model` (e.g. `load_model.model = @tiny`, `tiny.hidden_size = 32`,
@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gin  # noqa: E402
 
 from experiments import gin_externals  # noqa: E402
-from rollouts import server  # noqa: E402
+from rollouts.server import main as server_main  # noqa: E402
 
 
 def main(argv=None):
@@ -30,7 +30,7 @@ def main(argv=None):
     if not os.path.isfile(path):
       parser.error(f"--gin {path}: no such file")
   gin.parse_config_files_and_bindings(args.gin, args.gin_param)
-  server.main(rest, load=gin_externals.load_model)
+  server_main.main(rest, load=gin_externals.load_model)
 
 
 if __name__ == "__main__":

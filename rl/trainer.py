@@ -361,8 +361,8 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   (WarmStart, FromRun or an HFCheckpoint; default WarmStart(), or the model's checkpoint),
   which is also the reference policy of a KL (kept in run_dir/sft, or the checkpoint
   directory itself). `engine(cfg, params, version)` makes the rollout engine (default: the
-  embedded JaxEngine; rollouts.server.local_engine serves the policy from subprocesses over
-  SGLang's protocol, rollouts.sglang.remote_engine uses SGLang servers). `mesh`
+  embedded JaxEngine; rollouts.sglang_engine.local_engine serves the policy from subprocesses over
+  SGLang's protocol, its remote_engine uses SGLang servers). `mesh`
   (models.sharding.make_mesh) is where the SFT and RL train steps and the reference
   log-probs run; its `context` axis turns on ring attention. `hooks`: rl.trainer.Hooks.
   Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set, or

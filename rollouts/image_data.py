@@ -5,7 +5,7 @@ Owns what an image is on HTTP and what a prompt's image placeholders are there
 - the client's side (rollouts/sglang.py): `data_url` (an image as a data URL of its RGB
   pixels in PNG), `collapse` (a trainer's prompt, one image token per merged patch, with
   each image's run of tokens as the one token SGLang expects) and `run_lengths`;
-- the server's side (rollouts/server.py): `per_prompt` (the JSON contract's shapes and
+- the server's side (rollouts/server/protocol.py): `per_prompt` (the JSON contract's shapes and
   GenerateReqInput's normalisation into each prompt's items), `load_all` (load_image's
   string forms, its errors worded as SGLang's), `wrapped_runs` and `expand` (the
   placeholders SGLang finds and its _expand_input_ids).

@@ -1,252 +1,28 @@
 """The embedded JAX engine: batched sampling with a KV cache, in the trainer's process.
 
-Owns the prefill/decode loop, the token choice (temperature, top-p, greedy) and scoring of
-given tokens (a prefill returning their log-probs: a teacher's or a judge's). It is the
-default engine on CPU and TPU and the one the tests use. Batch size and prompt length are
-rounded up to buckets so that a run compiles a few shapes, not one per call.
+Owns the engine around the decoding programs (rollouts/decoding.py): the weights it holds (in
+their dtype, placement or quantized format), batches cut to the KV cache budget, groups by
+max_new_tokens, images preprocessed, completions and scores returned through the
+RolloutEngine protocol. It is the default engine on CPU and TPU and the one the tests use.
+Batch size and prompt length are rounded up to buckets so that a run compiles a few shapes,
+not one per call.
 """
 
 import dataclasses
-import functools
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models import host_allocator
-from models import logprobs as logprobs_lib
 from models import sharding
 from models import transformer, vision
-from models.config import ModelConfig, VisionConfig
+from models.config import ModelConfig
+from rollouts.decoding import (bucket, prompt_images, sample, score_continuations,
+                               score_continuations_top_k)
 from rollouts.engine import Capabilities, Completion, SamplingParams
-
-
-def bucket(n: int, minimum: int) -> int:
-  """The next power of two >= max(n, minimum)."""
-  return max(minimum, 1 << (n - 1).bit_length())
-
-
-def nucleus(scaled, top_p):
-  """Logits outside the smallest set of tokens whose probability mass reaches top_p -> -inf."""
-  sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-  sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-  # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
-  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-  cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_logits, jnp.inf), axis=-1)
-  return jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
-
-
-def categorical(key, logits):
-  """One token per row of logits f32[batch, vocab], drawn with probability softmax(logits)
-  (-inf: never), by inverse transform sampling: a single uniform per row against the
-  cumulative probabilities. jax.random.categorical draws a Gumbel per vocabulary entry
-  instead (two logarithms and a random number each): on CPU that was 75% of a sampled
-  decode step at vocabulary 8192. Returns i32[batch]."""
-  cumulative = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)
-  # Scaled by the total so that rounding in the sum cannot leave u past the last token.
-  u = jax.random.uniform(key, (logits.shape[0], 1)) * cumulative[:, -1:]
-  # Tokens of probability 0 add nothing to the sum, so `<=` never stops on one.
-  chosen = jnp.sum(cumulative <= u, axis=-1)
-  return jnp.minimum(chosen, logits.shape[-1] - 1).astype(jnp.int32)
-
-
-def choose_tokens(key, logits, temperature, top_p):
-  """Sample from logits f32[batch, vocab] with temperature and nucleus cut; argmax when
-  temperature == 0. Returns i32[batch].
-
-  Branches are lax.cond, so greedy decoding and top_p = 1 never pay for the vocabulary sort
-  (on CPU the sort costs as much as a decode step of a small model).
-  """
-
-  def sample(_):
-    scaled = logits / temperature
-    scaled = jax.lax.cond(top_p < 1.0, nucleus, lambda s, _: s, scaled, top_p)
-    return categorical(key, scaled)
-
-  def greedy(_):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-  return jax.lax.cond(temperature > 0, sample, greedy, None)
-
-
-class PromptImages(NamedTuple):
-  """A batch of left-padded prompts' images, for a vision-language model.
-
-  images: the vision tower's input, every prompt's images in row order; positions
-  i32[batch, prompt_len, 3] each prompt token's multimodal RoPE position (padding 0);
-  next_positions i32[batch] the position of each row's first generated token (its largest
-  position + 1: tokens after the images count on from there on all three axes).
-  """
-  images: vision.Images
-  positions: jax.Array
-  next_positions: jax.Array
-
-
-def prompt_images(cfg: VisionConfig, prompts: Sequence[Sequence[int]],
-                  images: Sequence[Sequence[vision.PatchedImage]], batch: int, plen: int,
-                  min_patches: int = 64) -> PromptImages:
-  """PromptImages of `prompts` left-padded into [batch, plen], their images padded to a
-  power-of-two count of patches (so that a run compiles a few shapes)."""
-  positions = np.zeros((batch, plen, 3), np.int32)
-  next_positions = np.ones((batch,), np.int32)
-  slots = []
-  for row, (p, ims) in enumerate(zip(prompts, images)):
-    ids = vision.mrope_positions(p, [im.grid for im in ims], cfg)
-    positions[row, plen - len(p):] = ids
-    next_positions[row] = ids.max() + 1
-    slots += [row * plen + plen - len(p) + i for i in vision.placeholder_slots(p, cfg)]
-  flat = [im for ims in images for im in ims]
-  patches = sum(im.patches.shape[0] for im in flat)
-  return PromptImages(vision.batch_images(flat, cfg, slots,
-                                          bucket(max(patches, 1), min_patches)),
-                      positions, next_positions)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "stop_ids"))
-def sample(params, prompts, prompt_lens, key, temperature, top_p, images=None, *,
-           cfg: ModelConfig, max_new: int, stop_ids: tuple[int, ...]):
-  """Generate up to `max_new` tokens for left-padded prompts.
-
-  Args:
-    prompts: i32[batch, prompt_len], each prompt right-aligned (left padding).
-    prompt_lens: i32[batch] real prompt lengths (>= 1).
-    images: for a vision-language model, the prompts' `PromptImages` (their images and
-      multimodal RoPE positions), else None.
-  Returns:
-    tokens i32[batch, max_new] (0 after a row finished), logp f32[batch, max_new],
-    lengths i32[batch] tokens generated, stopped bool[batch] (ended on a stop token), and for
-    a mixture of experts the experts each token went to, i32[batch, prompt_len + max_new,
-    sparse layers, k] (the prompt's at their slots, each generated token's once it was fed
-    back; -1 where none), else None.
-  """
-  params = transformer.unpack_projections(params)  # once, not at every decode step
-  batch, plen = prompts.shape
-  pad = plen - prompt_lens
-  slots = jnp.arange(plen)
-  positions = jnp.maximum(slots[None, :] - pad[:, None], 0)
-  next_positions = prompt_lens  # of the first generated token
-  if images is not None:
-    positions, next_positions = images.positions, images.next_positions
-  kv_valid = jnp.zeros((batch, plen + max_new), bool).at[:, :plen].set(
-      slots[None, :] >= pad[:, None])
-  cache = transformer.init_cache(cfg, batch, plen + max_new)
-  unembed = transformer.output_projection(params, cfg)
-  hidden, cache, route = transformer.prefill(params, cfg, prompts, positions,
-                                             kv_valid[:, :plen].astype(jnp.int32), cache,
-                                             None if images is None else images.images)
-  experts = None
-  if route is not None:  # rollout routing replay: what the trainer will route the same way
-    experts = jnp.full((batch, plen + max_new, *route.experts.shape[2:]), -1, jnp.int32)
-    experts = experts.at[:, :plen].set(route.experts)
-  logits = hidden[:, -1] @ unembed
-  stop_ids = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
-
-  def step(carry):
-    i, logits, cache, kv_valid, tokens, logp, done, key, experts = carry
-    key, sub = jax.random.split(key)
-    token = choose_tokens(sub, logits, temperature, top_p)
-    token_logp = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], -1)[:, 0]
-    tokens = tokens.at[:, i].set(jnp.where(done, 0, token))
-    logp = logp.at[:, i].set(jnp.where(done, 0.0, token_logp))
-    kv_valid = kv_valid.at[:, plen + i].set(~done)
-    done = done | jnp.isin(token, stop_ids)
-    hidden, cache, route = transformer.decode(
-        params, cfg, token[:, None], (next_positions + i)[:, None], kv_valid, cache, plen + i)
-    if route is not None:
-      experts = experts.at[:, plen + i].set(route.experts[:, 0])
-    return i + 1, hidden[:, 0] @ unembed, cache, kv_valid, tokens, logp, done, key, experts
-
-  def keep_going(carry):
-    i, *_, done, _, _ = carry
-    return (i < max_new) & ~jnp.all(done)
-
-  init = (jnp.int32(0), logits, cache, kv_valid, jnp.zeros((batch, max_new), jnp.int32),
-          jnp.zeros((batch, max_new), jnp.float32), jnp.zeros((batch,), bool), key, experts)
-  _, _, _, kv_valid, tokens, logp, stopped, _, experts = jax.lax.while_loop(keep_going, step,
-                                                                            init)
-  lengths = jnp.sum(kv_valid[:, plen:], axis=1).astype(jnp.int32)
-  return tokens, logp, lengths, stopped, experts
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "k"))
-def sequence_scores(params, tokens, lengths, *, cfg: ModelConfig, k: int = 0):
-  """One prefill of right-padded sequences, nothing generated: log p(tokens[b, t] |
-  tokens[b, :t]) f32[batch, seq] and, with k > 0, the k most likely tokens at each position
-  and their log-probs, i32 / f32[batch, seq, k] (else None). Zeros at t = 0 and past each
-  row's length.
-
-  tokens: i32[batch, seq]; lengths: i32[batch] (>= 1).
-  """
-  batch, seq = tokens.shape
-  real = jnp.arange(seq)[None, :] < lengths[:, None]
-  positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-  hidden = transformer.forward(params, cfg, tokens, positions, real.astype(jnp.int32))
-  unembed = transformer.output_projection(params, cfg)
-  following = jnp.roll(tokens, -1, axis=1)  # the token each position predicts
-  logp, _ = logprobs_lib.token_logprobs(hidden, unembed, following)
-  # Position t-1 predicts token t: shift right by one.
-  shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
-  keep = real & (jnp.arange(seq)[None, :] > 0)
-  logp = jnp.where(keep, shift(logp), 0.0)
-  if not k:
-    return logp, None, None
-  ids, top_logp = logprobs_lib.top_k(hidden, unembed, k)
-  return (logp, jnp.where(keep[..., None], shift(ids), 0),
-          jnp.where(keep[..., None], shift(top_logp), 0.0))
-
-
-def _padded(sequences, pad_id: int, min_batch: int, min_len: int):
-  rows, width = bucket(len(sequences), min_batch), bucket(max(map(len, sequences)), min_len)
-  tokens = np.full((rows, width), pad_id, np.int32)
-  lengths = np.ones((rows,), np.int32)
-  for row, s in enumerate(sequences):
-    tokens[row, :len(s)] = s
-    lengths[row] = len(s)
-  return jnp.asarray(tokens), jnp.asarray(lengths)
-
-
-def _scoring_batch(prompts, continuations, pad_id: int, min_batch: int, min_len: int):
-  """(tokens, lengths) of the prompt + continuation sequences, or None when there are none."""
-  if len(prompts) != len(continuations):
-    raise ValueError(f"score: {len(prompts)} prompts for {len(continuations)} continuations")
-  if any(len(p) == 0 for p in prompts):
-    raise ValueError("score: every prompt needs at least one token")
-  sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
-  return _padded(sequences, pad_id, min_batch, min_len) if sequences else None
-
-
-def score_continuations(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
-                        continuations: Sequence[Sequence[int]], *, pad_id: int = 0,
-                        min_batch: int = 8, min_len: int = 16) -> list[np.ndarray]:
-  """The log-prob of each continuation token after its prompt and the tokens before it
-  (temperature 1): one f32[len(continuation)] per pair, in batches of bucketed shape."""
-  batch = _scoring_batch(prompts, continuations, pad_id, min_batch, min_len)
-  if batch is None:
-    return []
-  logp = jax.device_get(sequence_scores(params, *batch, cfg=cfg)[0])
-  return [logp[row, len(p):len(p) + len(c)].copy()
-          for row, (p, c) in enumerate(zip(prompts, continuations))]
-
-
-def score_continuations_top_k(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
-                              continuations: Sequence[Sequence[int]], k: int, *,
-                              pad_id: int = 0, min_batch: int = 8, min_len: int = 16
-                              ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-  """`score_continuations` and top-k distillation's teacher side, in one prefill: for each
-  pair, its continuation's log-probs f32[n] and, at each of those n positions, the k tokens
-  the model finds most likely there and their log-probs, i32[n, k] and f32[n, k]."""
-  if k < 1:
-    raise ValueError(f"score_continuations_top_k: k must be >= 1, got {k}")
-  batch = _scoring_batch(prompts, continuations, pad_id, min_batch, min_len)
-  if batch is None:
-    return []
-  logp, ids, top_logp = jax.device_get(sequence_scores(params, *batch, cfg=cfg, k=k))
-  spans = [slice(len(p), len(p) + len(c)) for p, c in zip(prompts, continuations)]
-  return [(logp[row, span].copy(), ids[row, span].copy(), top_logp[row, span].copy())
-          for row, span in enumerate(spans)]
-
 
 # It keeps the arrays it is given, and a generate reads its weights once per call.
 CAPABILITIES = Capabilities(pause=True, keeps_weight_arrays=True, release_memory=True)
@@ -300,7 +76,7 @@ def _cache_shards(cfg: ModelConfig, mesh) -> int:
 
 
 class JaxEngine:
-  """RolloutEngine over `rollouts.jax_engine.sample`; weights are held in memory.
+  """RolloutEngine over `rollouts.decoding.sample`; weights are held in memory.
 
   `dtype` (e.g. 'bfloat16'): the weights are held (and read at every decode step) in this
   dtype, a copy made at each update, as an inference server holds them; None: the arrays
@@ -548,8 +324,8 @@ def embedded_engine(cfg: ModelConfig, params, version: int, *, dtype: str | None
                     kv_cache_gib: float | None = None, layout: str = "replicas",
                     weight_format: str | None = None) -> JaxEngine:
   """The engine factory of an in-process JaxEngine (a run's default): (cfg, params, version)
-  -> an engine holding `params` as `version`, as rollouts.server.local_engine and
-  rollouts.sglang.remote_engine are for servers. `dtype`, `kv_cache_gib` and `layout` are
+  -> an engine holding `params` as `version`, as rollouts.sglang_engine.local_engine and
+  remote_engine are for servers. `dtype`, `kv_cache_gib` and `layout` are
   JaxEngine's (bindings: `train.engine = @embedded_engine`,
   `embedded_engine.dtype = 'bfloat16'`). `weight_format` ("fp8" or "int4"): the engine holds
   and computes on its weights in that format, as an engine serving a quantized checkpoint

@@ -2,7 +2,7 @@
 
 Owns starting it with the flags a trainer needs and registering workers with it; the routing,
 health checks, retries and circuit breaking are the router's own. What it does with our
-requests (sglang-router 0.3.2, checked against rollouts/server.py):
+requests (sglang-router 0.3.2, checked against rollouts/server/):
 - only /generate (and /flush_cache) goes through it; aborts, pause/continue, weight updates and
   /model_info answer 404 there, so SGLangClient sends those to every worker directly;
 - with `--policy manual` a request's `X-SMG-Routing-Key` header pins it to one worker (the

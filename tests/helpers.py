@@ -10,7 +10,7 @@ import optax
 from rl import corrections, loop, losses, rewards, sampling, sources
 from rl.config import RLConfig
 from rl.train_step import make_train_step, policy_logprobs
-from rollouts.server import serve
+from rollouts.server.http_server import serve
 
 
 def parts(cfg, *, engine, task, tokenizer, config: RLConfig, loss: str = "k1.5",

@@ -17,8 +17,8 @@ from rl.checkpoint import Checkpointer
 from rl.config import RLConfig
 from rl.tasks.arithmetic import Arithmetic
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import local_engine
 from rollouts.sglang import ServerError
+from rollouts.sglang_engine import local_engine
 from tests import helpers
 from tests.test_rl import PickADigit, digit_model  # noqa: F401 - the fixture
 

@@ -51,16 +51,17 @@ def test_a_deterministic_server_answers_a_request_alike_in_any_batch(tokenizer):
   in one of 8 (without --deterministic, the batch of 61 moves the request's log-probs by
   ~5e-7)."""
   from models import config, transformer
-  from rollouts import server
+  from rollouts.server.protocol import Request
+  from rollouts.server.scheduler import Scheduler
   cfg = config.tiny(tokenizer.vocab_size, hidden_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, intermediate_size=384)
   params = transformer.init_params(cfg, jax.random.PRNGKey(0))
-  scheduler = server.Scheduler(cfg, params, max_batch=64, deterministic=True)
+  scheduler = Scheduler(cfg, params, max_batch=64, deterministic=True)
 
   def request(rid, length, seed, max_new=12):
-    return server.Request(rid=rid, input_ids=[(5 * i + seed) % 40 + 3 for i in range(length)],
-                          max_new_tokens=max_new, temperature=1.0, top_p=0.9,
-                          stop_token_ids=(), seed=seed, return_logprob=True)
+    return Request(rid=rid, input_ids=[(5 * i + seed) % 40 + 3 for i in range(length)],
+                   max_new_tokens=max_new, temperature=1.0, top_p=0.9, stop_token_ids=(),
+                   seed=seed, return_logprob=True)
 
   def served(batch):
     scheduler.submit(batch)

@@ -10,7 +10,7 @@ from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
 from rl.trajectory import Trajectory
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import local_engine
+from rollouts.sglang_engine import local_engine
 
 
 def _pairs(vocab: int, seed: int = 0):

@@ -251,7 +251,7 @@ def test_the_k3_recipe_runs_through_a_server_process(tokenizer, tiny_cfg, tiny_p
                                                      tmp_path):
   """Effort prompts and budgets, lambda-partial rollouts and the trust region, together: the
   partial path gives the transform each trajectory's record too."""
-  from rollouts.server import local_engine
+  from rollouts.sglang_engine import local_engine
 
   task = effort.EffortTask(Arithmetic(num_train=8, num_test=10))
   rl = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=12, seq_len=40,

@@ -611,8 +611,9 @@ def test_sft_demonstrations_keep_observations_out_of_the_loss(tokenizer):
 def test_an_episode_on_the_embedded_engine_and_on_the_server_is_the_same(tokenizer, tiny_cfg,
                                                                           tiny_params,
                                                                           tmp_path):
-  from rollouts.server import launch
-  from rollouts.sglang import SGLangClient, SGLangEngine
+  from rollouts.server.main import launch
+  from rollouts.sglang import SGLangClient
+  from rollouts.sglang_engine import SGLangEngine
   path = hf.save(tiny_params, tiny_cfg, str(tmp_path / "v0"))
   process, url = launch(["--hf_checkpoint", path, "--weight_version", "0",
                           "--dtype", "float32"])

@@ -22,8 +22,9 @@ from rl import ConfigError, sources
 from rl.config import RLConfig
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import launch, local_engine
+from rollouts.server.main import launch
 from rollouts.sglang import ServerError
+from rollouts.sglang_engine import local_engine
 from tests import helpers
 from tests.test_rl import PickADigit, digit_model  # noqa: F401 - the fixture
 

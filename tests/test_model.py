@@ -155,7 +155,7 @@ def test_an_engine_on_a_mesh_holds_weights_split_over_tensor_and_splits_rows(tin
 def test_categorical_draws_each_token_with_its_probability():
   """Inverse transform sampling: frequencies over 200,000 draws within 4 standard errors of
   softmax(logits), tokens of logit -inf (a nucleus cut) never drawn, rows independent."""
-  from rollouts.jax_engine import categorical
+  from rollouts.decoding import categorical
   probs = np.array([[0.5, 0.0, 0.3, 0.15, 0.05, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
                     [1 / 6] * 6])
   logits = jnp.log(jnp.asarray(probs, jnp.float32))  # log 0 = -inf

@@ -34,7 +34,8 @@ from rl.train_step import init_train_state, make_train_step, policy_logprobs, re
 from rl.trajectory import Trajectory
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.sglang import SGLangClient, SGLangEngine
+from rollouts.sglang import SGLangClient
+from rollouts.sglang_engine import SGLangEngine
 from tests import helpers
 from tests.test_attention import _packed_batch, assert_same_gradients, gradient_recorder
 

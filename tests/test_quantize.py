@@ -19,8 +19,9 @@ from rl.train_step import policy_logprobs
 from rollouts import jax_engine
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import launch, local_engine
-from rollouts.sglang import SGLangClient, SGLangEngine, ServerError, Unservable, remote_engine
+from rollouts.server.main import launch
+from rollouts.sglang import SGLangClient, ServerError
+from rollouts.sglang_engine import SGLangEngine, Unservable, local_engine, remote_engine
 
 
 def _weight(out, inp, seed=0):
@@ -227,7 +228,7 @@ def test_quantization_aware_training_computes_what_the_int4_engine_does():
 
 
 def test_our_server_serves_and_is_refit_with_fp8_exports(tmp_path):
-  """The production path on CPU: servers (rollouts/server.py) started from an FP8 export and
+  """The production path on CPU: servers (rollouts/server/) started from an FP8 export and
   refit with FP8 exports compute what the embedded FP8 engine does (SGLang keeps FP8's
   parameters through a reload: docs/sglang.md 3(m))."""
   cfg = config.tiny(64, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -256,7 +257,7 @@ def test_our_server_serves_and_is_refit_with_fp8_exports(tmp_path):
 def test_int4_is_served_from_the_start_and_a_refit_takes_the_server_down_as_sglangs(
     tmp_path):
   """SGLang 0.5.23 serves an INT4 (compressed-tensors) checkpoint but goes down at its first
-  refit from disk (rollouts/sglang.py refusals has the lines): our server computes what the
+  refit from disk (rollouts/sglang_engine.py refusals has the lines): our server computes what the
   embedded INT4 engine does and goes down at that refit too; local_engine and remote_engine
   refuse INT4 before they start or ask anything."""
   cfg = config.tiny(64, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)

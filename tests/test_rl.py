@@ -17,7 +17,7 @@ from rl.tasks.arithmetic import Arithmetic
 from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import local_engine
+from rollouts.sglang_engine import local_engine
 from tests import helpers
 
 

@@ -1,4 +1,4 @@
-"""The SGLang client against a real server process on 127.0.0.1 (rollouts/server.py), and
+"""The SGLang client against a real server process on 127.0.0.1 (rollouts/server/), and
 both against SGLang's own generated JSON contract (sglang/api/v1/api_types.py from the pinned
 sglang 0.5.23 wheel, fetched with pip download and cached; it needs only msgspec)."""
 
@@ -33,10 +33,10 @@ from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import launch
+from rollouts.server.main import launch
 from tests import helpers
-from rollouts.sglang import (Request, SGLangClient, SGLangEngine, ServerError, parse_response,
-                             remote_engine, request_body)
+from rollouts.sglang import Request, SGLangClient, ServerError, parse_response, request_body
+from rollouts.sglang_engine import SGLangEngine, remote_engine
 
 SGLANG = "0.5.23"
 REFERENCE_RESPONSE = {  # ../shared/reference/sglang.md section 1.2
@@ -307,7 +307,8 @@ def test_abort_returns_partial_output_and_resume_equals_uninterrupted(model, ser
 def test_prefix_cache_holds_aborted_requests_until_the_weights_change(model):
   """In process: an aborted request's keys and values are kept under its whole token
   sequence, and a weight update drops them (they belong to the old weights)."""
-  from rollouts.server import Request as ServerRequest, Scheduler
+  from rollouts.server.protocol import Request as ServerRequest
+  from rollouts.server.scheduler import Scheduler
   cfg, params, _, _ = model
   scheduler = Scheduler(cfg, params[0], weight_version="0")
   try:
@@ -335,7 +336,8 @@ def test_an_unpaused_weight_update_lets_the_requests_in_flight_finish_first(mode
   """In process, as behind SGLang's model-update lock: an update sent while a request
   decodes waits for it, which ends on the old weights; a request that arrives meanwhile
   waits for the update and decodes on the new ones."""
-  from rollouts.server import Request as ServerRequest, Scheduler
+  from rollouts.server.protocol import Request as ServerRequest
+  from rollouts.server.scheduler import Scheduler
   cfg, params, _, _ = model
   scheduler = Scheduler(cfg, params[0], weight_version="0")
 
@@ -395,7 +397,7 @@ def test_completions_from_a_server_are_verified_while_the_rest_generate(model, t
   """A server that decodes two requests at a time hands back 8 completions in 4 waves: the
   first are verified while later waves decode, the result equals verifying them all after,
   and what was verified during generation is off the critical path (verify_s)."""
-  from rollouts.server import serve
+  from rollouts.server.http_server import serve
   cfg, params, _, _ = model
   server = serve(cfg, params[0], max_batch=2)
   client = SGLangClient([f"http://127.0.0.1:{server.server_address[1]}"])
@@ -428,16 +430,18 @@ def test_warmup_compiles_every_batch_shape_served_after_it(model):
   """After Scheduler.warmup(L), batches of any size up to max_batch whose requests hold at
   most L tokens, a resumed one served from the prefix cache included, compile no prefill and
   no decode step."""
-  from rollouts import server
-  assert [server.shape_bucket(n, 8) for n in (1, 8, 9, 12, 13, 17, 25, 33, 49, 65)] == [
+  from rollouts import decoding
+  from rollouts.server.protocol import Request
+  from rollouts.server.scheduler import Scheduler
+  assert [decoding.shape_bucket(n, 8) for n in (1, 8, 9, 12, 13, 17, 25, 33, 49, 65)] == [
       8, 8, 12, 12, 16, 24, 32, 48, 64, 96]
   cfg, params, _, _ = model
-  scheduler = server.Scheduler(cfg, params[0], max_batch=12)
+  scheduler = Scheduler(cfg, params[0], max_batch=12)
 
   def requests(name, prompts, max_new):
-    return [server.Request(rid=f"{name}-{i}", input_ids=list(p), max_new_tokens=max_new,
-                           temperature=1.0, top_p=0.9, stop_token_ids=(), seed=i,
-                           return_logprob=True) for i, p in enumerate(prompts)]
+    return [Request(rid=f"{name}-{i}", input_ids=list(p), max_new_tokens=max_new,
+                    temperature=1.0, top_p=0.9, stop_token_ids=(), seed=i, return_logprob=True)
+            for i, p in enumerate(prompts)]
 
   def served(batch):
     scheduler.submit(batch)
@@ -446,7 +450,7 @@ def test_warmup_compiles_every_batch_shape_served_after_it(model):
 
   try:
     scheduler.warmup(24)
-    compiled = (server._prefill._cache_size(), server._step._cache_size())
+    compiled = (decoding.prefill_logits._cache_size(), decoding.decode_step._cache_size())
     served(requests("a", [[3] * 3, [4] * 9, [5] * 20], 4))
     served(requests("b", [[6] * n for n in range(1, 11)], 14))
     long, = requests("c", [[7, 8, 9]], 21)
@@ -462,7 +466,8 @@ def test_warmup_compiles_every_batch_shape_served_after_it(model):
     resumed, = served(requests("d", [long.input_ids + long.tokens], 21 - len(long.tokens)))
     assert resumed.cached_tokens == len(resumed.input_ids)
     assert resumed.finish_reason["type"] == "length"
-    assert (server._prefill._cache_size(), server._step._cache_size()) == compiled
+    assert (decoding.prefill_logits._cache_size(),
+            decoding.decode_step._cache_size()) == compiled
   finally:
     with scheduler.lock:
       scheduler.stopped = True

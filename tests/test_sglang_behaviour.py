@@ -1,5 +1,5 @@
 """What the real SGLang 0.5.23 server does where a client can go wrong, mirrored by our server
-(rollouts/server.py), and the client (rollouts/sglang.py) meeting each (docs/sglang.md cites
+(rollouts/server/), and the client (rollouts/sglang.py) meeting each (docs/sglang.md cites
 the lines of SGLang behind every one): aborts by exact live rid, duplicate rids refused,
 /health blocking while paused (and the router's 503 meanwhile), a failed update, deadlines on
 control calls, sampling_seed only with deterministic inference, the served dtype."""
@@ -20,8 +20,9 @@ from models import hf
 from rollouts import router
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import launch, served_dtype
-from rollouts.sglang import Request, SGLangClient, SGLangEngine, ServerError, remote_engine
+from rollouts.server.main import launch, served_dtype
+from rollouts.sglang import Request, SGLangClient, ServerError
+from rollouts.sglang_engine import SGLangEngine, remote_engine
 from tests import helpers
 
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}

@@ -1,5 +1,5 @@
 """One contract, two servers: every interaction of the SGLang client (rollouts/sglang.py) with
-a server, each test body run against our server (rollouts/server.py) and against the real
+a server, each test body run against our server (rollouts/server/) and against the real
 SGLang 0.5.23 started on this CPU (tests/real_sglang.py, installed by
 scripts/setup_sglang.sh). Where they differed, ours was changed to SGLang's behaviour;
 docs/sglang.md section 4 has the table.
@@ -23,10 +23,11 @@ from rl import ConfigError, sampling, sources
 from rl.config import RLConfig
 from rl.tasks.arithmetic import Arithmetic
 from rollouts import router as router_lib
+from rollouts.decoding import score_continuations, score_continuations_top_k
 from rollouts.engine import SamplingParams
-from rollouts.jax_engine import score_continuations, score_continuations_top_k
-from rollouts.server import launch
-from rollouts.sglang import Request, SGLangClient, SGLangEngine, ServerError
+from rollouts.server.main import launch
+from rollouts.sglang import Request, SGLangClient, ServerError
+from rollouts.sglang_engine import SGLangEngine
 from tests import real_sglang
 
 pytestmark = pytest.mark.xdist_group("sglang_contract")

@@ -14,7 +14,7 @@ from rl.packing import trajectory_batch
 from rl.tasks.arithmetic import Arithmetic
 from rl.train_step import policy_logprobs
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import local_engine
+from rollouts.sglang_engine import local_engine
 from tests import helpers
 from tests.test_rl import PickADigit, digit_model  # noqa: F401 - the fixture
 

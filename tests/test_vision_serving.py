@@ -1,4 +1,4 @@
-"""Images over SGLang's /generate (sglang 0.5.23's image_data): our server (rollouts/server.py,
+"""Images over SGLang's /generate (sglang 0.5.23's image_data): our server (rollouts/server/,
 in this process, on a tiny Qwen2.5-VL checkpoint loaded as the server loads one) against the
 embedded engine through the SGLang client (rollouts/sglang.py), the request forms SGLang
 reads, and its answers to what it refuses (rollouts/image_data.py cites the lines)."""
@@ -20,11 +20,13 @@ from models import hf, transformer, vision
 from models.config import tiny, tiny_vision
 from models.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from rollouts import image_data
-from rollouts import server as server_module
+from rollouts.server import protocol
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
-from rollouts.server import expand_request, load_model
-from rollouts.sglang import SGLangClient, SGLangEngine, ServerError, request_body
+from rollouts.server.main import load_model
+from rollouts.server.protocol import expand_request
+from rollouts.sglang import SGLangClient, ServerError, request_body
+from rollouts.sglang_engine import SGLangEngine
 from tests.helpers import serving
 from tests.test_sglang import api_types  # noqa: F401 (SGLang's JSON contract, a fixture)
 
@@ -333,8 +335,8 @@ def test_an_abort_while_images_load_is_lost_as_in_sglang_and_a_stop_holds_anyway
   after its first abort has its worker aborted whole, again until it returns."""
   cfg, _, _ = model
   url, _ = server
-  loads = server_module.prompt_images
-  monkeypatch.setattr(server_module, "prompt_images",
+  loads = protocol.expand_images
+  monkeypatch.setattr(protocol, "expand_images",
                       lambda *args: (time.sleep(1.5), loads(*args))[1])
   pic = picture(64, 64, 3)
   ids = prompt(cfg, [pic], ["a ", " what"])
