@@ -219,6 +219,154 @@ def test_assert_tests_pass_for_a_correct_program_and_report_each_test(sandbox):
   assert [r.status for r in echo] == ["accepted", "accepted"]
 
 
+TWO_SUM = ("class Solution:\n  def twoSum(self, nums, target):\n    seen = {}\n"
+           "    for i, x in enumerate(nums):\n      if target - x in seen:\n"
+           "        return [seen[target - x], i]\n      seen[x] = i\n")
+TWO_SUM_TESTS = ("assert Solution().twoSum([2, 7, 11, 15], 9) == [0, 1]",
+                 "solver = Solution()\nassert solver.twoSum([3, 2, 4], 6) == [1, 2]\n"
+                 "assert solver.twoSum([3, 3], 6) == [0, 1]")
+
+
+@pytest.mark.parametrize("entry_point", ["Solution.twoSum", "twoSum", "Solution"])
+def test_tests_that_construct_the_solution_class_pass_and_fail_on_its_answers(sandbox,
+                                                                              entry_point):
+  # LeetCode sets that write `Solution().twoSum(...)` in the test; the entry point is the
+  # method as rl/tasks/code.py's `job` makes it, the method's bare name, or the class.
+  right = sandbox.run_assert_tests(TWO_SUM, TWO_SUM_TESTS, entry_point=entry_point)
+  assert [r.status for r in right] == ["accepted"] * 2, right
+  wrong = TWO_SUM.replace("[seen[target - x], i]", "[i, seen[target - x]]")
+  results = sandbox.run_assert_tests(wrong, TWO_SUM_TESTS, entry_point=entry_point)
+  assert [r.status for r in results] == ["wrong answer"] * 2, results
+
+
+def test_setup_may_construct_the_class_and_keeps_its_own_names(sandbox):
+  setup = "def returned(value, expected):\n  return value == expected\nsolver = Solution()"
+  test = "assert returned(solver.twoSum([2, 7, 11, 15], 9), [0, 1])"
+  right, = sandbox.run_assert_tests(TWO_SUM, [test], entry_point="Solution.twoSum",
+                                    setup=setup)
+  # A program class named like setup's helper: bound over it, `assert returned(...)` would
+  # test a handle rather than the answer.
+  hostile = ("class returned:\n  def __init__(self, *args):\n    pass\n" +
+             TWO_SUM.replace("[seen[target - x], i]", "[i, i]"))
+  wrong, = sandbox.run_assert_tests(hostile, [test], entry_point="Solution.twoSum",
+                                    setup=setup)
+  assert (right.status, wrong.status) == ("accepted", "wrong answer"), (right, wrong)
+  assert wrong.detail.startswith("AssertionError"), wrong  # setup's helper ran, not a handle
+
+
+MIN_STACK = ("class MinStack:\n  def __init__(self):\n    self.items, self.size = [], 0\n"
+             "  def push(self, x):\n"
+             "    self.items.append((x, min(x, self.items[-1][1]) if self.items else x))\n"
+             "    self.size += 1\n"
+             "  def pop(self):\n    self.items.pop()\n    self.size -= 1\n"
+             "  def top(self):\n    return self.items[-1][0]\n"
+             "  def getMin(self):\n    return self.items[-1][1]\n")
+MIN_STACK_TESTS = (
+    "obj = MinStack()\nobj.push(3)\nassert obj.getMin() == 3",
+    "obj = MinStack()\nfor x in (5, 2, 7):\n  obj.push(x)\nassert obj.getMin() == 2\n"
+    "obj.pop()\nobj.pop()\nassert (obj.top(), obj.getMin()) == (5, 5)",
+    "a, b = MinStack(), MinStack()\na.push(1)\nb.push(9)\n"
+    "assert (a.getMin(), b.getMin()) == (1, 9)",
+)
+
+
+def test_a_stateful_class_keeps_its_state_between_calls_in_the_sandbox(sandbox):
+  results = sandbox.run_assert_tests(MIN_STACK, MIN_STACK_TESTS, entry_point="MinStack")
+  assert [r.status for r in results] == ["accepted"] * 3, results
+  # getMin answering the top: right while the newest element is the least, wrong after.
+  wrong = MIN_STACK.replace("return self.items[-1][1]", "return self.items[-1][0]")
+  results = sandbox.run_assert_tests(wrong, MIN_STACK_TESTS, entry_point="MinStack")
+  assert [r.status for r in results] == ["accepted", "wrong answer", "accepted"], results
+
+
+ALWAYS_EQUAL = "class Anything:\n  def __eq__(self, other):\n    return True\n"
+FORGE = ("import os\ndef forge(line):\n  for fd in range(3, 64):\n    try:\n"
+         "      os.write(fd, line)\n    except OSError:\n      pass\n")
+# name: (program, test, status, what the detail says). Each would pass, or reach another
+# run's instance, if the handle let more than plain values and method calls across.
+HANDLE_ATTACKS = {
+    "a method returns its instance": (
+        MIN_STACK.replace("self.size += 1", "self.size += 1\n    return self"),
+        "assert MinStack().push(1) is not None", "runtime error",
+        "MinStack.push returned an object of type MinStack, not a plain value"),
+    "a method returns an always-equal object": (
+        ALWAYS_EQUAL + "class Solution:\n  def twoSum(self, nums, target):\n"
+        "    return Anything()", TWO_SUM_TESTS[0], "runtime error",
+        "Solution.twoSum returned an object of type Anything"),
+    "the class's __eq__ lies": (
+        "class Solution:\n  def __eq__(self, other):\n    return True\n"
+        "  def twoSum(self, nums, target):\n    return None",
+        "assert Solution() == [0, 1]", "wrong answer", "Solution#1 stands for something in "
+        "the sandbox and has no value on the host: call one of its methods"),
+    "a handle compared unequal": (MIN_STACK, "assert MinStack() != None", "wrong answer",
+                                  "MinStack#1 stands for something in the sandbox"),
+    "a handle's truth": (MIN_STACK, "assert MinStack()", "wrong answer",
+                         "MinStack#1 stands for something in the sandbox"),
+    "a handle passed back as an argument": (
+        MIN_STACK, "a = MinStack()\nb = MinStack()\nb.push(a)\nassert b.top() is not None",
+        "wrong answer", "MinStack#2.push was given an object of type _Handle, not a plain"),
+    "an attribute read as a value": (
+        MIN_STACK, "obj = MinStack()\nobj.push(1)\nassert obj.size == 1", "wrong answer",
+        "MinStack#1.size stands for something in the sandbox and has no value on the host: "
+        "call it; attributes other than methods are not read"),
+    "an attribute called": (MIN_STACK, "assert MinStack().size() == 0", "runtime error",
+                            "MinStack.size is an attribute of type int, not a method"),
+    "an underscored attribute": (MIN_STACK, "assert MinStack()._MinStack__x() == 0",
+                                 "wrong answer", "only public methods"),
+    "an attribute set on the handle": (MIN_STACK, "obj = MinStack()\nobj.size = 5",
+                                       "wrong answer", "MinStack#1.size = ...: a handle's"),
+    "an imported class": ("from collections import deque as MinStack",
+                          "obj = MinStack()\nobj.append(1)\nassert obj.pop() == 1",
+                          "runtime error", "MinStack is collections.deque, not a class the "
+                          "program defines"),
+    "a factory for another object": ("import os\ndef MinStack():\n  return os",
+                                     "assert MinStack().getcwd() == '/'", "runtime error",
+                                     "MinStack returned an object of type module"),
+    "a class the program lacks": ("class Minstack:\n  pass", "assert MinStack().top() == 1",
+                                  "runtime error",
+                                  "the program defines no function or class 'MinStack'"),
+    "a class named like the test's builtin": (
+        "class all:\n  def __init__(self, *args):\n    pass\n"
+        "class Solution:\n  def twoSum(self, nums, target):\n    return [-1, -1]",
+        "assert all(i >= 0 for i in Solution().twoSum([2, 7], 9))", "wrong answer",
+        "AssertionError"),
+    "a reply forged out of turn": (
+        FORGE + "forge(b'{\"final\": true, \"status\": \"ok\", \"stdout\": \"\", "
+        "\"stderr\": \"\", \"seconds\": 0}\\n')\ndef add(a, b):\n  return a + b",
+        "assert add(1, 2) == 3", "runtime error", "the program wrote on the call pipe out of "
+        "turn"),
+    "a handle number of its own": (
+        FORGE + "def add(a, b):\n  forge(b'{\"handle\": 7}\\n')\n  os._exit(0)",
+        "assert add(1, 2) == 3", "runtime error",
+        "add: the sandbox answered with handle 7 where the host asked for #1"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(HANDLE_ATTACKS))
+def test_handles_carry_method_calls_and_plain_values_only(sandbox, attack):
+  src, test, status, detail = HANDLE_ATTACKS[attack]
+  result, = sandbox.run_assert_tests(src, [test], entry_point="add")
+  assert (result.status, detail in result.detail) == (status, True), result
+
+
+def test_a_handle_refuses_calls_once_its_run_has_ended(sandbox):
+  # A handle kept past its run (here in a module, which outlives the tests' namespaces)
+  # must not reach the next program, which holds an instance under the same number.
+  setup = ("import sys, types\n"
+           "kept = sys.modules.setdefault('longrl_kept', types.ModuleType('longrl_kept'))")
+  try:
+    first = sandbox.run_assert_tests(MIN_STACK, ["kept.stack = MinStack()\nkept.stack.push(1)"],
+                                     entry_point="MinStack", setup=setup)
+    later = sandbox.run_assert_tests(
+        MIN_STACK, ["MinStack().push(5)\nassert kept.stack.getMin() == 5"],
+        entry_point="MinStack", setup=setup)
+  finally:
+    sys.modules.pop("longrl_kept", None)
+  assert first[0].status == "accepted", first
+  assert later[0].status == "runtime error", later
+  assert "MinStack#1.getMin: the run it belongs to has ended" in later[0].detail
+
+
 def test_fallback_without_bubblewrap_warns_and_still_runs():
   with pytest.warns(RuntimeWarning, match="without namespace isolation"):
     box = Sandbox(Limits(wall_seconds=1.0), isolation="none")

@@ -125,6 +125,23 @@ def test_call_tests_reach_a_module_function_or_a_solution_method(pool):
   assert "no function 'Solution.isPalindrome'" in results[0].detail
 
 
+def test_assert_tests_that_construct_the_solution_class(tmp_path, pool):
+  # The shape some LeetCode sets use: the test makes the instance itself. The class stays in
+  # the sandbox; the test's `Solution()` is a handle whose method calls run there.
+  path = _write(tmp_path, [{"prompt": "Two sum.", "entry_point": "twoSum", "tests": [
+      "assert Solution().twoSum([2, 7, 11, 15], 9) == [0, 1]",
+      "s = Solution()\nassert s.twoSum([3, 2, 4], 6) == [1, 2]"]}])
+  task = CodeTask(train_path=path, test_path=path, sandbox=pool)
+  record = task.train.records[0]
+  # Without the prelude of call tests (assert tests run the program as it is): no `List`.
+  right, wrong = (answer.replace("nums: List[int], target: int) -> List[int]", "nums, target)")
+                  for answer in (LEETCODE_ANSWERS[0], WRONG["leetcode"]))
+  statuses = [r.status for r in task.results(_fenced(right), record)]
+  assert statuses == ["accepted"] * 2, statuses
+  statuses = [r.status for r in task.results(_fenced(wrong), record)]
+  assert statuses == ["wrong answer"] * 2, statuses
+
+
 def test_returned_reads_tuples_as_lists_and_apps_wrapped_outputs():
   assert returned((1, 5), [1, 5]) and returned({"a": (1, 2)}, {"a": [1, 2]})
   assert returned(7, [7], wrapped=True) and returned((1, 5), [[1, 5]], wrapped=True)

@@ -35,7 +35,8 @@ A record as read, and as `job` runs it, is the file's fields plus "prompt" and e
 completion, as HumanEval's signature is). A call test becomes an assert checked by
 `returned` on the host, so the sandbox's call mode runs it like any assert; a program that
 defines `class Solution` is called as `Solution().method(...)`, APPS's and LiveCodeBench's
-rule.
+rule. Assert tests may also construct the program's classes themselves (see
+rl/verifiers/code.py).
 """
 
 import base64

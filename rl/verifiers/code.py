@@ -28,8 +28,21 @@ result comes back as plain values only (int, float, str, bool, None and lists, t
 dicts, sets of them; subclasses refused), and the assert is evaluated on the host. An
 always-equal object, sys.exit(0) before the asserts, a printed "passed" or a look for the
 test file therefore cannot pass. Any exit status but 0 is a runtime error.
+
+Tests may construct the program's classes themselves (`Solution().twoSum(...)`, or
+`obj = MinStack(); obj.push(3); assert obj.getMin() == 3`): a name the tests call that they,
+their setup and the builtins leave unbound is the program's, and calling its class makes
+the instance in the sandbox, where it stays until the run ends, and gives the host a
+handle numbered by the host. The handle only carries method calls: their arguments and
+results are plain values like any call's; a method returning an object, a handle passed
+as an argument, reading an attribute, comparing a handle or testing its truth, a class the
+program imported, and a call once the run has ended are all refused with what was wrong.
+The fork server relays only well-formed replies, in turn, so a program that writes on its
+call pipe cannot forge the end of its run or a handle.
 """
 
+import ast
+import builtins
 import concurrent.futures
 import dataclasses
 import json
@@ -338,7 +351,10 @@ class Sandbox:
     function; `setup` is trusted code run first in the same host namespace (a dataset's
     helpers, a HumanEval prompt's other functions and the check function). A dotted
     `entry_point` ("Solution.twoSum") calls that method of a fresh instance of the class, as
-    LeetCode does; the tests call it as `candidate` or by the method's name."""
+    LeetCode does; the tests call it as `candidate` or by the method's name. A name the tests
+    or `setup` call that neither they, `setup` nor the builtins bind is the program's: its
+    function, or its class, which gives a `_Handle` (`Solution().twoSum(...)`,
+    `s = MinStack(); s.push(3)`)."""
     deadline = self._begin(src, "", "call")
     ready = self._receive(deadline)
     if ready is None or ready.get("final"):
@@ -347,41 +363,200 @@ class Sandbox:
       if status == "ok":  # it exited before a single test ran
         status, outcome["stderr"] = "runtime error", "the program exited before the tests ran"
       return [TestResult(status, outcome["stderr"][-500:])] * len(tests)
+    calls = _Calls(self, deadline)
+    try:
+      return self._judge(tests, calls, entry_point, setup)
+    finally:  # also when a test raises what no verdict covers: the server must leave the run
+      calls.ended = True
+      if self._running:
+        self._send({"op": "end"})
+        self._final(deadline)
 
-    def call(*args):
-      if not self._send({"op": "call", "name": entry_point, "args": encode(list(args))}):
-        raise _CallFailed("killed", "the sandbox server was killed")
-      reply = self._receive(deadline)
-      if reply is None or reply.get("final"):
-        outcome = reply or self._final(deadline)
-        raise _CallFailed(outcome["status"] if outcome["status"] != "ok" else "runtime error",
-                          outcome["stderr"][-500:] or "the program exited during a test")
-      if "error" in reply:
-        raise _CallFailed("runtime error", reply["error"])
-      return decode(reply["value"])
-
+  def _judge(self, tests: Sequence[str], calls: "_Calls", entry_point: str,
+             setup: str) -> list[TestResult]:
+    """One TestResult per test, each run in a fresh namespace (`_test_namespace`)."""
+    program_names = _called_names([setup, *tests])
     results, finished = [], None
     for test in tests:
       if finished is not None:
         results.append(finished)
         continue
-      namespace: dict[str, Any] = {"__name__": "longrl_tests"}
       try:
-        exec(setup, namespace)  # trusted: comes from the dataset, not the model
-        namespace[entry_point.rpartition(".")[2]] = namespace["candidate"] = call
-        exec(test, namespace)
+        exec(test, _test_namespace(setup, calls, entry_point, program_names))
         results.append(TestResult("accepted"))
       except _CallFailed as e:
         results.append(TestResult(e.status, e.detail))
         if not self._running:  # the program ended (exited, raised, was killed): no more calls
           finished = TestResult(e.status, e.detail)
       except (AssertionError, TypeError, ValueError, KeyError, IndexError, AttributeError,
-              ArithmeticError) as e:
+              ArithmeticError, NameError) as e:
         results.append(TestResult("wrong answer", f"{type(e).__name__}: {e}"[:300]))
-    if self._running:
-      self._send({"op": "end"})
-      self._final(deadline)
     return results
+
+  def _call(self, message: dict, deadline: float) -> dict:
+    """Send one call to the running program: its reply, {"value": tree} or {"handle": n};
+    _CallFailed when the call raised there or the program ended."""
+    if not self._send(message):
+      raise _CallFailed("killed", "the sandbox server was killed")
+    reply = self._receive(deadline)
+    if reply is None or reply.get("final"):
+      outcome = reply or self._final(deadline)
+      raise _CallFailed(outcome["status"] if outcome["status"] != "ok" else "runtime error",
+                        outcome["stderr"][-500:] or "the program exited during a test")
+    if "error" in reply:
+      raise _CallFailed("runtime error", reply["error"])
+    return reply
+
+
+def _called_names(sources: Sequence[str]) -> frozenset[str]:
+  """The names called as `name(...)` anywhere in `sources` (Python text)."""
+  names = set()
+  for source in sources:
+    try:
+      tree = ast.parse(source)
+    except SyntaxError:
+      continue  # exec reports it
+    names.update(node.func.id for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name))
+  return frozenset(names)
+
+
+def _test_namespace(setup: str, calls: "_Calls", entry_point: str,
+                    program_names: frozenset[str]) -> dict[str, Any]:
+  """A fresh namespace for one test: each of `program_names` but the builtins' for the
+  program's function or class of that name, then `setup` run in it, then the entry point's
+  name and `candidate` for the entry point."""
+  # A program class named `len` or `all` must not stand in for the builtin, nor one named
+  # `returned` for setup's (`assert all(...)` would then test a handle, not the results):
+  # builtins are skipped, and setup and the test, run after, rebind whatever they define.
+  namespace: dict[str, Any] = {"__name__": "longrl_tests"}
+  for name in program_names - builtins.__dict__.keys():
+    namespace[name] = _Remote(calls, name)
+  exec(setup, namespace)  # trusted: comes from the dataset, not the model
+  namespace[entry_point.rpartition(".")[2]] = namespace["candidate"] = _Remote(calls,
+                                                                             entry_point)
+  return namespace
+
+
+class _Calls:
+  """The host's end of one run's calls. Arguments and results are plain values only
+  (`encode`, `decode`); a class's instance stays in the sandbox and the host holds a
+  `_Handle` on it, numbered here, never by the sandbox, so the program cannot forge one.
+  Once the run is over (`ended`, or the program exited) every call is refused: the
+  instances are gone, and the sandbox may already run another program."""
+
+  def __init__(self, sandbox: Sandbox, deadline: float):
+    self._sandbox, self._deadline = sandbox, deadline
+    self._handles = 0  # handles made so far: the next one is numbered _handles + 1
+    self.ended = False
+
+  def call(self, name: str, args: tuple) -> Any:
+    """The program's function `name` called with `args`: its plain result; or its class
+    `name` constructed in the sandbox: a `_Handle` on the instance."""
+    number = self._handles + 1
+    reply = self._request({"op": "call", "name": name, "handle": number}, name, args)
+    if "handle" not in reply:
+      return _plain(reply, name)
+    if reply["handle"] != number:
+      raise _CallFailed("runtime error", f"{name}: the sandbox answered with handle "
+                        f"{reply['handle']!r} where the host asked for #{number}")
+    self._handles = number
+    return _Handle(self, number, name)
+
+  def call_method(self, handle: "_Handle", method: str, args: tuple) -> Any:
+    """`method` of the handle's instance called with `args`: its plain result."""
+    label = f"{handle!r}.{method}"
+    return _plain(self._request({"op": "call", "on": handle._number, "name": method},
+                                label, args), label)
+
+  def _request(self, message: dict, label: str, args: tuple) -> dict:
+    if self.ended or not self._sandbox._running:
+      raise _CallFailed("runtime error", f"{label}: the run it belongs to has ended, and its "
+                        "instances with it")
+    try:
+      message["args"] = encode(list(args))
+    except TypeError as e:  # a handle among them: it stands for an instance, it is not one
+      raise TypeError(f"{label} was given {e}") from None
+    return self._sandbox._call(message, self._deadline)
+
+
+def _plain(reply: dict, label: str) -> Any:
+  if "value" not in reply:
+    raise _CallFailed("runtime error", f"{label}: the sandbox replied {sorted(reply)} where "
+                      "a value was due")
+  return decode(reply["value"])
+
+
+class _Opaque:
+  """What the tests hold for something in the sandbox: only calling it reaches the sandbox.
+  It has no truth value and no comparison (identity would make `assert x != y` pass, and
+  truth `assert Solution()`), so an assert passes on the plain values calls return only."""
+  __slots__ = ()
+  _use = "call it"
+
+  def _refuse(self, *_):
+    raise TypeError(f"{self!r} stands for something in the sandbox and has no value on the "
+                    f"host: {self._use}")
+
+  __bool__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+  __hash__ = None
+
+
+class _Remote(_Opaque):
+  """A name of the program (its function, its class or "Class.method"), called there."""
+  __slots__ = ("_calls", "_name")
+
+  def __init__(self, calls: _Calls, name: str):
+    self._calls, self._name = calls, name
+
+  def __call__(self, *args):
+    return self._calls.call(self._name, args)
+
+  def __repr__(self):
+    return f"the program's {self._name}"
+
+
+class _Handle(_Opaque):
+  """An instance of the program's class, which lives in the sandbox: `handle.method(*args)`
+  calls the method there and returns its plain result. Nothing else about the instance
+  crosses: attribute values, comparisons, truth and the handle as an argument are refused."""
+  # The host's own attributes are underscored, so none hides a method of the program's.
+  __slots__ = ("_calls", "_number", "_class")
+  _use = "call one of its methods"
+
+  def __init__(self, calls: _Calls, number: int, class_name: str):
+    for slot, value in (("_calls", calls), ("_number", number), ("_class", class_name)):
+      object.__setattr__(self, slot, value)
+
+  def __getattr__(self, name: str) -> "_Method":
+    # Underscored names are refused, dunders above all: copy, pickle and IPython probe
+    # `__deepcopy__`, `_repr_html_` and the like, which must not turn into calls.
+    if name.startswith("_"):
+      raise AttributeError(f"{self!r}.{name}: only public methods are called through a "
+                           "handle")
+    return _Method(self, name)
+
+  def __setattr__(self, name, value):
+    raise TypeError(f"{self!r}.{name} = ...: a handle's instance is changed by calling its "
+                    "methods")
+
+  def __repr__(self):
+    return f"{self._class}#{self._number}"
+
+
+class _Method(_Opaque):
+  """`handle.name`, which is only ever called: reading it as a value is refused."""
+  __slots__ = ("_handle", "_name")
+  _use = "call it; attributes other than methods are not read from the sandbox"
+
+  def __init__(self, handle: _Handle, name: str):
+    self._handle, self._name = handle, name
+
+  def __call__(self, *args):
+    return self._handle._calls.call_method(self._handle, self._name, args)
+
+  def __repr__(self):
+    return f"{self._handle!r}.{self._name}"
 
 
 def _same_output(actual: str, expected: str) -> bool:

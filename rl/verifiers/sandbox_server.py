@@ -11,7 +11,9 @@ A run's verdict comes from how the child ended: a signal (timeout or killed), ex
 ("ok") or any other status ("runtime error"). A syntax error and running out of memory are
 told apart by a word the child writes on a pipe of its own before it exits, never by the
 status, which the program chooses (`sys.exit(3)`, `os._exit(4)`). Calls name a function
-("add") or a method of a fresh instance ("Solution.twoSum"), see `resolve`.
+("add"), a method of a fresh instance ("Solution.twoSum") or a class, whose new instance
+stays in the child under the number the host gave it until the run ends; later calls name
+that number and a method (`answer`). Only plain values go back, never an instance.
 
 Inside a pid namespace (`--pidns`), clean-up is `kill(-1)`: every process but this one and
 the namespace's init. Without one it only kills the child's process group, so a program
@@ -63,14 +65,19 @@ def encode(value, depth=0):
     return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
   if t is set or t is frozenset:
     return {"s" if t is set else "fs": [encode(v, depth + 1) for v in value]}
-  raise TypeError(f"result of type {t.__name__} is not a plain value")
+  raise TypeError(f"an object of type {t.__name__}, not a plain value (None, bool, int, "
+                  "float, complex, str, or lists, tuples, dicts and sets of them)")
 
 
-def decode(tree):
+def decode(tree, depth=0):
+  """The plain value `encode` made `tree` from; ValueError for anything else. The host
+  decodes what the program may have written itself, hence the same depth bound."""
+  if depth > 100:
+    raise ValueError("encoded value nested too deeply")
   if tree is None or isinstance(tree, (bool, str)):
     return tree
   if isinstance(tree, list):
-    return [decode(v) for v in tree]
+    return [decode(v, depth + 1) for v in tree]
   if not isinstance(tree, dict) or len(tree) != 1:
     raise ValueError("malformed encoded value")
   (key, inner), = tree.items()
@@ -81,11 +88,11 @@ def decode(tree):
   if key == "c":
     return complex(float(inner[0]), float(inner[1]))
   if key == "t":
-    return tuple(decode(v) for v in inner)
+    return tuple(decode(v, depth + 1) for v in inner)
   if key == "d":
-    return {decode(k): decode(v) for k, v in inner}
+    return {decode(k, depth + 1): decode(v, depth + 1) for k, v in inner}
   if key in ("s", "fs"):
-    items = {decode(v) for v in inner}
+    items = {decode(v, depth + 1) for v in inner}
     return items if key == "s" else frozenset(items)
   raise ValueError(f"cannot decode {key!r}")
 
@@ -195,7 +202,7 @@ def report_and_exit(verdict_w, verdict):
 
 
 def resolve(namespace, name):
-  """The function a call names: a module-level function, or "Class.method" on a fresh
+  """What a call names: a module-level function or class, or "Class.method" on a fresh
   instance, as LeetCode's judge calls `Solution().twoSum(...)` (one instance per call)."""
   owner, _, method = name.rpartition(".")
   if owner:
@@ -206,16 +213,50 @@ def resolve(namespace, name):
   else:
     function = namespace.get(name)
   if not callable(function):
-    raise NameError(f"the program defines no function {name!r}")
+    kind = "function" if owner else "function or class"
+    raise NameError(f"the program defines no {kind} {name!r}")
   return function
+
+
+def answer(namespace, instances, call):
+  """The reply to one call, {"value": encoded plain result} or {"handle": n}.
+  {"name", "args", "handle": n}: the function `name` resolves to, or for a class the
+  program defines, a new instance kept as instances[n] (n is the host's number for it).
+  {"on": n, "name", "args"}: the method `name` of instances[n].
+  The checks here give a failing test its reason; the guarantee is the host's, which
+  decodes plain values only and numbers handles itself, whatever the program sends."""
+  args = decode(call["args"])
+  if "on" in call:
+    instance = instances[call["on"]]
+    label = f"{type(instance).__name__}.{call['name']}"
+    method = getattr(instance, call["name"])
+    if not callable(method):
+      raise TypeError(f"{label} is an attribute of type {type(method).__name__}, not a "
+                      "method; only method calls reach an instance")
+    return plain_reply(label, method(*args))
+  target = resolve(namespace, call["name"])
+  if not isinstance(target, type):
+    return plain_reply(call["name"], target(*args))
+  if target.__module__ != namespace["__name__"]:  # e.g. a class it imported
+    raise TypeError(f"{call['name']} is {target.__module__}.{target.__qualname__}, not a "
+                    "class the program defines")
+  instances[call["handle"]] = target(*args)
+  return {"handle": call["handle"]}
+
+
+def plain_reply(label, value):
+  try:
+    return {"value": encode(value)}
+  except TypeError as e:
+    raise TypeError(f"{label} returned {e}") from None
 
 
 def serve_calls(namespace, call_r, result_w):
   reader = os.fdopen(call_r, "r")
+  instances = {}  # the instances calls made, by the host's number; gone with the child
   for line in reader:
-    call = json.loads(line)
     try:
-      reply = {"value": encode(resolve(namespace, call["name"])(*decode(call["args"])))}
+      reply = answer(namespace, instances, json.loads(line))
     except MemoryError:
       raise
     except Exception as e:
@@ -325,6 +366,12 @@ class _Session:
       while b"\n" in self.results:
         line, _, rest = bytes(self.results).partition(b"\n")
         self.results = bytearray(rest)
+        # The program can write on this pipe itself: a line relayed as it is could be a
+        # "final" or "ready" of ours, and the host would take the server to be free.
+        if not self.in_call or not is_reply(line):
+          self.buffers[self.err_r] += b"\nthe program wrote on the call pipe out of turn\n"
+          self.verdict = "runtime error"
+          return
         os.write(1, line + b"\n")
         self.in_call = False
     else:
@@ -332,6 +379,17 @@ class _Session:
 
   def output(self, fd) -> str:
     return bytes(self.buffers[fd][:self.limit]).decode("utf-8", "replace")
+
+
+def is_reply(line) -> bool:
+  """Whether `line` is a reply as `serve_calls` writes it: a JSON object of one key, "value",
+  "handle" or "error"."""
+  try:
+    reply = json.loads(line)
+  except (ValueError, RecursionError):
+    return False
+  return type(reply) is dict and len(reply) == 1 and next(iter(reply)) in (
+      "value", "handle", "error")
 
 
 def _verdict(verdict, exit_status, reported) -> str:
