@@ -143,8 +143,9 @@ def bench_pairs(pairs):
     rate, slowest, in_process = time_checks(
         check, [(pairs[i]["response"], pairs[i]["gold"]) for i in finished])
     r = tally(pairs, verdicts[backend])
-    r["accuracy_uncaveated"] = tally([pairs[i] for i in uncaveated],
-                                     [verdicts[backend][i] for i in uncaveated])["accuracy"]
+    clean = tally([pairs[i] for i in uncaveated], [verdicts[backend][i] for i in uncaveated])
+    r["accuracy_uncaveated"] = clean["accuracy"]
+    r["false_positives_uncaveated"] = clean["false_positives"]
     r["errors"] = sum(v.reason.startswith("error") for v in verdicts[backend])
     r["pool_checks_per_second"] = pool_rate
     r["checks_per_second"], r["slowest_check_s"] = rate, slowest
@@ -172,11 +173,12 @@ def _short(text, n=150):
 def print_pairs(results):
   print(f"math pairs: {results['pairs']} from {results['file']} ({results['labels_true']} "
         f"labelled true); MathVerifier pools of 2 workers, 5 s limit")
-  print(f"{'backend':>12} {'accuracy':>9} {'uncaveated':>11} {'FP':>4} {'FN':>4} "
+  print(f"{'backend':>12} {'accuracy':>9} {'uncaveated':>11} {'FP':>4} {'FP unc.':>7} {'FN':>4} "
         f"{'timeouts':>8} {'pool checks/s':>14} {'in-process checks/s':>20} {'slowest':>8}")
   for backend, r in results["backends"].items():
     print(f"{backend:>12} {r['accuracy']:9.1%} {r['accuracy_uncaveated']:11.1%} "
-          f"{r['false_positives']:4d} {r['false_negatives']:4d} {r['timeouts']:8d} "
+          f"{r['false_positives']:4d} {r['false_positives_uncaveated']:7d} "
+          f"{r['false_negatives']:4d} {r['timeouts']:8d} "
           f"{r['pool_checks_per_second']:14.1f} {r['checks_per_second']:20.1f} "
           f"{r['slowest_check_s']:7.3f}s")
   print(f"(uncaveated: the {results['uncaveated_pairs']} pairs whose label carries no "

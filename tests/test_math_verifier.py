@@ -60,7 +60,9 @@ CONVENTIONS = {
     "percent": [("25", "25\\%", True), ("25\\%", "25\\%", True), ("0.25", "25\\%", True),
                 ("25%", "25", True), ("2500", "25", False), ("25", "0.25", False),
                 ("50", "0.5", False), ("50\\%", "0.5", True), ("28 percent", "0.28", True),
-                ("28\\text{ percent}", "28", True), ("0.28", "28", False)],
+                ("28\\text{ percent}", "28", True), ("0.28", "28", False),
+                # a gold written as a fraction is a ratio: X% of it is X/100
+                ("\\frac{1}{8}\\%", "\\frac{1}{8}", False), ("12.5\\%", "1/8", True)],
     "units and text": [("5\\text{ cm}", "5", True), ("5 cm", "5", True), ("5 meters", "5", True),
                        ("\\$5", "5", True), ("45^\\circ", "45", True), ("45°", "45", True),
                        ("\\text{Yes}", "yes", True), ("\\textbf{NO}", "no", True),
@@ -72,7 +74,8 @@ CONVENTIONS = {
                   ("(3,2)", "(p,q)=(3,2)", True), ("a_{37} = 19, a_3 = 2", "a_3=2, a_{37}=19", True),
                   ("x = 5+5+1 = 11", "x = 11", True), ("x \\approx 11", "11", True),
                   ("x = \\frac{1}{3} \\approx 0.33", "\\frac{1}{3}", True),
-                  ("2x = 6", "6", False), ("x = 3", "y = 3", False)],
+                  ("2x = 6", "6", False), ("x = 3", "y = 3", False),
+                  ("2 \\cdot 3 = 6", "6", True), ("3 = 4", "4", False), ("3 = 4", "3", False)],
     "intervals and relations": [("[1, 2)", "[1,2)", True), ("(1, 2]", "[1, 2)", False),
                   ("[1,2]", "[1,3]", False), ("(-\\infty, 3]", "(-\\infty,3]", True),
                   ("(1,2)\\cup(3,4)", "(3,4)\\cup(1,2)", True),
@@ -86,7 +89,20 @@ CONVENTIONS = {
     "solved bounds": [("x > 3", "(3, \\infty)", True), ("x \\geq 3", "[3, \\infty)", True),
                       ("x \\ge 3", "(3, \\infty)", False), ("1 < x \\le 2", "(1, 2]", True),
                       ("3 < x", "(3,\\infty)", True), ("x < 3", "(-\\infty, 3)", True),
-                      ("2x - 1 > 5", "(3, \\infty)", False), ("2x - 1 > 5", "x > 3", False)],
+                      ("2x - 1 > 5", "(3, \\infty)", False), ("2x - 1 > 5", "x > 3", False),
+                      ("x > 2", "x>2", True), ("2 < x", "x > 2", True), ("x > 2", "y > 2", False),
+                      ("-x > -1", "x < 1", True), ("-x \\ge -1", "x \\le 1", True),
+                      ("-x > -1", "x > 1", False), ("3 > x \\ge 1", "[1, 3)", True),
+                      ("(0, 1)", "0 < f(x) < 1", True), ("[0, 1]", "0 < f(x) < 1", False),
+                      ("x \\neq 2", "(-\\infty, 2) \\cup (2, \\infty)", True),
+                      ("|x| < 2", "(-2, 2)", True), ("|x| > 2", "(-2, 2)", False),
+                      ("(-\\infty, -2) \\cup (2, \\infty)", "|x| > 2", True),
+                      ("[-2, -1] \\cup [1, 2]", "1 \\le |x| \\le 2", True),
+                      ("\\{x \\mid x > 2\\}", "(2, \\infty)", True),
+                      ("\\{x \\mid x \\ge 2\\}", "(2, \\infty)", False),
+                      ("x+y > 2", "(2, \\infty)", False),
+                      ("(1, 2] \\cup [3, \\infty)", "[3, \\infty) \\cup (1, 2]", True),
+                      ("(1, 2) \\cup [3, \\infty)", "(1, 2] \\cup [3, \\infty)", False)],
     "sets and tuples": [("\\{1, 2, 3\\}", "\\{3, 1, 2\\}", True), ("1, 2", "2, 1", True),
                         ("(1, 2)", "(2, 1)", False), ("(1, 2)", "(1, 2)", True),
                         ("\\{1, 2\\}", "\\{1, 2, 3\\}", False), ("\\emptyset", "\\varnothing", True),
@@ -97,7 +113,13 @@ CONVENTIONS = {
                         ("\\{1,2\\}", "[1,2]", False), ("(1, 2, 3)", "(1, 2)", False),
                         ("-2021, 2021", "\\pm 2021", True), ("x = \\pm 2", "2, -2", True),
                         ("1 \\pm \\sqrt{2}", "1+\\sqrt2, 1-\\sqrt2", True), ("2", "\\pm 2", False),
-                        ("(7,11),\\ (11,7)", "(11,7)or(7,11)", True), ("-1;2", "2, -1", True)],
+                        ("(7,11),\\ (11,7)", "(11,7)or(7,11)", True), ("-1;2", "2, -1", True),
+                        # NuminaMath lists solutions as rounds of assignments
+                        ("(5,2),(7,2)", "p=5,q=2;p=7,q=2", True),
+                        ("(7,2),(5,2)", "p=5,q=2;p=7,q=2", True),
+                        ("(2,5),(2,7)", "p=5,q=2;p=7,q=2", False),
+                        ("(5,2)", "p=5,q=2;p=7,q=2", False),
+                        ("x=1, y=2", "(1, 2)", True), ("x=2, y=1", "(1, 2)", False)],
     "variables": [("2x+1", "1+2x", True), ("2y+1", "2x+1", False), ("x^2+2x+1", "(x+1)^2", True),
                   ("\\sin^2 x + \\cos^2 x", "1", True), ("ab", "ba", True), ("a", "b", False),
                   ("\\sqrt{1/n}", "\\frac{1}{\\sqrt{n}}", True),
@@ -117,7 +139,18 @@ CONVENTIONS = {
         ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "(2, 1)", False),
         ("\\begin{pmatrix} 1 & 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", False),
         ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "[1, 2]", False),
-        ("\\langle 1, 2 \\rangle", "(1,2)", True)],
+        ("\\langle 1, 2 \\rangle", "(1,2)", True),
+        # arithmetic is evaluated, products in their order
+        ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}+\\begin{pmatrix}5&6\\\\7&8\\end{pmatrix}", "\\begin{pmatrix}6&8\\\\10&12\\end{pmatrix}", True),
+        ("\\begin{pmatrix}2&4\\\\6&8\\end{pmatrix}", "2\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", True),
+        ("\\begin{pmatrix}2&4\\\\6&9\\end{pmatrix}", "2\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", False),
+        ("\\begin{pmatrix}0&1\\\\1&0\\end{pmatrix}\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix}3&4\\\\1&2\\end{pmatrix}", True),
+        ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}\\begin{pmatrix}0&1\\\\1&0\\end{pmatrix}", "\\begin{pmatrix}3&4\\\\1&2\\end{pmatrix}", False),
+        ("\\begin{pmatrix}2&1\\\\1&1\\end{pmatrix}^{-1}", "\\begin{pmatrix}1&-1\\\\-1&2\\end{pmatrix}", True),
+        ("\\begin{pmatrix}1&2\\\\2&4\\end{pmatrix}^{-1}", "\\begin{pmatrix}1&0\\\\0&1\\end{pmatrix}", False),
+        ("\\begin{pmatrix}1 & 2\\end{pmatrix}^T", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+        ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}+1", "\\begin{pmatrix}2&3\\\\4&5\\end{pmatrix}", False),
+        ("\\mathbf{v} = \\begin{pmatrix}-1\\\\4\\end{pmatrix}", "(-1, 4)", True)],
     "complex": [("3+4i", "4i+3", True), ("\\frac{1+i}{2}", "0.5+0.5i", True),
                 ("2e^{i\\pi/3}", "1+\\sqrt{3}i", True), ("-i", "\\frac{1}{i}", True),
                 ("3-4i", "3+4i", False), ("(1+i)^2", "2i", True), ("3 + 4\\mathrm{i}", "3+4i", True),
@@ -193,6 +226,36 @@ def test_a_row_vector_is_not_a_column_vector():
   assert not verify(f"\\boxed{{{column}}}", row).correct
   assert verify(f"\\boxed{{{row}}}", "(1, 2)").correct
   assert verify(f"\\boxed{{{column}}}", "(1, 2)").correct
+
+
+def test_a_bare_latex_answer_is_read_whole():
+  # Issue 57: LaTeX written without $ or a box was prose, reduced to its last number, so any
+  # answer ending in that number (a matrix, a fraction, a bound) matched it.
+  matrix = "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}"
+  hacks = [(matrix, "4"), (f"The matrix is {matrix}.", "4"), (f"The answer is {matrix}", "4"),
+           ("\\begin{bmatrix}1 & 2\\\\ 3 & 4\\end{bmatrix}", "4"),
+           ("\\begin{array}{cc}1 & 0\\\\ 0 & 7\\end{array}", "7"),
+           ("The answer is:\n\\begin{pmatrix}\n3 \\\\\n5\n\\end{pmatrix}", "5"),
+           ("So we get \\frac{1}{2}", "2"), ("Hence the side is \\sqrt{2}", "2"),
+           ("Thus x \\le 3", "3"), ("So we get 2\\pi", "2")]
+  accepted = [(r, g) for r, g in hacks if verify(r, g).correct]
+  assert not accepted, accepted
+  assert extract_answer(matrix).answer == matrix
+  # Read whole, the same answers are right.
+  whole = [(matrix, "\\begin{bmatrix}1&2\\\\3&4\\end{bmatrix}"),
+           (f"The matrix is {matrix}.", matrix),
+           ("The answer is:\n\\begin{pmatrix}\n3 \\\\\n5\n\\end{pmatrix}", "(3, 5)"),
+           ("So we get \\frac{1}{2}", "0.5"), ("Hence the side is \\sqrt{2}", "\\sqrt{2}"),
+           ("Thus x \\le 3", "(-\\infty, 3]"), ("So we get 2\\pi", "2\\pi"),
+           ("The cost is \\$45.", "45"), ("It is 5 \\text{ cm} long.", "5")]
+  rejected = [(r, g) for r, g in whole if not verify(r, g).correct]
+  assert not rejected, rejected
+
+
+def test_a_choice_given_with_its_value_is_its_letter():
+  assert verify("The answer is $\\boxed{\\textbf{(D)}\\ 12}$.", "D").correct
+  assert not verify("The answer is $\\boxed{\\textbf{(C)}\\ 12}$.", "D").correct
+  assert not verify("The answer is $\\boxed{(C)}$.", "D").correct
 
 
 def test_code_holding_the_number_is_not_the_number():

@@ -14,9 +14,12 @@ think block is a truncated response: no answer) and before a chat template's end
   last one, its first sentence; when that is not a formula ("The largest $n$ is 34"), its
   answer-like span as below;
 - else prose: the last sentence (Minerva's closing "I hope it is correct." aside) when it is a
-  bare formula, else its last math span (`$..$`, `$$..$$`, `\\(..\\)`, `\\[..\\]`) or number,
-  whichever is later. A number or span listed after another ("3 or 4", "$5$, $6$") is a hedge
-  and no answer; a negated one ("7, not 8") is passed over.
+  bare formula, else its last math span (`$..$`, `$$..$$`, `\\(..\\)`, `\\[..\\]`), bare LaTeX
+  run or number, whichever is later. A bare LaTeX run (a formula with a command or an
+  environment but no $ or box: `\\frac{1}{2}`, `x \\le 3`, a matrix, also over several lines)
+  is read whole or not at all, never as a number inside it (a bare pmatrix ending in 4 is not
+  4). A number or span listed after another ("3 or 4", "$5$, $6$") is a hedge and no answer; a
+  negated one ("7, not 8") is passed over.
 An answer written as code (`lambda: 42`, `def f(): return 42`, `print(42)`, `f() = 42`, also
 inside \\text{} or a prose sentence) is no answer: what a program would print is not the answer.
 A gold with a box, a closed think block or an answer phrase is a worked solution: its answer
@@ -41,19 +44,25 @@ Equivalence (`is_equivalent`), by value, convention by convention:
   answer), \\mathrm{i} and \\mathrm{e}, `$..$` and `\\(..\\)` without a box, a LaTeX group {..},
   backslashes escaped twice (\\\\frac, as hand-written JSON has them).
 - percent: a gold of X% accepts X, X% and X/100; a bare gold X accepts X and X% but never
-  100X nor X/100 ("28 percent" is 28%).
+  100X nor X/100 ("28 percent" is 28%); a gold written as a fraction is a ratio, so X% for it
+  means X/100 only (12.5% = 1/8, \\frac{1}{8}% != 1/8).
 - equations: x = 3 equals 3, and so does any equation whose left side names the quantity
   without a number (f(x) = 1, AB = 4, (p, q) = (3, 2), a_3 = 2), but not 2x = 6; a chain
-  x = 5+5+1 = 11 is graded by its ends; `\\approx` keeps the exact part (x = 1/3 \\approx 0.33)
-  or reads as = (x \\approx 11); y = 2x+1 equals 2x-y+1 = 0 (one a non-zero multiple of the
-  other); x = 2 != y = 2.
+  x = 5+5+1 = 11 is graded by its ends; a true equality of numbers is its value
+  (2 \\cdot 3 = 6 equals 6; 3 = 4 equals nothing); `\\approx` keeps the exact part
+  (x = 1/3 \\approx 0.33) or reads as = (x \\approx 11); y = 2x+1 equals 2x-y+1 = 0 (one a
+  non-zero multiple of the other); x = 2 != y = 2.
 - intervals and relations: brackets must match ((1,2] != [1,2)); a solved bound equals its
-  interval (x > 3, -2 \\le x \\le 7, x \\in [-2, 7], \\mathbb{R}), an unsolved one does not
-  (2x - 1 > 5 != (3, \\infty)); "x < -2 or x > 3" is a union; unions ignore order.
+  interval or union (x > 3, 3 < x, -2 \\le x \\le 7, x \\in [-2, 7], \\mathbb{R}, x \\neq 2,
+  |x| < 2, 1 \\le |z| \\le 2 for real z, \\{x \\mid x > 2\\}), and so does a bound on a named
+  quantity (0 < f(x) < 1 is (0, 1)) or on its negative (-x > -1 is x < 1); an unsolved one
+  does not (2x - 1 > 5 != (3, \\infty), nor x > 3); two bounds must bound the same quantity
+  (x > 3 != y > 3); "x < -2 or x > 3" is a union; unions ignore order.
 - sets and tuples: sets and bare lists ignore order and repeats ({1,2} = {2,1,2};
   \\emptyset = \\varnothing = \\{\\}; a union of finite sets is one set); tuples keep order, and a
   bare list equals the tuple with its items in order (1, 3 for (1, 3)); a set is neither a tuple
-  nor an interval; a \\pm b is the list a+b, a-b; `;` separates like `,`.
+  nor an interval; a \\pm b is the list a+b, a-b; `;` separates like `,`. NuminaMath's
+  assignments list tuples: p=5, q=2; p=7, q=2 is the list (5, 2), (7, 2).
 - variables: expressions in variables are equal when they agree at 6 rational points, every
   variable taken as a positive real (\\sqrt{1/n} = 1/\\sqrt{n}, \\sqrt{x^2} = x,
   \\sin^2 x + \\cos^2 x = 1), at negative points too where an absolute value is taken
@@ -61,10 +70,12 @@ Equivalence (`is_equivalent`), by value, convention by convention:
 - matrices and vectors: pmatrix, bmatrix, matrix, smallmatrix and array (also inside ( ) or
   [ ]) compare entry by entry with their shape (a transpose differs, and so do a row and a
   column); a one-column or one-row matrix equals the tuple of its entries ((1, 2)), not an
-  interval [1, 2]. Matrix arithmetic is not evaluated.
+  interval [1, 2]. Matrix arithmetic is evaluated: sums, scalar multiples, products in their
+  order, small integer powers, the inverse M^{-1} and the transpose M^T.
 - complex numbers: i is the imaginary unit (i^2 = -1, 2e^{i\\pi/3} = 1+\\sqrt{3}i,
   \\sqrt{-4} = 2i); \\overline{z} is the conjugate.
-- text: compares case-insensitively without spaces ((B) = B, \\text{Yes} = yes).
+- text: compares case-insensitively without spaces ((B) = B, \\text{Yes} = yes); a choice
+  given with its value, as AMC solutions do (\\textbf{(D)}\\ 12), is its letter.
 
 Model text is never evaluated: a small recursive-descent parser builds sympy objects
 directly, refuses numbers too large to build (9^{9^{9}}, (10^{100})!) and nesting deeper than
@@ -92,6 +103,9 @@ _DIGITS = 60
 _ZERO_TOL = 1e-12  # against a gold of 0
 _ROUNDED_GOLD = 0.005  # a decimal gold's half unit, relative to it, at 3 significant digits
 _SAMPLE_POINTS = 6
+_MAX_MATRICES = 8  # in one expression (A + B + ...)
+_MAX_MATRIX_POWER = 8  # M^8; also M^{-1}
+_MAX_MATRIX_SIDE = 6  # of a matrix raised to a power
 
 # --------------------------------------------------------------------------- extraction
 
@@ -166,11 +180,93 @@ def _parses(text: str) -> bool:
     return False
 
 
+def _brace_pairs(text: str) -> dict[int, int]:
+  """Index of each '{' -> index after its matching '}', in one pass (unmatched ones left out),
+  so that scanning a sentence full of '{' stays linear."""
+  pairs, stack = {}, []
+  for i, c in enumerate(text):
+    if c == "{" and (i == 0 or text[i - 1] != "\\"):
+      stack.append(i)
+    elif c == "}" and stack and (i == 0 or text[i - 1] != "\\"):
+      pairs[stack.pop()] = i + 1
+  return pairs
+
+
+def _latex_runs(sentence: str) -> list[tuple[int, int, str]]:
+  """(start, end, text) of each run of bare LaTeX in a prose sentence: formula written without
+  $ or a box that holds a math command or environment (\\frac{1}{2}, x \\le 3, a matrix).
+  Such a run is one answer, read whole or not at all: its numbers are no candidates of their
+  own, else `\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}` would answer 4. \\text{..} with words is
+  prose and ends a run; a math span hidden by _prose_answer ends it too."""
+  braces, runs, i, start, latex = _brace_pairs(sentence), [], 0, None, False
+
+  def close(end: int):
+    if start is not None and latex:
+      text = _trim_run(sentence[start:end])
+      if text:
+        offset = start + sentence[start:end].index(text)
+        runs.append((offset, offset + len(text), text))
+
+  while i < len(sentence):
+    wrapper = _WRAPPERS.match(sentence, i)
+    if wrapper and wrapper.end() - 1 in braces \
+        and re.search(r"[a-zA-Z]{2,}", sentence[wrapper.end():braces[wrapper.end() - 1]]):
+      close(i)  # \text{so the answer is}: prose
+      start, latex, i = None, False, braces[wrapper.end() - 1]
+      continue
+    m = _RUN_UNIT.match(sentence, i)
+    end, command = None, False
+    if sentence[i] == "{" and i in braces:
+      end = braces[i]
+    elif m is not None:
+      end = m.end()
+      command = m.group(0).startswith("\\") and m.group(0)[1:2].isalpha()
+    if end is None:
+      close(i)
+      start, latex, i = None, False, i + 1
+      continue
+    if start is None:
+      start = i
+    latex = latex or command
+    i = end
+  close(len(sentence))
+  return runs
+
+
+# One unit of a bare formula: an environment, a command, an escaped character, a digit or an
+# operator, a one-letter variable, space ('{..}' groups are matched by _brace_pairs).
+_RUN_UNIT = re.compile(r"""
+    \\begin\{(\w+\*?)\}.*?\\end\{\1\}
+  | \\[a-zA-Z]+\*?
+  | \\[^a-zA-Z\x00]
+  | [\d.,:;!'&|+\-*/^_=<>()\[\]]
+  | (?<![a-zA-Z])[a-zA-Z](?![a-zA-Z])
+  | [ \t\n]+
+  """, re.VERBOSE | re.DOTALL)
+
+
+def _trim_run(run: str) -> str:
+  """A run without the punctuation and English around it: "a \\frac12." -> \\frac12; but
+  "x \\le 3" keeps its variable."""
+  run = run.strip().rstrip(".,;:").strip()
+  m = re.match(r"[a-zA-Z]\s+(?![=<>+\-*/^]|\\(?:le|ge|leq|geq|ne|neq|in|approx|lt|gt)\b)", run)
+  return run[m.end():].strip() if m else run
+
+
+_ENVIRONMENT = re.compile(r"\\begin\{(\w+\*?)\}.*?\\end\{\1\}", re.DOTALL)
+
+
+def _one_line(environment: re.Match) -> str:
+  """A LaTeX environment on one line, so that splitting into lines cannot cut a matrix."""
+  return " ".join(environment.group(0).split("\n"))
+
+
 def _prose_answer(text: str, reason: str = "prose") -> Extracted:
   """The answer-like span of the text's last sentence (Minerva's closing "I hope it is
-  correct." aside): the sentence itself when it is a bare formula, else its last math span or
-  number, whichever is later, leaving out one that is negated ("7, not 8"). A candidate listed
-  after another ("3 or 4", "$5$, $6$") is a hedge."""
+  correct." aside): the sentence itself when it is a bare formula, else its last math span,
+  bare LaTeX run (read whole: `_latex_runs`) or number, whichever is later, leaving out one
+  that is negated ("7, not 8"). A candidate listed after another ("3 or 4", "$5$, $6$") is a
+  hedge."""
   # The last sentence lies at the end: a longer one is no answer (answers over
   # _MAX_ANSWER_CHARS are refused), and the scan stays linear in the window.
   text = re.sub(r"\s*I hope it is correct\.?\s*$", "", text[-4 * _MAX_ANSWER_CHARS:].strip())
@@ -180,7 +276,7 @@ def _prose_answer(text: str, reason: str = "prose") -> Extracted:
     spans.append(next(g for g in m.groups() if g is not None).strip())
     return f"{_SPAN_MARK}{chr(0xE000 + len(spans) - 1)}{_SPAN_MARK}"
 
-  hidden = _MATH_SPAN.sub(hide, text)
+  hidden = _ENVIRONMENT.sub(_one_line, _MATH_SPAN.sub(hide, text))
   sentences = [s.strip() for s in re.split(r"\n+|(?<=[.!?])\s+|(?<=。)", hidden)]
   sentences = [s for s in sentences if s.strip(" .!?。*")]
   if not sentences:
@@ -199,7 +295,10 @@ def _prose_answer(text: str, reason: str = "prose") -> Extracted:
     if _parses(bare):
       return Extracted(bare, reason)
   candidates = [(m.start(), m.end(), shown(m)) for m in re.finditer(marks, sentence)]
-  candidates += [(m.start(), m.end(), m.group(0)) for m in _NUMBER.finditer(sentence)]
+  runs = _latex_runs(sentence)
+  candidates += runs
+  candidates += [(m.start(), m.end(), m.group(0)) for m in _NUMBER.finditer(sentence)
+                 if not any(start <= m.start() < end for start, end, _ in runs)]
   candidates = sorted(c for c in candidates if c[2] and not _NEGATED.search(sentence[:c[0]]))
   if not candidates:
     return Extracted(None, "no answer")
@@ -237,6 +336,7 @@ def extract_answer(response: str) -> Extracted:
     return _prose_answer(response)
   tail = response[phrases[-1].end():][:4 * _MAX_ANSWER_CHARS].strip().lstrip(":：*").strip()
   tail = re.sub(r"^is\b", "", tail).strip().lstrip(":").strip()
+  tail = _ENVIRONMENT.sub(_one_line, tail)  # a matrix over several lines is one answer
   line = next((l.strip(" *") for l in tail.split("\n") if l.strip(" *")), "")
   line = re.sub(r"\.\s.*$", "", line)  # first sentence only
   line = line.strip().rstrip(".").strip()
@@ -378,6 +478,7 @@ _TOKEN = re.compile(r"""
   | (?P<cmd>\\[a-zA-Z]+|\\\{|\\\}|\\\|)
   | (?P<op><=|>=|!=|\*\*|[-+*/^!=<>(),\[\]{}|_:])
   | (?P<name>[a-zA-Z])
+  | (?P<matrix>[\ue100-\ue1ff])
   | (?P<space>\s+)
   """, re.VERBOSE)
 
@@ -427,6 +528,8 @@ def _int_digits(x) -> float:
 
 
 def _power(base, exponent):
+  if isinstance(base, sympy.MatrixBase):
+    return _matrix_power(base, exponent)
   if base.is_Integer and exponent.is_Integer:
     if abs(int(exponent)) > _MAX_DIGITS * 4 or _int_digits(base) * abs(int(exponent)) > _MAX_DIGITS:
       raise _Refused("power too large")
@@ -436,6 +539,17 @@ def _power(base, exponent):
   if exponent.is_Integer and abs(int(exponent)) > _MAX_DIGITS * 4 and base.is_number:
     raise _Refused("power too large")
   return sympy.Pow(base, exponent)
+
+
+def _matrix_power(base, exponent):
+  """M^2, M^{-1} (the inverse), M^T and M^\\top (the transpose); small powers only."""
+  if exponent == sympy.Symbol("T"):
+    return base.T
+  # Powers of a matrix of symbols grow without bound (a 4 x 4 inverse takes sympy 30 s).
+  if not exponent.is_Integer or abs(int(exponent)) > _MAX_MATRIX_POWER \
+      or not all(entry.is_number for entry in base) or max(base.shape) > _MAX_MATRIX_SIDE:
+    raise _Refused("matrix power of a large or symbolic matrix")
+  return base ** int(exponent)  # a singular matrix's inverse raises ValueError
 
 
 def _factorial(x):
@@ -450,8 +564,9 @@ class _Parser:
   """Recursive descent over the tokens: relations, then + -, then * / and juxtaposition,
   then unary minus, then ^ and !, then atoms (numbers, letters, \\frac, \\sqrt, groups)."""
 
-  def __init__(self, tokens):
+  def __init__(self, tokens, matrices=()):
     self.tokens, self.i, self.depth, self.approx = tokens, 0, 0, False
+    self.matrices = matrices  # (sympy matrix, approx) for each placeholder token
 
   def peek(self, offset=0):
     j = self.i + offset
@@ -476,6 +591,8 @@ class _Parser:
       sides.append(self.expr())
     if not ops:
       return sides[0]
+    if any(isinstance(side, sympy.MatrixBase) for side in sides):
+      raise _Refused("a relation between matrices")  # A = (..): _parse_item reads its value
     return _Relation(tuple(ops), tuple(_Value(s, self.approx) for s in sides))
 
   def expr(self):
@@ -492,7 +609,7 @@ class _Parser:
 
   def starts_atom(self):
     kind, value = self.peek()
-    return (kind in ("num", "name", "func") or value in ("(", "[", "{", "|")
+    return (kind in ("num", "name", "func", "matrix") or value in ("(", "[", "{", "|")
             or (kind == "cmd" and (value in (r"\frac", r"\sqrt", r"\pi", r"\infty")
                                    or value[1:] in _GREEK)))
 
@@ -563,6 +680,10 @@ class _Parser:
         frac = self.fraction()
         return number + frac
       return number
+    if kind == "matrix":
+      matrix, approx = self.matrices[ord(value) - 0xE100]
+      self.approx = self.approx or approx
+      return matrix
     if kind == "name":
       if self.peek()[1] == "_":  # a_3, x_{12}: one symbol
         self.take()
@@ -613,6 +734,8 @@ class _Parser:
       return sympy.pi
     if value == r"\infty":
       return sympy.oo
+    if value in (r"\top", r"\intercal"):  # M^\top: the transpose
+      return sympy.Symbol("T")
     if kind == "cmd" and value[1:] in _GREEK:
       return sympy.Symbol(value[1:])
     raise _Refused(f"unexpected {value!r}")
@@ -694,12 +817,16 @@ def _parse_item(text: str):
 
 
 def _parse_expression(text: str):
-  parser = _Parser(_tokenize(text))
+  text, matrices = _matrix_operands(text)
+  parser = _Parser(_tokenize(text), matrices)
   value = parser.relation()
   if parser.i != len(parser.tokens):
     raise _Refused(f"trailing {parser.peek()[1]!r}")
   if isinstance(value, _Relation):
     return value
+  if isinstance(value, sympy.MatrixBase):  # 2A, A + B, AB evaluated
+    return _Group("matrix", tuple(_Group("row", tuple(_Value(e, parser.approx) for e in row))
+                                  for row in value.tolist()))
   lone = [v for k, v in parser.tokens if v not in "+-"]
   decimals = len(lone[0].split(".")[1]) if len(lone) == 1 and "." in lone[0] else None
   return _Value(value, parser.approx, decimals)
@@ -708,12 +835,35 @@ def _parse_expression(text: str):
 _MATRIX = re.compile(r"\\begin\{([pbBv]?matrix|smallmatrix|array)\}(.*)\\end\{\1\}", re.DOTALL)
 
 
+def _matrix_operands(text: str) -> tuple[str, list]:
+  """An expression with each matrix in it (2\\begin{pmatrix}..\\end{pmatrix}, a sum, a product)
+  replaced by a placeholder character, and the (sympy matrix, approx) each stands for."""
+  matrices = []
+
+  def operand(m: re.Match) -> str:
+    parsed = _matrix(m.group(0))
+    if parsed is None or len(matrices) >= _MAX_MATRICES:
+      raise _Refused(f"not a matrix: {m.group(0)[:40]!r}")
+    if isinstance(parsed, _Value):  # a determinant
+      matrices.append((parsed.expr, parsed.approx))
+    else:
+      rows = [[cell.expr for cell in row.items] for row in parsed.items]
+      if any(not isinstance(cell, _Value) for row in parsed.items for cell in row.items) \
+          or len({len(row) for row in rows}) != 1:
+        raise _Refused("a matrix with ragged rows or non-number entries")
+      matrices.append((sympy.ImmutableMatrix(rows),
+                       any(cell.approx for row in parsed.items for cell in row.items)))
+    return chr(0xE100 + len(matrices) - 1)
+
+  return _ENVIRONMENT.sub(operand, text), matrices
+
+
 def _matrix(text: str) -> "_Group | _Value | None":
   """\\begin{pmatrix} a & b \\\\ c & d \\end{pmatrix} (also bmatrix, matrix, array) as a
   "matrix" group of "row" groups; None if the text is not one whole matrix."""
   m = _MATRIX.fullmatch(text)
-  if m is None or m.group(1) == "Bmatrix":
-    return None
+  if m is None or m.group(1) == "Bmatrix" or f"\\end{{{m.group(1)}}}" in m.group(2):
+    return None  # not one matrix: A + B
   body = m.group(2)
   if m.group(1) == "array":  # its column spec: \\begin{array}{cc}
     body = re.sub(r"^\s*\{[^{}]*\}", "", body)
@@ -754,6 +904,9 @@ def _parse(text: str):
   unions = _split_top(text, r"\cup")
   if len(unions) > 1:
     return _union(tuple(_parse(u) for u in unions))
+  builder = _SET_BUILDER.fullmatch(text)
+  if builder:  # \{x \mid x > 2\}: the condition, which compares as a bound
+    return _parse(builder.group(1))
   if text.startswith(r"\{") and text.endswith(r"\}"):
     inner = text[2:-2]
     return _Group("set", tuple(_parse(p) for p in _split_top(inner, ",")))
@@ -766,16 +919,38 @@ def _parse(text: str):
     items = tuple(_parse(p) for p in parts if p.strip())
     intervals = [_as_interval(i) if isinstance(i, _Relation) else None for i in items]
     if all(intervals):  # x < -2, x > 3 (from "x < -2 or x > 3")
-      return _Group("union", tuple(intervals))
-    return _Group("list", items)
+      return _union(tuple(intervals))
+    return _assignments(items) or _Group("list", items)
   return _parse_item(text)
 
 
+def _assignments(items: tuple) -> _Group | None:
+  """p = 5, q = 2; p = 7, q = 2 (NuminaMath's way of listing solutions) as the list of tuples
+  (5, 2), (7, 2): the same names assigned in the same order, round after round. None for
+  anything else (x = 1, x = 2 stays a list of values)."""
+  names = [i.sides[0].expr if isinstance(i, _Relation) and i.ops == ("=",)
+           and isinstance(i.sides[0].expr, sympy.Symbol) else None for i in items]
+  if None in names:
+    return None
+  width = len(set(names))
+  rounds = len(names) // width
+  if width < 2 or rounds < 2 or names != names[:width] * rounds:
+    return None
+  return _Group("list", tuple(
+      _Group("bracket", tuple(i.sides[1] for i in items[k:k + width]), "(", ")")
+      for k in range(0, len(items), width)))
+
+
+_SET_BUILDER = re.compile(r"\\\{\s*[a-zA-Z]\s*(?:\\mid|\||:)\s*(.+)\\\}", re.DOTALL)
+
+
 def _union(items: tuple) -> _Group:
-  """A union; of finite sets only, the one set of all their elements."""
+  """A union, flat; of finite sets only, the one set of all their elements."""
   if all(isinstance(i, _Group) and i.kind == "set" for i in items):
     return _Group("set", tuple(e for i in items for e in i.items))
-  return _Group("union", items)
+  return _Group("union", tuple(e for i in items
+                               for e in (i.items if isinstance(i, _Group) and i.kind == "union"
+                                         else (i,))))
 
 
 # --------------------------------------------------------------------------- comparison
@@ -876,27 +1051,88 @@ def _lone_symbol(value: _Value) -> bool:
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}
 
 
-def _as_interval(rel: _Relation) -> _Group | None:
-  """A solved bound as an interval group: x > 3, 3 < x, 1 < x <= 2 (else None)."""
-  sides, ops = rel.sides, rel.ops
-  if any(op not in _FLIP for op in ops):
+def _bound_subject(side: _Value):
+  """(quantity, sign, absolute) when a side of a bound names a quantity up to sign: x, -x,
+  f(x) (read f*x), AB, |z|; else None. Anything with another number in it (2x - 1 > 5) is an
+  unsolved inequality, not a bound."""
+  coefficient, rest = side.expr.as_coeff_Mul()
+  absolute = isinstance(rest, sympy.Abs)
+  if absolute:
+    rest = rest.args[0]
+  factors = rest.args if isinstance(rest, sympy.Mul) else (rest,)
+  if coefficient not in (1, -1) or not all(isinstance(f, sympy.Symbol) for f in factors):
     return None
-  inf, neg_inf = _Value(sympy.oo, False), _Value(-sympy.oo, False)
-  if len(sides) == 2:
-    if _lone_symbol(sides[0]) and sides[1].expr.is_number:
-      op, bound = ops[0], sides[1]
-    elif _lone_symbol(sides[1]) and sides[0].expr.is_number:
-      op, bound = _FLIP[ops[0]], sides[0]
-    else:
+  return rest, int(coefficient), absolute
+
+
+def _real(side: _Value) -> bool:
+  return bool(side.expr.is_number and side.expr.is_real is not False)
+
+
+def _interval(low: _Value, high: _Value, closed_low: bool, closed_high: bool) -> _Group:
+  return _Group("bracket", (low, high), "[" if closed_low else "(", "]" if closed_high else ")")
+
+
+def _negated(value: _Value) -> _Value:
+  return _Value(-value.expr, value.approx)
+
+
+_INF, _NEG_INF = _Value(sympy.oo, False), _Value(-sympy.oo, False)
+
+
+def _solved(rel: _Relation):
+  """(quantity, interval or union) of a solved bound: x > 3, 3 < x, -x > -1 (x < 1), x != 2,
+  1 < x <= 2, 0 < f(x) < 1, |x| < 2, 1 <= |z| <= 3/2; else None."""
+  sides, ops = rel.sides, rel.ops
+  if len(sides) == 2 and ops != ("=",):
+    if _bound_subject(sides[1]) and _real(sides[0]):  # 3 < x is x > 3
+      sides, ops = sides[::-1], (_FLIP.get(ops[0], ops[0]),)
+    if not (_bound_subject(sides[0]) and _real(sides[1])):
       return None
-    if op in (">", ">="):
-      return _Group("bracket", (bound, inf), "(" if op == ">" else "[", ")")
-    return _Group("bracket", (neg_inf, bound), "(", ")" if op == "<" else "]")
-  if len(sides) == 3 and _lone_symbol(sides[1]) and sides[0].expr.is_number \
-      and sides[2].expr.is_number and ops[0][0] == ops[1][0] == "<":
-    return _Group("bracket", (sides[0], sides[2]), "(" if ops[0] == "<" else "[",
-                  ")" if ops[1] == "<" else "]")
+    (subject, sign, absolute), op, bound = _bound_subject(sides[0]), ops[0], sides[1]
+    if sign < 0:  # -x > -1 is x < 1
+      op, bound = _FLIP.get(op, op), _negated(bound)
+    if op == "!=" and not absolute:
+      return subject, _Group("union", (_interval(_NEG_INF, bound, False, False),
+                                       _interval(bound, _INF, False, False)))
+    if op not in _FLIP:
+      return None
+    low, high = (bound, None) if op[0] == ">" else (None, bound)
+    return subject, _bounded(low, high, op == ">=", op == "<=", absolute)
+  if len(sides) == 3 and _bound_subject(sides[1]) and _real(sides[0]) and _real(sides[2]) \
+      and ops[0] in _FLIP and ops[1] in _FLIP and ops[0][0] == ops[1][0]:
+    subject, sign, absolute = _bound_subject(sides[1])
+    low, high, closed_low, closed_high = sides[0], sides[2], ops[0][-1] == "=", ops[1][-1] == "="
+    if ops[0][0] == ">":  # 3 > x > 1
+      low, high, closed_low, closed_high = high, low, closed_high, closed_low
+    if sign < 0:  # 1 < -x < 3 is -3 < x < -1
+      low, high, closed_low, closed_high = (_negated(high), _negated(low), closed_high,
+                                            closed_low)
+    return subject, _bounded(low, high, closed_low, closed_high, absolute)
   return None
+
+
+def _bounded(low, high, closed_low: bool, closed_high: bool, absolute: bool) -> _Group:
+  """The values of x with low < x < high (either end may be None: unbounded), or with
+  low < |x| < high when `absolute`."""
+  if not absolute:
+    return _interval(low or _NEG_INF, high or _INF, closed_low and low is not None,
+                     closed_high and high is not None)
+  if low is None or low.expr < 0 or (low.expr == 0 and closed_low):  # |x| < 2: one interval
+    if high is None:
+      return _interval(_NEG_INF, _INF, False, False)
+    return _interval(_negated(high), high, closed_high, closed_high)
+  if high is None:  # |x| > 2
+    return _Group("union", (_interval(_NEG_INF, _negated(low), False, closed_low),
+                            _interval(low, _INF, closed_low, False)))
+  return _Group("union", (_interval(_negated(high), _negated(low), closed_high, closed_low),
+                          _interval(low, high, closed_low, closed_high)))
+
+
+def _as_interval(rel: _Relation) -> _Group | None:
+  """A solved bound as its interval or union (else None)."""
+  solved = _solved(rel)
+  return None if solved is None else solved[1]
 
 
 def _same_elements(ps, gs) -> bool:
@@ -929,8 +1165,15 @@ def _unordered_equal(ps, gs) -> bool:
 
 
 def _chain_ends(value):
-  """x = 5+5+1 = 11 as x = 11: a chain of equalities is graded by its ends."""
-  if isinstance(value, _Relation) and len(value.sides) > 2 and set(value.ops) == {"="}:
+  """x = 5+5+1 = 11 as x = 11: a chain of equalities is graded by its ends. A true equality of
+  numbers (2 \\cdot 3 = 6, as a worked line ends) is its value; a false one (3 = 4) stays a
+  relation, which no number equals."""
+  if not isinstance(value, _Relation) or set(value.ops) != {"="}:
+    return value
+  if all(side.expr.is_number for side in value.sides) \
+      and all(_values_equal(side, value.sides[-1]) for side in value.sides[:-1]):
+    return value.sides[-1]
+  if len(value.sides) > 2:
     return _Relation(("=",), (value.sides[0], value.sides[-1]))
   return value
 
@@ -944,9 +1187,9 @@ def _named(side: _Value) -> bool:
 def _equal(p, g) -> bool:
   p, g = _chain_ends(p), _chain_ends(g)
   if isinstance(p, _Relation) and isinstance(g, _Relation):
-    pi, gi = _as_interval(p), _as_interval(g)
-    if pi is not None and gi is not None:
-      return _equal(pi, gi)
+    ps, gs = _solved(p), _solved(g)
+    if ps is not None and gs is not None:  # x > 3 is not y > 3
+      return ps[0] == gs[0] and _equal(ps[1], gs[1])
     if p.ops == g.ops == ("=",):
       if _lone_symbol(p.sides[0]) and _lone_symbol(g.sides[0]):
         return p.sides[0].expr == g.sides[0].expr and _values_equal(p.sides[1], g.sides[1])
@@ -1014,10 +1257,18 @@ def is_equivalent(answer: str, gold: str) -> bool:
   """Whether an extracted answer equals the gold answer (both raw strings)."""
   if len(answer) > _MAX_ANSWER_CHARS:
     return False
+  choice = _CHOICE.match(answer)
   answer, gold = normalize(answer), normalize(gold)
   if not answer:
     return False
+  if choice and choice.group(1).lower() == _text_key(gold):  # \textbf{(D)}\ 12 for D
+    return True
   return any(_normalized_equal(a, g) for a in _readings(answer) for g in _readings(gold))
+
+
+# A multiple-choice letter in parentheses opening an answer, as AMC solutions give the choice
+# with its value: \textbf{(D)}\ 12, (D) 12.
+_CHOICE = re.compile(r"\s*(?:\\text\w*\s*\{\s*)?\(([A-E])\)")
 
 
 def _readings(text: str) -> list[str]:
@@ -1035,8 +1286,11 @@ def _normalized_equal(answer: str, gold: str) -> bool:
     p, g = _parse(answer), _parse(gold)
   except (_Refused, RecursionError, ValueError, TypeError, ZeroDivisionError, OverflowError):
     return False
+  # A gold written as a fraction is a ratio (a probability, a share), and X% of it means X/100:
+  # 12.5\% is 1/8, \frac{1}{8}\% is not. A bare whole or decimal gold may be the percentage.
+  ratio_gold = answer_pct and not gold_pct and re.search(r"\\frac|/", gold)
   try:
-    if _equal(p, g):
+    if not ratio_gold and _equal(p, g):
       return True
     if (gold_pct or answer_pct) and isinstance(p, _Value) and isinstance(g, _Value):
       scaled = g.expr / 100 if gold_pct else g.expr * 100
