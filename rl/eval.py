@@ -19,7 +19,7 @@ from models.tokenizer import stop_ids
 from rl import rollout
 from rl import tasks
 from rl.envs.base import environment_of, episode_metrics, multi_turn
-from rl.trajectory import column
+from rl.trajectory import Trajectory, column
 from rollouts.engine import RolloutEngine, SamplingParams
 
 
@@ -34,13 +34,20 @@ def _share(engine: RolloutEngine | None, source, indices) -> list[dict]:
 def greedy_eval(engine: RolloutEngine | None, task, tokenizer, *, num_records: int,
                 max_new_tokens: int, split: str = "test", batch_size: int = 512
                 ) -> dict[str, float]:
-  """Greedy decoding over the first `num_records` of `split`: {"accuracy", "length" (the mean
-  of the policy's tokens)}, for a Mixture each task's "accuracy_<domain>", and for an agentic
-  task the episode metrics without their "episode_" prefix (rl.envs.episode_metrics: turns,
-  tool_calls, tool_calls_rate, ...).
+  """Greedy decoding over the first `num_records` of `split`: held_out_metrics of
+  greedy_trajectories (see both)."""
+  return held_out_metrics(task, greedy_trajectories(
+      engine, task, tokenizer, num_records=num_records, max_new_tokens=max_new_tokens,
+      split=split, batch_size=batch_size))
+
+
+def greedy_trajectories(engine: RolloutEngine | None, task, tokenizer, *, num_records: int,
+                        max_new_tokens: int, split: str = "test", batch_size: int = 512
+                        ) -> list[Trajectory]:
+  """The verified greedy trajectories of the first `num_records` of `split`, in order.
   With several JAX processes all call it together: each decodes its share of the records
   (rl.tasks.process_share) on an engine of its own, or process 0 all of them on servers (the
-  others pass None), and the results are gathered."""
+  others pass None), and every process gets them all."""
   source = getattr(task, split)
   if num_records > len(source):
     raise ValueError(f"greedy_eval: {num_records} records asked, the {split} split has "
@@ -53,6 +60,13 @@ def greedy_eval(engine: RolloutEngine | None, task, tokenizer, *, num_records: i
     part = distributed.checked(lambda: rollout.generate(engine, task, tokenizer, records,
                                                         sampling) if records else None)
     trajectories += [t for p in distributed.gather(part) if p is not None for t in p]
+  return trajectories
+
+
+def held_out_metrics(task, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+  """{"accuracy", "length" (the mean of the policy's tokens)}, for a Mixture each task's
+  "accuracy_<domain>", and for an agentic task the episode metrics without their "episode_"
+  prefix (rl.envs.episode_metrics: turns, tool_calls, tool_calls_rate, ...)."""
   correct = column(trajectories, "correct", bool)
   metrics = {"accuracy": float(correct.mean()),
              "length": float(column(trajectories, "policy_count", np.int32).mean())}

@@ -9,8 +9,10 @@ monitors, the monitors' warnings reach metrics.jsonl). `standard` gives the hook
 has, from rl.trainer.Hooks; a notebook or a gin binding (Hooks.extra) adds its own.
 
 Owns the evaluation schedule, the collapse monitors' warnings and stops (rl/monitors.py),
-writing each step's record (metrics.jsonl, TensorBoard, W&B: rl/loggers.py), the progress
-bar, checkpoints, and the summary, plot and last lines at the end.
+writing each step's record (metrics.jsonl, TensorBoard, W&B: rl/loggers.py) and, every few
+steps, samples of its trajectories (samples.jsonl and the loggers' tables: rl/samples.py;
+each evaluation writes its own), the progress bar, checkpoints, and the summary, plot and
+last lines at the end.
 """
 
 import os
@@ -75,7 +77,8 @@ class Evaluate(Hook):
   """Held-out greedy evaluation after the start (step 0, into metrics.jsonl and summary.json as
   sft_*), every `evaluation.every` steps (eval_* in the step's record, and the sampled
   evaluation's pass@k / maj@k / mean@k at its largest budget) and after the last step
-  (summary.json's rl_*)."""
+  (summary.json's rl_*). Each writes its samples (Run.write_samples): split "eval", the last
+  one's "final"."""
 
   def __init__(self, evaluation, seed: int):
     self.evaluation, self.seed = evaluation, seed
@@ -101,7 +104,7 @@ class Evaluate(Hook):
                              if key != "accuracy"})
 
   def end(self, run) -> None:
-    run.summary.update(prefixed("rl", run.evaluate(int(run.state.step))),
+    run.summary.update(prefixed("rl", run.evaluate(int(run.state.step), "final")),
                        steps=int(run.state.step))
 
 
@@ -149,6 +152,18 @@ class Record(Hook):
         "distribution/advantages": record.advantages,
         "distribution/completion_length": column(record.trajectories, "policy_count",
                                                  np.int32)})
+
+
+class Samples(Hook):
+  """Every `every` steps (Hooks.samples_every), samples of the step's trajectories with their
+  rewards and advantages (Run.write_samples, split "train")."""
+
+  def __init__(self, every: int):
+    self.every = every
+
+  def step(self, run, record) -> None:
+    run.write_samples(record.step, "train", record.trajectories, record.rewards,
+                      record.advantages)
 
 
 class Checkpoint(Hook):
@@ -235,5 +250,5 @@ def standard(run, hooks, seed: int, export=None) -> list[Any]:
   Export hook's function, for a run from a pretrained checkpoint."""
   monitors = monitors_lib.defaults() if hooks.monitors is None else dict(hooks.monitors)
   return [Evaluate(hooks.evaluation, seed), Monitors(monitors, hooks.stop_on), Record(),
-          Checkpoint(hooks.checkpoint_every), Progress(hooks.progress),
-          *([Export(export)] if export else []), Summary()]
+          Samples(hooks.samples_every), Checkpoint(hooks.checkpoint_every),
+          Progress(hooks.progress), *([Export(export)] if export else []), Summary()]

@@ -2,8 +2,10 @@
 
 Owns the writers. `rl.trainer.train` decides what goes in: every numeric field of each
 metrics.jsonl record as a scalar at its step (same names), and histograms of per-completion
-arrays the step has at hand (under `distribution/`). metrics.jsonl stays the record a
-resumed run and the analyses read; these are for watching runs and comparing them.
+arrays the step has at hand (under `distribution/`), and tables of sample generations
+(rl/samples.py: TensorBoard text as a Markdown table, a W&B Table). metrics.jsonl and
+samples.jsonl stay the records a resumed run and the analyses read; these are for watching
+runs and comparing them.
 
 TensorBoard files are written with tensorboardX (a 90 KB pure-Python wheel over protobuf;
 tensorboard's own writer comes with the TensorBoard server: 5.5 MB tensorboard,
@@ -17,7 +19,7 @@ import itertools
 import os
 import secrets
 import sys
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -43,6 +45,18 @@ def _tensorboardx():
   return tensorboardX
 
 
+def markdown_table(columns: Sequence[str], cells: Sequence[Sequence[Any]]) -> str:
+  """A Markdown table of `cells` (one list per row), as TensorBoard's text plugin renders it:
+  a cell's `|` is escaped and its line breaks become <br>, so that one row stays one line;
+  None is an empty cell, a float has 4 significant digits."""
+  def cell(value) -> str:
+    text = "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+  lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+  return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in cells])
+
+
 # tensorboardX names an event file by the second it opened it, and overwrites a file of the
 # same name: a pid and a count tell apart the files of writers opened within one second.
 _FILE_COUNT = itertools.count()
@@ -54,7 +68,7 @@ class TensorBoard:
   def __init__(self, log_dir: str, *, resume_step: Optional[int] = None):
     tbx = _tensorboardx()
     self._event, self._summary = tbx.proto.event_pb2, tbx.proto.summary_pb2
-    self._histogram = tbx.summary.histogram
+    self._histogram, self._text = tbx.summary.histogram, tbx.summary.text
     self._writer = tbx.FileWriter(log_dir, flush_secs=30,
                                   filename_suffix=f".{os.getpid()}.{next(_FILE_COUNT)}")
     if resume_step is not None:
@@ -74,6 +88,11 @@ class TensorBoard:
     for tag, array in histograms.items():
       self._writer.add_summary(
           self._histogram(tag, np.asarray(array, np.float64), bins="auto"), step)
+
+  def table(self, step: int, tag: str, columns: Sequence[str],
+            cells: Sequence[Sequence[Any]]) -> None:
+    # As SummaryWriter.add_text writes it: TensorBoard shows it as `tag/text_summary`.
+    self._writer.add_summary(self._text(tag, markdown_table(columns, cells)), step)
 
   def close(self) -> None:
     self._writer.close()
@@ -102,12 +121,18 @@ class WandB:
     self._run.log({**values, **{tag: self._wandb.Histogram(np.asarray(array))
                                 for tag, array in histograms.items()}}, step=step)
 
+  def table(self, step: int, tag: str, columns: Sequence[str],
+            cells: Sequence[Sequence[Any]]) -> None:
+    table = self._wandb.Table(columns=list(columns), data=[list(row) for row in cells])
+    self._run.log({tag: table}, step=step)
+
   def close(self) -> None:
     self._run.finish()
 
 
 class Loggers:
-  """The run's loggers as one: `log(record, histograms)` at the record's step."""
+  """The run's loggers as one: `log(record, histograms)` at the record's step, `table(step,
+  tag, columns, cells)`."""
 
   def __init__(self, run_dir: str, *, tensorboard: bool, wandb_project: Optional[str],
                resume_step: Optional[int], config: Mapping[str, Any]):
@@ -122,6 +147,11 @@ class Loggers:
     values = scalars(record)
     for writer in self._writers:
       writer.log(int(record["step"]), values, histograms or {})
+
+  def table(self, step: int, tag: str, columns: Sequence[str],
+            cells: Sequence[Sequence[Any]]) -> None:
+    for writer in self._writers:
+      writer.table(step, tag, columns, cells)
 
   def close(self) -> None:
     for writer in self._writers:

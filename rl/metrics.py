@@ -26,7 +26,7 @@ def read(path: str) -> list[dict[str, Any]]:
 def truncate(path: str, last_step: int) -> int:
   """Keep the records of steps <= last_step (a run resumed from an older checkpoint redoes
   the later ones); the others move to `<path>.discarded` rather than being deleted.
-  Returns how many moved."""
+  Returns how many moved. Any JSONL file of records with a "step" (samples.jsonl too)."""
   records = read(path)
   later = [r for r in records if r["step"] > last_step]
   if later:

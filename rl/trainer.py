@@ -15,8 +15,8 @@ bit for bit on the same hardware and software.
 
 Owns the run-level configuration (Objective, WarmStart / FromRun, Hooks, Evaluation) and the
 run directory's layout: config.gin (written by experiments/run.py), metrics.jsonl,
-metrics.png, summary.json, checkpoints/, sft/ (the starting params: the reference policy),
-TensorBoard and W&B files.
+samples.jsonl (rl/samples.py), metrics.png, summary.json, checkpoints/, sft/ (the starting
+params: the reference policy), TensorBoard and W&B files.
 """
 
 import dataclasses
@@ -50,6 +50,7 @@ from rl import monitors as monitors_lib
 from rl import rewards as rewards_lib
 from rl import rollout
 from rl import run_lock
+from rl import samples as samples_lib
 from rl import sampling as sampling_lib
 from rl import sft
 from rl import sources
@@ -199,14 +200,18 @@ class Hooks:
   `checkpoint_every` steps (and at the last), the collapse `monitors` (name ->
   rl.monitors.Monitor; None: rl.monitors.defaults(), {}: none) of which those named in
   `stop_on` end the run when they fire, TensorBoard event files and a W&B run
-  (`wandb_project`; WANDB_MODE=offline: files only), the progress bar, and `extra` hooks of
-  your own (rl.hooks.Hook)."""
+  (`wandb_project`; WANDB_MODE=offline: files only), `samples` trajectories of every
+  evaluation and of every `samples_every`-th RL step (0: none; their prompts, completions,
+  rewards and verdicts in samples.jsonl and tables in the loggers, rl/samples.py), the
+  progress bar, and `extra` hooks of your own (rl.hooks.Hook)."""
   evaluation: Evaluation = Evaluation()
   checkpoint_every: int = 20
   monitors: Optional[Mapping[str, Any]] = None
   stop_on: Sequence[str] = ()
   tensorboard: bool = True
   wandb_project: Optional[str] = None
+  samples: int = 4
+  samples_every: int = 10
   progress: bool = True
   extra: Sequence[Any] = ()
 
@@ -234,6 +239,7 @@ class Run:
   held: Optional[run_lock.Hold] = None  # the run directory (process 0)
   stopped: Optional[dict[str, Any]] = None
   label: str = ""
+  samples: int = 0  # how many of an evaluation's or a step's trajectories write_samples keeps
 
   @property
   def primary(self) -> bool:
@@ -259,11 +265,30 @@ class Run:
       with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
         json.dump(self.summary, f, indent=2)
 
-  def evaluate(self, step: int) -> dict[str, float]:
-    """Held-out greedy evaluation of the current params (rl.eval.greedy_eval)."""
-    return eval_lib.greedy_eval(self._evaluation_engine(step), self.task, self.tokenizer,
-                                num_records=self.evaluation.records,
-                                max_new_tokens=self.config.max_new_tokens)
+  def write_samples(self, step: int, split: str, trajectories: Sequence[Any],
+                    rewards: Optional[np.ndarray] = None,
+                    advantages: Optional[np.ndarray] = None) -> None:
+    """`samples` of `trajectories` (rl.samples.pick), with a training step's rewards and
+    advantages (f32[len(trajectories)] each), into samples.jsonl and the loggers' tables
+    (`samples/<split>`); process 0 alone, which has every process's trajectories."""
+    if not (self.primary and self.samples):
+      return
+    step = int(step)  # a notebook may pass the train state's step, an array
+    chosen = samples_lib.pick(self.samples, len(trajectories))
+    take = lambda array: None if array is None else np.asarray(array)[chosen]
+    rows = samples_lib.rows(step, split, [trajectories[i] for i in chosen], self.tokenizer,
+                            self.task, rewards=take(rewards), advantages=take(advantages))
+    samples_lib.append(os.path.join(self.run_dir, samples_lib.FILE), rows)
+    self.loggers.table(step, f"samples/{split}", samples_lib.COLUMNS, samples_lib.cells(rows))
+
+  def evaluate(self, step: int, split: str = "eval") -> dict[str, float]:
+    """Held-out greedy evaluation of the current params: rl.eval.greedy_eval's metrics; its
+    samples go to write_samples as `split`."""
+    trajectories = eval_lib.greedy_trajectories(
+        self._evaluation_engine(step), self.task, self.tokenizer,
+        num_records=self.evaluation.records, max_new_tokens=self.config.max_new_tokens)
+    self.write_samples(step, split, trajectories)
+    return eval_lib.held_out_metrics(self.task, trajectories)
 
   def sampled_eval(self, step: int, spec: eval_lib.SampledEval, seed: int) -> dict:
     """rl.eval.sampled_eval of the current params on the evaluation's records, computed on
@@ -457,6 +482,9 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
   if unknown:
     raise ConfigError(f"Hooks.stop_on names {unknown}, which are not among the run's monitors "
                       f"{sorted(known)} (Hooks.monitors)")
+  for name in ("samples", "samples_every"):
+    if getattr(hooks, name) < 0:
+      raise ConfigError(f"Hooks.{name}={getattr(hooks, name)}: must be >= 0 (0: none)")
   if hooks.wandb_project and importlib.util.find_spec("wandb") is None:
     raise ConfigError("Hooks.wandb_project needs the wandb package: pip install "
                       "'longrl[wandb]'")
@@ -619,9 +647,10 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
     state = checkpointer.restore(state)
     say(f"resuming from {run_dir} at RL step {int(state.step)}")
     if distributed.is_primary():
-      moved = metrics_lib.truncate(os.path.join(run_dir, "metrics.jsonl"), int(state.step))
-      if moved:
-        say(f"{moved} metrics records after the checkpoint moved to metrics.jsonl.discarded")
+      for name in ("metrics.jsonl", samples_lib.FILE):
+        moved = metrics_lib.truncate(os.path.join(run_dir, name), int(state.step))
+        if moved:
+          say(f"{moved} records of {name} after the checkpoint moved to {name}.discarded")
     summary.pop("stopped", None)
   else:
     started = time.perf_counter()
@@ -649,7 +678,7 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
   return Run(run_dir, plan.cfg, context.task, context.tokenizer, context.config, parts,
              state, checkpointer, loggers, summary, resumed, hooks.evaluation,
              closers=[checkpointer.close, loggers.close],
-             label=f"{objective.loss} on {type(context.task).__name__}")
+             label=f"{objective.loss} on {type(context.task).__name__}", samples=hooks.samples)
 
 
 def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rl import eval as eval_lib
-from rl import loggers, trainer
+from rl import loggers, metrics, samples, trainer
 from rl.config import RLConfig
 from models import config
 from rl.tasks.arithmetic import Arithmetic
@@ -160,3 +160,11 @@ def test_a_run_logs_every_scalar_to_tensorboard_and_wandb_offline(tmp_path, monk
     values = expected[row["_step"]]
     np.testing.assert_allclose([row[k] for k in values], list(values.values()), rtol=1e-12)
   assert history[1]["distribution/advantages/_type"] == "histogram"
+  # The evaluation's samples as a W&B Table, its rows samples.jsonl's.
+  assert history[2]["samples/eval/_type"] == "table-file", sorted(history[2])
+  (files,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "files"))
+  saved = json.load(open(os.path.join(files, history[2]["samples/eval/path"])))
+  rows = [r for r in metrics.read(os.path.join(run_dir, samples.FILE))
+          if (r["step"], r["split"]) == (2, "eval")]
+  assert len(rows) == 4  # Hooks.samples' default
+  assert saved["columns"] == list(samples.COLUMNS) and saved["data"] == samples.cells(rows)
