@@ -164,6 +164,20 @@ def test_long_context_config_runs_its_rl_step(tmp_path):
   assert step["completion_length"] >= 1
 
 
+def assert_engine_matches_trainer(record):
+  """Trainer (the step's starting params, for every minibatch) vs engine log-probs on the
+  same tokens. Tokens the step's own weights generated: fp32 rounding only (<= 4.8e-7
+  measured). A partial rollout resumed from an earlier step also trains tokens that older
+  weights generated, which differ by the updates since: one update at lr 1e-4 moved them by
+  up to 6.4e-3 (issue 57), so 0.1 for those. Whether a step has any is a race, between the
+  client's abort at the pause and the server's last decode steps, so the bound follows the
+  step's stale_token_fraction (0: every token is the step's own)."""
+  bound = 0.1 if record["stale_token_fraction"] > 0 else 1e-5
+  assert record["engine_logp_diff_max"] < bound, {
+      k: record[k] for k in ("step", "engine_logp_diff_max", "stale_token_fraction",
+                             "partial_aborted")}
+
+
 @pytest.mark.slow
 def test_partial_rollouts_through_a_server_process(tmp_path):
   run_dir = str(tmp_path / "run")
@@ -174,10 +188,10 @@ def test_partial_rollouts_through_a_server_process(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
   assert [r["step"] for r in records] == [1, 2]
+  assert records[0]["stale_token_fraction"] == 0.0  # the first step: no older weights yet
   for r in records:
-    # Trainer (at the step's start, for every minibatch) vs engine on the same tokens: fp32
-    # rounding only. Trainer log-probs taken after a minibatch's update differed by ~1e-3.
-    assert r["weight_sync_s"] > 0 and r["engine_logp_diff_max"] < 1e-5
+    assert r["weight_sync_s"] > 0
+    assert_engine_matches_trainer(r)
     assert {"partial_aborted", "replay_size", "stale_token_fraction"} <= set(r)
 
 
@@ -200,16 +214,24 @@ def test_effort_recipe_trains_and_its_evaluation_sweeps_each_level(tmp_path):
   assert list(report["effort"]) == ["low", "high", "max"]
   assert os.path.exists(os.path.join(out, "accuracy_vs_budget_by_effort.png"))
 
+
 @pytest.mark.slow
 def test_lambda_partial_rollouts_with_the_trust_region_through_a_server_process(tmp_path):
+  """Completions of up to 96 tokens, not tiny.gin's 16: with 16 nearly all reach the cap in
+  the same decode step as the one that triggers the pause, so nothing is left to abort and
+  no stale token is trained; with 96 the abort has the others' remaining steps to arrive in
+  (measured: 12 and 15 aborted, 61% of step 2's tokens stale)."""
   run_dir = str(tmp_path / "run")
   result = run("--gin", QUICKSTART, "--gin", TINY, "--gin", SERVER, "--gin", PARTIAL_LAMBDA,
                "--run_dir", run_dir, "--gin_param", "Hooks.progress = False",
-               "--gin_param", "RLConfig.num_steps = 2")
+               "--gin_param", "RLConfig.num_steps = 2",
+               "--gin_param", "RLConfig.max_new_tokens = 96",
+               "--gin_param", "RLConfig.seq_len = 128")
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
   assert [r["step"] for r in records] == [1, 2]
+  assert records[0]["stale_token_fraction"] == 0.0  # the first step: no older weights yet
   for r in records:
-    assert r["engine_logp_diff_max"] < 1e-5  # as above: the window (-1, 1) masks nothing
-    assert r["trust_region_masked"] == 0.0
+    assert_engine_matches_trainer(r)
+    assert r["trust_region_masked"] == 0.0  # the window (-1, 1) masks nothing
     assert {"partial_aborted", "replay_size", "stale_token_fraction"} <= set(r)
