@@ -1,4 +1,4 @@
-"""The peer-config train step with RoPE from cos/sin tables (models/transformer.py) vs RoPE
+"""The peer-config train step with RoPE from cos/sin tables (models/rope.py) vs RoPE
 computed as cos and sin of position x frequency in the step. Not a test.
 
   python bench/rope.py [--rounds 20] [--out bench/results]
@@ -45,15 +45,16 @@ def main():
   from models import host_allocator
   host_allocator.keep_freed_memory()  # as experiments/run.py does, before JAX starts
   import jax
+  from models import rope as rope_lib
   from models import transformer
   from rl import losses
   from rl.train_step import make_train_step
 
   cfg, optimizer, state, batch = peers.ours_setup()
   loss = losses.bind("grpo", {"kl_coef": 0.0})
-  tables_rope = transformer.rope
+  tables_rope = transformer.rope  # the name the decoder's attention reads
   steps = {}
-  for name, rope in (("computed", computed_rope(transformer.rope_frequencies(
+  for name, rope in (("computed", computed_rope(rope_lib.rope_frequencies(
       cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))), ("tables", tables_rope)):
     transformer.rope = rope  # read when the step is traced, on its first call
     steps[name] = make_train_step(cfg, optimizer, loss, logprob_chunk=1024)

@@ -46,7 +46,7 @@ def ours(rounds: int) -> dict:
   host_allocator.keep_freed_memory()  # as experiments/run.py and bench/peers.py do
   import jax
   import jax.numpy as jnp
-  from models import transformer
+  from models import projections
   from models.attention import dispatch
   from rl import losses
   from rl import train_step as train_step_lib
@@ -57,7 +57,7 @@ def ours(rounds: int) -> dict:
   stand_ins = {
       "attention": (dispatch, "attention", lambda q, k, v, segment_ids, kernel="auto":
                     q * jnp.repeat(k, group, axis=2) + jnp.repeat(v, group, axis=2)),
-      "mlp": (transformer.MLP, "__call__", lambda self, x: x),
+      "mlp": (projections.MLP, "__call__", lambda self, x: x),
       "head": (train_step_lib.logprobs_lib, "token_logprobs",
                lambda hidden, unembed, targets, chunk_size=0:
                (hidden[..., 0] * unembed[0, 0], hidden[..., 1]))}

@@ -13,7 +13,7 @@ Moonlight: multi-head latent attention, `MlaConfig`, and DeepSeek's router and s
 vision tower, `VisionConfig`; models/vision.py).
 Everything else (RMSNorm, RoPE, grouped-query attention, SwiGLU) is shared, and so are the RoPE
 scalings (`RopeScaling`: linear, dynamic, yarn, llama3), any of which a family's checkpoint may
-name; models/transformer.py computes their frequencies.
+name; models/rope.py computes their frequencies.
 """
 
 import dataclasses

@@ -6,7 +6,7 @@ are, outermost first:
   fsdp     rows split like data; parameters (and optimizer state) sharded across it
   expert   rows split like data, and a mixture's experts split across it: each device runs
            the experts it holds on the tokens routed to them, which its peers send it
-           (all-to-all: models/transformer.py, expert_parallel_experts)
+           (all-to-all: models/mixture.py, expert_parallel_experts)
   tensor   attention heads, MLP columns and the vocabulary split
   context  the sequence split (ring attention, models/attention/ring.py)
 Model code names the axes of every parameter and activation logically (`EMBED`, `HEADS`, ...);

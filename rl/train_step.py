@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from models import logprobs as logprobs_lib
-from models import transformer
+from models import mixture, transformer
 from models.config import ModelConfig
 from rl import kl as kl_lib
 from rl.types import TrainBatch
@@ -83,7 +83,7 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
     weighted, metrics = loss_fn(logp, batch)
     total = weighted.total
     if balance_coef:
-      total += balance_coef * jax.lax.stop_gradient(weighted.count) * transformer.balance_loss(
+      total += balance_coef * jax.lax.stop_gradient(weighted.count) * mixture.balance_loss(
           routes, mb.segment_ids > 0)
     return total, (weighted, metrics, logp, entropy, routes)
 
@@ -104,11 +104,11 @@ def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn:
   if routes is not None:  # a mixture's routing over the micro-batch's real tokens
     real = mb.segment_ids > 0
     weight = jnp.sum(real).astype(jnp.float32)
-    routing = transformer.routing_metrics(routes, real, cfg.moe.num_experts,
+    routing = mixture.routing_metrics(routes, real, cfg.moe.num_experts,
                                           mb.routed_experts)
     sums.update({k: (v * weight, weight) for k, v in routing.items()})
     if cfg.moe.correction_bias:  # for loss-free balancing (make_train_step)
-      sums["expert_counts"] = (transformer.expert_counts(routes, real, cfg.moe.num_experts),
+      sums["expert_counts"] = (mixture.expert_counts(routes, real, cfg.moe.num_experts),
                                weight)
   return grads, sums, jnp.max(diff)
 
@@ -134,12 +134,12 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   replay: rollout routing replay: a mixture's tokens go to the experts the engine chose
   (batch.routed_experts), their gate weights the trainer's router's at those experts.
   expert_bias_rate: after the update, a mixture's correction biases move by it against the
-  step's load (transformer.balance_experts: DeepSeek-V3's loss-free balancing, 0.001 there).
-  balance_coef: a mixture's load-balancing loss (transformer.balance_loss) times it is added
+  step's load (mixture.balance_experts: DeepSeek-V3's loss-free balancing, 0.001 there).
+  balance_coef: a mixture's load-balancing loss (mixture.balance_loss) times it is added
   to the loss (Qwen3-MoE's router_aux_loss_coef, 0.001 there).
   metrics: f32 scalars over loss tokens: loss, entropy, the loss's own metrics (clip_fraction
   is 0 for losses that do not clip), grad_norm, for a mixture of experts its routing over the
-  real tokens (transformer.routing_metrics: expert_load_cv, expert_load_max, router_entropy,
+  real tokens (mixture.routing_metrics: expert_load_cv, expert_load_max, router_entropy,
   and when the batch carries the engine's routes routing_differs / router_differs, the
   share of tokens the trainer routed / its router would route otherwise than the engine:
   the first 0 with replay; expert_balance_loss), ratio_mean (pi / pi_old), kl_to_old and
@@ -189,7 +189,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if expert_bias_rate and counts is not None:
-      params = transformer.balance_experts(params, cfg, counts, expert_bias_rate)
+      params = mixture.balance_experts(params, cfg, counts, expert_bias_rate)
     metrics = {k: total / jnp.maximum(n, 1.0) for k, (total, n) in sums.items()}
     metrics["logp_diff_max"] = diff_max
     metrics["grad_norm"] = optax.tree.norm(grads)

@@ -77,8 +77,8 @@ class Objective:
   routes each token to the experts the engine chose (rollout routing replay, R3; the
   trainer's log-probs for the mismatch and the corrections too, not the reference's), and
   `expert_bias_rate`: with DeepSeek-V3's correction bias, loss-free balancing moves it by
-  this much after every update (transformer.balance_experts; 0.001 in DeepSeek-V3), and
-  `expert_balance_coef`: the load-balancing loss (transformer.balance_loss) times it joins
+  this much after every update (models.mixture.balance_experts; 0.001 in DeepSeek-V3), and
+  `expert_balance_coef`: the load-balancing loss (models.mixture.balance_loss) times it joins
   the loss (router_aux_loss_coef: 0.001 in Qwen3-MoE)."""
   loss: str = "k1.5"
   loss_hparams: Optional[Mapping[str, Any]] = None

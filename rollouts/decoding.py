@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import logprobs as logprobs_lib
-from models import transformer, vision
+from models import projections, transformer, vision
 from models.config import ModelConfig, VisionConfig
 
 # A temperature below this decodes greedily (SGLang's sampler treats it as 0).
@@ -173,7 +173,7 @@ def sample(params, prompts, prompt_lens, key, temperature, top_p, images=None, *
     prompt_len + max_new, sparse layers, k] (the prompt's at their slots, each generated
     token's once it was fed back; -1 where none), else None.
   """
-  params = transformer.unpack_projections(params)  # once, not at every decode step
+  params = projections.unpack_projections(params)  # once, not at every decode step
   batch, plen = prompts.shape
   pad = plen - prompt_lens
   slots = jnp.arange(plen)

@@ -18,7 +18,7 @@ import numpy as np
 
 from models import host_allocator
 from models import sharding
-from models import transformer, vision
+from models import projections, vision
 from models.config import ModelConfig
 from rollouts.decoding import (bucket, prompt_images, sample, score_continuations,
                                score_continuations_top_k)
@@ -169,7 +169,7 @@ class JaxEngine:
     cast = lambda x: (x.astype(self._dtype) if self._dtype is not None
                       and jnp.issubdtype(x.dtype, jnp.floating) else x)
     if self._weight_format is not None:
-      return jax.jit(lambda p: transformer.pack_projections(jax.tree.map(cast, p),
+      return jax.jit(lambda p: projections.pack_projections(jax.tree.map(cast, p),
                                                             self._weight_format))
     placed = (None if self._mesh is None else
               sharding.serving_shardings(params, self._mesh))

@@ -338,10 +338,10 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
                  weight_format: str | None = None):
   """The engine factory (train.engine) that serves the policy from `servers` subprocesses of
   our server (rollouts/server/) on 127.0.0.1 and talks to them with the SGLang client
-  (rollouts/sglang.py): the production path, minus the GPUs. Weights travel through `weights_dir` (default: a temporary
-  directory) as Hugging Face checkpoints. `max_batch`: the most requests a server decodes at
-  once, and so the most the client keeps in flight on each (more would only queue there).
-  `router`: /generate goes through the real
+  (rollouts/sglang.py): the production path, minus the GPUs. Weights travel through
+  `weights_dir` (default: a temporary directory) as Hugging Face checkpoints. `max_batch`:
+  the most requests a server decodes at once, and so the most the client keeps in flight on
+  each (more would only queue there). `router`: /generate goes through the real
   sglang-router in front of them (rollouts/router.py), started and stopped with the engine.
   `cores`: the CPU cores the servers run on (e.g. apart from the trainer's). `checkpoint`: the
   Hugging Face directory the run starts from (rl.pretrained.HFCheckpoint's path): the servers

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import config, logprobs, transformer
+from models import config, layers, logprobs, rope, transformer
 from models.attention import reference
 from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
@@ -240,8 +240,8 @@ def test_rope_tables_rotate_by_position_times_frequency(scaling):
   rotation; beyond, NaN."""
   head_dim, theta = 64, 500000.0
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 3, head_dim))
-  tables = transformer.rope_tables(head_dim, theta, scaling)
-  inv_freq = transformer.rope_frequencies(head_dim, theta, scaling)
+  tables = rope.rope_tables(head_dim, theta, scaling)
+  inv_freq = rope.rope_frequencies(head_dim, theta, scaling)
 
   def direct(positions, dtype):  # the textbook rotation, in `dtype`
     angles = positions[..., None].astype(dtype) * inv_freq.astype(dtype)
@@ -251,14 +251,14 @@ def test_rope_tables_rotate_by_position_times_frequency(scaling):
     return x64 * np.cos(angles) + rotated * np.sin(angles)
 
   small = np.array([[0, 1, 2, 511, 1022, 1023], [7, 100, 1000, 3, 900, 64]], np.int32)
-  got = np.asarray(transformer.rope(x, jnp.asarray(small), tables))
+  got = np.asarray(rope.rope(x, jnp.asarray(small), tables))
   np.testing.assert_allclose(got, direct(small, np.float32), atol=2e-6)
   large = np.array([[1024, 1025, 4097, 32768, 100000, 2**20 - 1],
                     [131071, 65536, 2047, 999999, 524288, 12345]], np.int32)
-  got = np.asarray(transformer.rope(x, jnp.asarray(large), tables))
+  got = np.asarray(rope.rope(x, jnp.asarray(large), tables))
   # float32 fine angles (< 1024 rad) are off by up to half an ulp, 3e-5 rad.
   np.testing.assert_allclose(got, direct(large, np.float64), atol=2e-4)
-  beyond = np.asarray(transformer.rope(x, jnp.full((2, 6), 2**20, jnp.int32), tables))
+  beyond = np.asarray(rope.rope(x, jnp.full((2, 6), 2**20, jnp.int32), tables))
   assert np.isnan(beyond).all()
 
 
@@ -267,13 +267,13 @@ def test_swiglu_gradients_equal_autodiff_and_keep_only_its_inputs():
   up = jax.random.normal(jax.random.PRNGKey(1), (2048, 48))
   d_out = jax.random.normal(jax.random.PRNGKey(2), (2048, 48))
   plain = lambda g, u: jnp.sum(jax.nn.silu(g) * u * d_out)
-  ours = lambda g, u: jnp.sum(transformer.swiglu(g, u) * d_out)
+  ours = lambda g, u: jnp.sum(layers.swiglu(g, u) * d_out)
   np.testing.assert_allclose(ours(gate, up), plain(gate, up), rtol=1e-6)
   for got, want in zip(jax.grad(ours, (0, 1))(gate, up), jax.grad(plain, (0, 1))(gate, up)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # The plain form keeps sigmoid or silu outputs besides its inputs; ours keeps the inputs only.
   saved = lambda fn: _saved_activations(lambda g, u: jnp.sum(fn(g, u)), gate, up)
-  assert saved(transformer.swiglu) == 2 < saved(lambda g, u: jax.nn.silu(g) * u)
+  assert saved(layers.swiglu) == 2 < saved(lambda g, u: jax.nn.silu(g) * u)
 
 
 def test_remat_policies_keep_gradients_and_lower_compiled_memory():

@@ -23,7 +23,7 @@ import torch  # the test extra pins the CPU wheel
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from models import hf, sharding, transformer
+from models import hf, layers, mixture, sharding, transformer
 from models.config import MlaConfig, ModelConfig, MoeConfig, tiny
 from rl import batch as batch_lib
 from rl import losses
@@ -64,11 +64,11 @@ def test_dropless_experts_equal_each_token_through_its_experts_and_differentiate
   gate, up = (jax.random.normal(key, (num_experts, hidden, size)) for key in keys[2:4])
   down = jax.random.normal(keys[4], (num_experts, size, hidden))
   args = (x, experts, weights, gate, up, down)
-  np.testing.assert_allclose(transformer.dropless_experts(*args), _reference_experts(*args),
+  np.testing.assert_allclose(mixture.dropless_experts(*args), _reference_experts(*args),
                              rtol=1e-5, atol=1e-5)
   loss = lambda f: lambda x, w, g, u, d: jnp.sum(f(x, experts, w, g, u, d) ** 2)
   wrt = (0, 1, 2, 3, 4)
-  got = jax.grad(loss(transformer.dropless_experts), wrt)(x, weights, gate, up, down)
+  got = jax.grad(loss(mixture.dropless_experts), wrt)(x, weights, gate, up, down)
   want = jax.grad(loss(_reference_experts), wrt)(x, weights, gate, up, down)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
@@ -85,8 +85,8 @@ def test_capacity_experts_equal_dropless_with_room_and_drop_the_overflow_in_toke
   gate, up = (jax.random.normal(key, (num_experts, hidden, size)) for key in keys[2:4])
   down = jax.random.normal(keys[4], (num_experts, size, hidden))
   args = (x, experts, weights, gate, up, down)
-  np.testing.assert_allclose(transformer.capacity_experts(*args, capacity=9),
-                             transformer.dropless_experts(*args), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mixture.capacity_experts(*args, capacity=9),
+                             mixture.dropless_experts(*args), rtol=1e-5, atol=1e-5)
   # Room for 4 an expert: each expert's pairs past its 4th, in token order, drop (as if
   # their weight were 0): 5 of expert 0's 9, 3 of expert 1's 7, 2 of expert 2's 6.
   kept, taken = np.ones((tokens, 2), np.float32), np.zeros(num_experts, int)
@@ -96,12 +96,12 @@ def test_capacity_experts_equal_dropless_with_room_and_drop_the_overflow_in_toke
     taken[e] += 1
   assert kept.size - kept.sum() == 10
   want = _reference_experts(x, experts, weights * kept, gate, up, down)
-  np.testing.assert_allclose(transformer.capacity_experts(*args, capacity=4), want, rtol=1e-5,
+  np.testing.assert_allclose(mixture.capacity_experts(*args, capacity=4), want, rtol=1e-5,
                              atol=1e-5)
   loss = lambda f: lambda x, g: jnp.sum(f(x, experts, weights, g, up, down) ** 2)
-  got = jax.grad(loss(functools.partial(transformer.capacity_experts, capacity=9)),
+  got = jax.grad(loss(functools.partial(mixture.capacity_experts, capacity=9)),
                  (0, 1))(x, gate)
-  expected = jax.grad(loss(transformer.dropless_experts), (0, 1))(x, gate)
+  expected = jax.grad(loss(mixture.dropless_experts), (0, 1))(x, gate)
   for g, w in zip(got, expected):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
@@ -374,10 +374,10 @@ def test_expert_parallel_experts_are_dropless_and_drop_per_device_with_a_capacit
   gate, up = (rng.normal(size=(num, hidden, size)).astype(np.float32) for _ in range(2))
   down = rng.normal(size=(num, size, hidden)).astype(np.float32)
   flat = lambda a: a.reshape(rows * seq, -1)
-  dropless = lambda w: np.asarray(transformer.dropless_experts(
+  dropless = lambda w: np.asarray(mixture.dropless_experts(
       flat(x), flat(experts), flat(w), gate, up, down)).reshape(rows, seq, hidden)
   with jax.set_mesh(sharding.make_mesh(expert=4)):
-    parallel = jax.jit(transformer.expert_parallel_experts, static_argnames="capacity_factor")
+    parallel = jax.jit(mixture.expert_parallel_experts, static_argnames="capacity_factor")
     np.testing.assert_allclose(parallel(x, experts, weights, gate, up, down), dropless(weights),
                                rtol=1e-5, atol=1e-5)
     dropped = parallel(x, experts, weights, gate, up, down, capacity_factor=1.0)
@@ -458,7 +458,7 @@ def _layer_input(params, cfg, tokens, positions, segments):
   x, _, _ = transformer.Block(cfg, 0).apply({"params": params["layers_0"]}, x, positions,
                                             segments)
   block = params["layers_1"]
-  norm = lambda name, x: transformer.RMSNorm(cfg.rms_norm_eps).apply(
+  norm = lambda name, x: layers.RMSNorm(cfg.rms_norm_eps).apply(
       {"params": block[name]}, x)
   h, _ = transformer.Attention(cfg, 1).apply({"params": block["self_attn"]},
                                              norm("input_layernorm", x), positions, segments)
@@ -466,7 +466,7 @@ def _layer_input(params, cfg, tokens, positions, segments):
 
 
 def _sparse_output(params, cfg, layer_in, replay):
-  return transformer.MoE(cfg).apply({"params": params["layers_1"]["mlp"]}, layer_in[None],
+  return mixture.MoE(cfg).apply({"params": params["layers_1"]["mlp"]}, layer_in[None],
                                     replay)[0][0]
 
 
@@ -501,7 +501,7 @@ def test_routing_metrics_on_hand_made_routes():
   balanced = jnp.array([[[0, 1], [2, 3], [0, 1], [2, 3]],
                         [[0, 2], [1, 3], [0, 0], [0, 0]]], jnp.int32)[:, :, None]
   entropy = jnp.full((2, 4, 1), 0.5)
-  m = transformer.routing_metrics(transformer.Route(balanced, balanced, entropy, entropy), mask,
+  m = mixture.routing_metrics(mixture.Route(balanced, balanced, entropy, entropy), mask,
                                   4)
   assert float(m["expert_load_cv"]) == pytest.approx(0.0)
   assert float(m["expert_load_max"]) == pytest.approx(1.0)
@@ -509,7 +509,7 @@ def test_routing_metrics_on_hand_made_routes():
   assert "routing_differs" not in m  # no engine routes to compare with
   # Every real token to experts 0 and 1 (two of four: max share 1/2, times E = 2).
   collapsed = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (2, 4, 1, 2))
-  m = transformer.routing_metrics(transformer.Route(collapsed, balanced, entropy, entropy), mask,
+  m = mixture.routing_metrics(mixture.Route(collapsed, balanced, entropy, entropy), mask,
                                   4)
   assert float(m["expert_load_cv"]) == pytest.approx(1.0)  # counts 6, 6, 0, 0
   assert float(m["expert_load_max"]) == pytest.approx(2.0)
@@ -519,14 +519,14 @@ def test_routing_metrics_on_hand_made_routes():
   # router's own (balanced) on 1 (row 1's second, [1, 3] against [1, 2]).
   engine = balanced.at[0, 0, 0].set(jnp.array([1, 0])).at[0, 3, 0].set(-1)
   engine = engine.at[1, 1, 0].set(jnp.array([1, 2])).at[1, 2, 0].set(jnp.array([3, 3]))
-  m = transformer.routing_metrics(transformer.Route(collapsed, balanced, entropy, entropy), mask,
+  m = mixture.routing_metrics(mixture.Route(collapsed, balanced, entropy, entropy), mask,
                                   4, engine)
   assert float(m["routing_differs"]) == pytest.approx(3 / 5)
   assert float(m["router_differs"]) == pytest.approx(1 / 5)
   # The balance loss: 1 for uniform scores on a balanced load, 2 when the real tokens' load
   # and scores gather on experts 0 and 1 (the padding token's choice not counted).
   uniform, gathered = jnp.full((4, 4), 0.25), jnp.array([[0.5, 0.5, 0.0, 0.0]] * 4)
-  terms = lambda probs, native, real: transformer.balance_terms(
+  terms = lambda probs, native, real: mixture.balance_terms(
       probs, jnp.asarray(native), jnp.asarray(real, jnp.float32), 4)
   np.testing.assert_allclose(terms(uniform, balanced[0, :, 0], [1, 1, 1, 1]), 1.0)
   np.testing.assert_allclose(terms(gathered, [[0, 1], [0, 1], [0, 1], [2, 3]], [1, 1, 1, 0]),
@@ -565,7 +565,7 @@ def test_deepseek_v3_routing_and_shared_experts_equal_transformers():
                     num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                     qkv_bias=False, moe=moe)
   x = np.random.default_rng(0).normal(size=(2, 5, hidden)).astype(np.float32)
-  out, route = transformer.MoE(cfg).apply({"params": ours}, jnp.asarray(x))
+  out, route = mixture.MoE(cfg).apply({"params": ours}, jnp.asarray(x))
   with torch.no_grad():
     want = theirs(torch.tensor(x)).numpy()
     _, _, chosen = theirs.gate(torch.tensor(x))
@@ -596,7 +596,7 @@ def test_loss_free_balancing_moves_the_correction_bias_against_the_load():
   batch = jax.tree.map(jnp.asarray, batch)
   _, route = transformer.forward_with_routes(params, cfg, batch.tokens, batch.positions,
                                              batch.segment_ids)
-  load = np.asarray(transformer.expert_counts(route, batch.segment_ids > 0, 8))[0]
+  load = np.asarray(mixture.expert_counts(route, batch.segment_ids > 0, 8))[0]
   want = 0.01 * np.sign(load.mean() - load)
   assert (want > 0).any() and (want < 0).any()
   optimizer = optax.adamw(1e-3)
@@ -628,7 +628,7 @@ def test_the_load_balancing_loss_is_transformers_and_its_gradient_joins_the_step
   _, route = transformer.forward_with_routes(params, cfg, jnp.asarray(tokens * mask),
                                              jnp.asarray(np.arange(16)[None].repeat(3, 0)),
                                              jnp.asarray(mask))
-  ours = float(transformer.balance_loss(route, jnp.asarray(mask) > 0))
+  ours = float(mixture.balance_loss(route, jnp.asarray(mask) > 0))
   assert ours == pytest.approx(theirs / 2, rel=1e-5) and ours > 1.0
 
   small = _small_mixture(VOCAB)
@@ -643,13 +643,13 @@ def test_the_load_balancing_loss_is_transformers_and_its_gradient_joins_the_step
   def loss(p):
     _, route = transformer.forward_with_routes(p, small, batch.tokens, batch.positions,
                                                batch.segment_ids)
-    return transformer.balance_loss(route, batch.segment_ids > 0)
+    return mixture.balance_loss(route, batch.segment_ids > 0)
 
   # Each micro-batch's own loss, weighted by its share of the loss's count (GRPO's: its
   # sequences, whatever the log-probs).
   halves = [jax.tree.map(lambda x: x[i:i + 2], batch) for i in (0, 2)]
   counts = [float(loss_fn(h.old_logp, h)[0].count) for h in halves]
-  grads = [jax.grad(lambda p, h=h: transformer.balance_loss(
+  grads = [jax.grad(lambda p, h=h: mixture.balance_loss(
       transformer.forward_with_routes(p, small, h.tokens, h.positions, h.segment_ids)[1],
       h.segment_ids > 0))(params) for h in halves]
   want = jax.tree.map(lambda g0, a, b: g0 + 0.5 * (counts[0] * a + counts[1] * b) / sum(counts),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import config, hf, quantize, transformer
+from models import config, hf, projections, quantize, transformer
 from rl.packing import trajectory_batch
 from rl.train_step import policy_logprobs
 from rollouts import jax_engine
@@ -155,7 +155,7 @@ def test_a_quantized_export_is_sglangs_layout_and_loads_back_dequantized(fmt, tm
       ("weight", "weight_scale_inv") if fmt == "fp8" else ("weight_packed", "weight_scale"))]
   for a, b in zip(up_held.stored, stored):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  jax.tree.map(np.testing.assert_array_equal, transformer.unpack_projections(held), loaded)
+  jax.tree.map(np.testing.assert_array_equal, projections.unpack_projections(held), loaded)
   with pytest.raises(ValueError, match="unknown quantization 'int3'"):
     hf.save(params, cfg, str(tmp_path / "bad"), quantization="int3")
 
@@ -195,10 +195,10 @@ def test_an_engine_holds_its_weights_quantized_and_computes_on_them(fmt):
   down = engine.params["layers_0"]["mlp"]["down_proj"]["kernel"]
   assert isinstance(down, quantize.Packed) and down.shape == (128, 64)
   full = sum(x.nbytes for x in jax.tree.leaves(params))
-  projections = 2 * (3 * 64 * 128 + 64 * 64 + 2 * 64 * 32 + 64 * 64) * 4  # f32 bytes
-  packed = projections // 4 if fmt == "fp8" else projections // 8 + projections // 32
+  projected = 2 * (3 * 64 * 128 + 64 * 64 + 2 * 64 * 32 + 64 * 64) * 4  # f32 bytes
+  packed = projected // 4 if fmt == "fp8" else projected // 8 + projected // 32
   scales = 2 * 7 * 4 if fmt == "fp8" else 0  # one f32 per 128 x 128 block, 7 kernels a layer
-  assert engine.weight_bytes == full - projections + packed + scales
+  assert engine.weight_bytes == full - projected + packed + scales
   on_format = engine.generate(prompts, sampling, seed=3)
   on_rounded = JaxEngine(cfg, _rounded(params, fmt)).generate(prompts, sampling, seed=3)
   for a, b in zip(on_format, on_rounded):

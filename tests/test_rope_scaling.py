@@ -13,7 +13,7 @@ import pytest
 import torch  # the test extra pins the CPU wheel
 import transformers
 
-from models import config, hf, transformer
+from models import config, hf, rope, transformer
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
 
@@ -46,8 +46,9 @@ CHECKPOINTS = [("qwen2", "linear"), ("qwen2", "dynamic"), ("qwen2", "yarn"),
 
 
 def _hf_config(family, scaling):
-  rope, fields = SCALINGS[scaling]
-  return FAMILIES[family](rope_parameters={"rope_theta": 10000.0, **rope}, **fields, **COMMON)
+  parameters, fields = SCALINGS[scaling]
+  return FAMILIES[family](rope_parameters={"rope_theta": 10000.0, **parameters}, **fields,
+                          **COMMON)
 
 
 def _write_checkpoint(family, scaling, path):
@@ -116,15 +117,15 @@ def test_yarn_attention_factor_scales_every_position_once():
   entry multiplies in) are scaled once too: rope = the rotation by position x frequency,
   times the factor."""
   head_dim, theta, scaling = 64, 1e6, config.YarnRope(4.0, 32768)
-  tables = transformer.rope_tables(head_dim, theta, scaling)
-  inv_freq = transformer.rope_frequencies(head_dim, theta, scaling).astype(np.float64)
+  tables = rope.rope_tables(head_dim, theta, scaling)
+  inv_freq = rope.rope_frequencies(head_dim, theta, scaling).astype(np.float64)
   positions = np.array([[0, 1, 1023, 1024, 1025, 5000, 32768, 131071]], np.int32)
   x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (1, positions.shape[1], 2, head_dim)))
   angles = np.concatenate([positions[..., None] * inv_freq] * 2, -1)[:, :, None, :]
   rotated = np.concatenate([-x[..., head_dim // 2:], x[..., :head_dim // 2]], -1)
-  want = transformer.rope_attention_factor(scaling) * (x * np.cos(angles) +
+  want = rope.rope_attention_factor(scaling) * (x * np.cos(angles) +
                                                        rotated * np.sin(angles))
-  got = np.asarray(transformer.rope(jnp.asarray(x), jnp.asarray(positions), tables))
+  got = np.asarray(rope.rope(jnp.asarray(x), jnp.asarray(positions), tables))
   np.testing.assert_allclose(got, want, atol=2e-4)  # float32 angles, as test_model's test
 
 

@@ -1,0 +1,96 @@
+"""The decoder's projections: flax Dense layers that compute on their kernels rounded to
+`ModelConfig.weight_format` (quantization-aware training, models/quantize.py's formats, with
+straight-through gradients), which params are a decoder layer's projections (what a quantized
+checkpoint stores quantized), holding them packed in a format and dequantizing them on the fly,
+and the SwiGLU MLP built from them (a dense layer's, and a mixture's shared experts).
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+
+from models import quantize
+from models import sharding as shd
+from models.config import ModelConfig
+from models.layers import swiglu
+
+
+def on_tokens(layer, x):
+  """layer(x) with x's rows and sequence [rows, seq, ...] merged into one axis of tokens.
+
+  A projection's weight gradient contracts over every token; given rows and sequence as two
+  contracting axes, XLA:CPU lays its operands out transposed first, and those strided copies
+  took ~40% of the MLP's backward pass (bench/peers.py).
+  """
+  rows, seq = x.shape[:2]
+  y = layer(x.reshape(rows * seq, *x.shape[2:]))
+  return y.reshape(rows, seq, *y.shape[1:])
+
+
+@functools.cache
+def _rounded_dot(fmt: str):
+  """A dot_general for flax's Dense / DenseGeneral whose kernel (its right operand, input
+  dims first) is rounded to weight format `fmt` as the checkpoint's [out, in] matrix
+  (models/quantize.py), with straight-through gradients."""
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    (_, contracted), _ = dimension_numbers
+    if tuple(contracted) != tuple(range(len(contracted))):
+      raise ValueError(f"weight_format: a kernel contracted over dims {contracted}, not its "
+                       "leading ones")
+    matrix = quantize.kernel_matrix(rhs, len(contracted))
+    rhs = quantize.fake_quantize(matrix, fmt).T.reshape(rhs.shape)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type)
+  return dot_general
+
+
+def projection_inputs(path) -> int | None:
+  """How many leading (input) dims the kernel at params `path` (its keys) contracts, when it
+  is a decoder layer's projection (what a quantized checkpoint stores quantized), else None."""
+  if not (path[0].startswith("layers_") and path[-1] == "kernel"
+          and path[-2].endswith(("_proj", "_proj_with_mqa"))):
+    return None
+  return 2 if path[-2] == "o_proj" else 1  # o_proj's kernel is [heads, head_dim, hidden]
+
+
+def pack_projections(params, fmt: str):
+  """`params` with every decoder layer's projection kernel held in weight format `fmt`
+  (quantize.Packed): an engine's weights at rest, as a quantized checkpoint stores them."""
+  def maybe_pack(path, x):
+    inputs = projection_inputs(tuple(k.key for k in path))
+    return x if inputs is None else quantize.pack(x, fmt, inputs)
+  return jax.tree_util.tree_map_with_path(maybe_pack, params)
+
+
+def unpack_projections(params):
+  """`params` with every quantize.Packed kernel dequantized (the others as they are)."""
+  is_packed = lambda x: isinstance(x, quantize.Packed)
+  return jax.tree.map(lambda x: quantize.unpack(x) if is_packed(x) else x, params,
+                      is_leaf=is_packed)
+
+
+def projection(cfg: ModelConfig, module, *args, **kwargs):
+  """`module(*args, **kwargs)` (nn.Dense or nn.DenseGeneral), computing on its weights rounded
+  to cfg.weight_format when it has one."""
+  if cfg.weight_format is not None:
+    kwargs["dot_general"] = _rounded_dot(cfg.weight_format)
+  return module(*args, **kwargs)
+
+
+
+class MLP(nn.Module):
+  """The SwiGLU MLP, of width `size` (default cfg.intermediate_size)."""
+  cfg: ModelConfig
+  size: int | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda size, name: projection(
+        self.cfg, nn.Dense, size, use_bias=False, dtype=self.cfg.compute_dtype,
+        param_dtype=self.cfg.param_dtype, name=name)
+    size = self.size or self.cfg.intermediate_size
+    hidden = swiglu(on_tokens(dense(size, "gate_proj"), x),
+                    on_tokens(dense(size, "up_proj"), x))
+    hidden = shd.constrain(hidden, shd.BATCH, shd.SEQ, shd.ACT_MLP)
+    return on_tokens(dense(self.cfg.hidden_size, "down_proj"), hidden)
