@@ -122,25 +122,47 @@ def test_donating_train_step_in_the_loop_equals_the_copying_one(tokenizer, digit
 
 
 def test_the_correction_menu_in_the_loop(tokenizer, digit_model):
-  """One RL step each: every correction's step logs the mismatch and what each mask would drop
-  (keep's too: the metrics-only mode); icepop and seq_tis run on the trainer's log-probs
-  (tests/test_corrections.py has their arithmetic on a hand-made batch)."""
+  """One RL step each, the engine an older policy than the trainer's (its params perturbed):
+  every correction's step logs the same mismatch of the same rollouts and what each mask would
+  drop (keep's too: the metrics-only mode); icepop masks the tokens whose ratio leaves [0.5,
+  5] and seq_tis reweights whole trajectories, so each updates the params otherwise than keep
+  does. With the engine on the trainer's own params there is nothing to correct: icepop masks
+  nothing and updates as keep does (tests/test_corrections.py has their arithmetic on a
+  hand-made batch)."""
   cfg, params = digit_model
-  rl = RLConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=4, seq_len=16)
-  metrics = {}
-  for correction in (corrections.keep(), corrections.icepop(), corrections.seq_tis()):
-    steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, params), task=PickADigit(2),
-                             tokenizer=tokenizer, loss="k1.5", config=rl,
+  rl = RLConfig(prompts_per_step=2, samples_per_prompt=8, max_new_tokens=4, seq_len=16)
+  noise = jax.tree.map(lambda x: 0.5 * jnp.std(x) * jax.random.normal(
+      jax.random.PRNGKey(1), x.shape, x.dtype), params)
+  older = jax.tree.map(lambda x, n: x + n, params, noise)
+
+  def one_step(correction, engine_params):
+    steps, _ = helpers.steps(params, cfg, engine=JaxEngine(cfg, engine_params),
+                             task=PickADigit(2), tokenizer=tokenizer, loss="k1.5", config=rl,
                              correction=correction)
-    metrics[correction.name] = next(steps).metrics
+    record = next(steps)
+    return record.metrics, record.state.train.params
+
+  made = {c.name: one_step(c, older) for c in (corrections.keep(), corrections.icepop(),
+                                               corrections.seq_tis())}
+  metrics = {name: m for name, (m, _) in made.items()}
   for name, step in metrics.items():
-    for key in ("engine_kl_k3", "engine_ratio_p99", "would_mask_icepop", "would_mask_geo_mask"):
+    for key in ("engine_kl_k3", "engine_ratio_p99", "would_mask_icepop", "would_mask_geo_mask",
+                "loss"):
       assert np.isfinite(step[key]), (name, key)
-    assert step["engine_kl_k3"] >= 0.0
-  # The same rollouts (same seed) under each: the same mismatch.
-  assert metrics["icepop"]["engine_kl_k3"] == metrics["keep"]["engine_kl_k3"]
-  assert 0.0 <= metrics["icepop"]["icepop_masked"] <= 1.0
-  assert all(np.isfinite(m["loss"]) for m in metrics.values())
+    # The same rollouts (same seed) under each: the same mismatch, and a real one.
+    assert step["engine_kl_k3"] == metrics["keep"]["engine_kl_k3"] > 1e-3, name
+  assert metrics["keep"]["reward"] > 0.0  # some advantages are not 0
+  assert 0.0 < metrics["icepop"]["icepop_masked"] == metrics["keep"]["would_mask_icepop"] < 1.0
+
+  def moved(a, b):  # the largest difference between two param trees
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
+                                                             jax.tree.leaves(b)))
+
+  for name in ("icepop", "seq_tis"):
+    assert moved(made[name][1], made["keep"][1]) > 1e-4, name
+  same, kept = one_step(corrections.icepop(), params), one_step(corrections.keep(), params)
+  assert same[0]["icepop_masked"] == 0.0
+  assert moved(same[1], kept[1]) < 1e-6 < moved(kept[1], params)
 
 
 @pytest.mark.slow
