@@ -388,8 +388,10 @@ class Sandbox:
         results.append(TestResult(e.status, e.detail))
         if not self._running:  # the program ended (exited, raised, was killed): no more calls
           finished = TestResult(e.status, e.detail)
+      # A NameError is not caught: the program cannot cause one on the host (every name the
+      # tests call is bound), so it is a test the sandbox cannot run, and must not score 0.
       except (AssertionError, TypeError, ValueError, KeyError, IndexError, AttributeError,
-              ArithmeticError, NameError) as e:
+              ArithmeticError) as e:
         results.append(TestResult("wrong answer", f"{type(e).__name__}: {e}"[:300]))
     return results
 
