@@ -2,6 +2,7 @@
 written with save_pretrained, loaded by models/hf.py, and must give transformers' logits and
 greedy generations; our exports must load back into transformers and re-export byte for byte."""
 
+import copy
 import dataclasses
 import filecmp
 import json
@@ -168,19 +169,31 @@ def test_a_bf16_export_of_float32_params_is_cast_as_numpy_casts(checkpoint, tmp_
                                                                want.view(np.uint16))
 
 
-def test_bfloat16_parameters_and_compute(checkpoint, tmp_path):
-  """bf16 params and compute: close to fp32 (bf16 has ~3 significant digits), exported as
+def test_bfloat16_compute_is_as_close_to_float32_as_transformers_own(checkpoint, tmp_path):
+  """bf16 compute, over bf16 params and over float32 master weights (the recipes' setting),
+  against transformers' float32 logits: our mean error is at most 1.1x, and our largest at
+  most 1.5x, those of transformers' own bf16 model (measured: 0.91x to 0.98x and 0.07x to
+  1.22x over the families; DeepSeek-V3's grouped router picks other experts in transformers'
+  bf16; an RMSNorm left in bf16 gives Llama 1.16x the mean). bf16 params are exported as
   BF16 tensors that transformers loads."""
   family, path, model = checkpoint
-  cfg, params = hf.load(path, dtype="bfloat16", param_dtype="bfloat16")
-  for path, x in jax.tree_util.tree_leaves_with_path(params):  # DeepSeek's bias stays float32
-    bias = path[-1].key == "e_score_correction_bias"
-    assert x.dtype == (jnp.float32 if bias else jnp.bfloat16), path
-  tokens = np.random.default_rng(4).integers(0, VOCAB, (1, 16))
-  ones = np.ones((1, 16), np.int32)
-  got = _our_logits(params, cfg, tokens, np.arange(16)[None], ones)
+  tokens = np.random.default_rng(4).integers(0, VOCAB, (2, 32))
+  positions, ones = np.broadcast_to(np.arange(32), (2, 32)), np.ones((2, 32), np.int32)
   want = _hf_logits(model, tokens)
-  assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+  with torch.no_grad():
+    theirs = copy.deepcopy(model).to(torch.bfloat16)(torch.tensor(tokens)).logits.float()
+  their_error = np.abs(theirs.numpy() - want)
+  for param_dtype in ("float32", "bfloat16"):  # the bf16 params exported below
+    cfg, params = hf.load(path, dtype="bfloat16", param_dtype=param_dtype)
+    for leaf_path, x in jax.tree_util.tree_leaves_with_path(params):
+      bias = leaf_path[-1].key == "e_score_correction_bias"  # DeepSeek's stays float32
+      assert x.dtype == (jnp.float32 if bias else jnp.dtype(param_dtype)), leaf_path
+    got = np.asarray(_our_logits(params, cfg, tokens, positions, ones), np.float32)
+    error = np.abs(got - want)
+    assert error.mean() <= 1.1 * their_error.mean(), (family, param_dtype, error.mean(),
+                                                      their_error.mean())
+    assert error.max() <= 1.5 * their_error.max(), (family, param_dtype, error.max(),
+                                                    their_error.max())
   out = hf.save(params, cfg, str(tmp_path / "bf16"))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
   assert next(reloaded.parameters()).dtype == torch.bfloat16
