@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from models import config, transformer
-from rl import ConfigError, distill, losses, trainer
+from rl import ConfigError, distill, losses, sampling, sources, trainer
 from rl.config import RLConfig
 from rl.tasks.arithmetic import Arithmetic
 from rollouts.jax_engine import JaxEngine
@@ -59,19 +61,83 @@ def test_an_aggregation_the_loss_cannot_take_stops_the_run_before_it_starts(tmp_
 
 BINDINGS = ("Objective.loss = 'dapo'", "Objective.reward = @rewards.k15()",
             "Objective.sampler = @sampling.prioritized()")
+# What lets each swap show in two steps: every trajectory of a step in samples.jsonl, and
+# eight training problems (among the default 20,000, reweighting the four that step 1 saw
+# leaves step 2's draw as it is), which 200 warm-start steps learn by heart, some right and
+# some sloppy: groups then differ in verdicts and lengths, and some problem is solved by
+# every sample.
+SHOWN = ("Hooks.samples_every = 1", "Hooks.samples = 16", "Arithmetic.num_train = 8",
+         "WarmStart.steps = 200")
+GROUP = 4  # tiny.gin's RLConfig.samples_per_prompt; its prompts_per_step is 4 too
 
 
 @pytest.mark.slow
 def test_one_binding_swaps_a_piece_of_the_quickstart(tmp_path):
-  # One run with all three swaps (each is one binding) keeps CI time down.
-  bindings = [arg for binding in BINDINGS for arg in ("--gin_param", binding)]
+  """One run with all three swaps (each one binding; one run keeps CI time down), each seen
+  in what it changes, row by row in samples.jsonl: the rewards are k1.5's (correctness plus
+  its length reward at weight 1) of each trajectory's verdict and length, not the
+  quickstart's bare correctness; the advantages are DAPO's group-normalised ones, not the
+  k1.5 loss's mean baseline; and step 2's problems are the prioritized draw after step 1's
+  verdicts, not the uniform draw from the same key."""
+  run_dir = tmp_path / "run"
+  bindings = [arg for binding in BINDINGS + SHOWN for arg in ("--gin_param", binding)]
   result = subprocess.run(
       [sys.executable, "experiments/run.py", "--gin", "experiments/configs/quickstart.gin",
-       "--gin", "experiments/configs/tiny.gin", "--run_dir", str(tmp_path / "run"),
+       "--gin", "experiments/configs/tiny.gin", "--run_dir", str(run_dir),
        "--gin_param", "Hooks.progress = False", "--gin_param", "RLConfig.num_steps = 2",
        *bindings],
       capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  operative = open(tmp_path / "run" / "config.gin").read()
+  operative = open(run_dir / "config.gin").read()
   for binding in BINDINGS:
     assert binding.split(" = ")[1].strip("@'()") in operative, binding
+  with open(run_dir / "samples.jsonl") as f:
+    rows = [r for r in map(json.loads, f) if r["split"] == "train"]
+  steps = {step: [r for r in rows if r["step"] == step] for step in (1, 2)}
+  assert len(rows) == 32 and all(len(s) == 4 * GROUP for s in steps.values()), len(rows)
+
+  # The k1.5 reward (arXiv 2501.12599 sec. 2.3.3) and DAPO's advantages, group by group
+  # (rows are group-major: rl.samples.pick keeps all of a step's trajectories in order).
+  length_rewarded = spread = 0
+  for step_rows in steps.values():
+    for start in range(0, len(step_rows), GROUP):
+      group = step_rows[start:start + GROUP]
+      assert len({r["prompt"] for r in group}) == 1, group
+      correct = np.array([r["correct"] for r in group])
+      length = np.array([r["length"] for r in group], np.float64)
+      reward = np.array([r["reward"] for r in group])
+      span = length.max() - length.min()
+      lam = 0.5 - (length - length.min()) / span if span else np.zeros(GROUP)
+      bonus = np.where(correct, lam, np.minimum(0.0, lam))
+      np.testing.assert_allclose(reward, correct + bonus, atol=1e-6, err_msg=str(group))
+      length_rewarded += np.any(bonus != 0)
+      advantage = np.array([r["advantage"] for r in group])
+      centred = reward - reward.mean()
+      np.testing.assert_allclose(advantage, centred / (reward.std(ddof=1) + 1e-6), atol=1e-5,
+                                 err_msg=str(group))
+      spread += not np.allclose(advantage, centred, atol=1e-3)
+  # Groups where each swap makes a difference: the length reward moved a reward, and the
+  # normalised advantage is not the mean baseline.
+  assert length_rewarded and spread, (length_rewarded, spread)
+  with open(run_dir / "metrics.jsonl") as f:
+    trained = [m for m in map(json.loads, f) if "loss" in m]
+  assert len(trained) == 2 and not any("log_ratio_seq" in m for m in trained)  # k1.5's own
+
+  # The prioritized draw (k1.5 sec. 2.3.4: weight 1 - pass rate): step 2's problems are
+  # those drawn with step 1's verdicts counted. The loop's prompts are drawn from seed + 1
+  # (rl.trainer; train.seed = 0): step 1's draw, the same under any sampler, checks that.
+  task = Arithmetic(digits=1, operands=2, sloppy=0.6, filler=0, num_train=8)  # the run's
+  context = lambda sampler: sources.Context(None, task, None, RLConfig(
+      prompts_per_step=4, samples_per_prompt=GROUP), sampler)
+  problems = lambda indices: [task.prompt(task.train[int(i)]) for i in indices]
+  state = sources.init_state(context(sampling.uniform()), sources.Lockstep(), 1)
+  first, _, state = sources.draw(context(sampling.uniform()), state, 0)
+  assert problems(first) == [r["prompt"] for r in steps[1][::GROUP]]
+  solved = [sum(r["correct"] for r in steps[1][g:g + GROUP])
+            for g in range(0, len(steps[1]), GROUP)]
+  state = state.replace(prompt_stats=state.prompt_stats.record(
+      jnp.asarray(first), GROUP, jnp.asarray(solved), step=0))
+  prioritized, uniform = (problems(sources.draw(context(sampler), state, 1)[0])
+                          for sampler in (sampling.prioritized(), sampling.uniform()))
+  assert [r["prompt"] for r in steps[2][::GROUP]] == prioritized != uniform, (
+      prioritized, uniform, solved)

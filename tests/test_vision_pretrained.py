@@ -11,6 +11,7 @@ import os
 import subprocess
 import types
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -84,13 +85,30 @@ def test_prompts_with_images_equal_the_processors(checkpoint):
     np.testing.assert_allclose(patched.patches, want["pixel_values"].numpy(), atol=1e-6)
 
 
+# tiny/sizes.gin's RLConfig.learning_rate. Adam's first steps move an element whose gradient
+# is well above its eps (1e-8) by about this much each: two steps of a real gradient moved
+# some element of every parameter array by 1.96 to 2 times it; two steps on zero advantages,
+# whose gradients are rounding (grad_norm under 1e-8), moved none by more than 0.75 times it
+# (measured).
+LEARNING_RATE = 2e-4
+
+
 def test_the_recipe_trains_it_on_rendered_problems_and_exports_it(checkpoint, tmp_path):
+  """Two steps of the tiny GRPO recipe on rendered problems train the decoder and the vision
+  tower (RLConfig.freeze_vision is off): each step has a gradient, and every parameter array
+  of both moved by an update's worth. The untrained model answers nothing right: in groups
+  of several samples all its rewards are equal and GRPO's advantages, so its gradient, 0
+  (grad_norm 0.0, measured). In groups of one, which have no baseline (mean 0, std 1, as
+  verl), a wrong answer's reward is its advantage, here -1 (DAPO's +1 / -1 correctness):
+  every sample is pushed down."""
   run_dir = str(tmp_path / "run")
   command = _command(checkpoint, run_dir, "--gin_param", "train.task = @Rendered()",
                      "--gin_param", "Rendered.task = @MathTask()",
                      "--gin_param", "RLConfig.num_steps = 2",
-                     "--gin_param", "RLConfig.prompts_per_step = 4",
-                     "--gin_param", "RLConfig.samples_per_prompt = 4",
+                     "--gin_param", "RLConfig.prompts_per_step = 16",
+                     "--gin_param", "RLConfig.samples_per_prompt = 1",
+                     "--gin_param", "Objective.reward = @rewards.correctness()",
+                     "--gin_param", "rewards.correctness.incorrect = -1.0",
                      "--gin_param", "RLConfig.seq_len = 192",
                      "--gin_param", "Evaluation.records = 8")
   result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -100,6 +118,15 @@ def test_the_recipe_trains_it_on_rendered_problems_and_exports_it(checkpoint, tm
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     steps = [m for m in map(json.loads, f) if "reward" in m]
   assert [m["step"] for m in steps] == [1, 2]
+  assert all(m["reward"] == -1.0 and m["grad_norm"] > 1e-3 for m in steps), steps
+  saved = Checkpointer(os.path.join(run_dir, "checkpoints"))
+  start, trained = saved.restore_params(0), saved.restore_params()
+  saved.close()
+  assert set(start) == {"embed_tokens", "layers_0", "layers_1", "norm", "visual"}
+  for part in start:  # the decoder's and the tower's
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                         start[part], trained[part])
+    assert min(jax.tree.leaves(moved)) > 1.5 * LEARNING_RATE, (part, moved)
 
   export = os.path.join(run_dir, "hf")
   for name in ("preprocessor_config.json", "chat_template.json", "tokenizer.json"):
