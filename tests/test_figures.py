@@ -1,0 +1,50 @@
+"""The docs' figures agree with the results files they come from, and a covered doc quotes no
+measured-looking number that bench/figures.py does not account for. Pure file reading."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# bench/ is scripts, not a package: load the registry from its file.
+_spec = importlib.util.spec_from_file_location("figures", os.path.join(ROOT, "bench", "figures.py"))
+figures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(figures)
+
+
+def test_every_figure_agrees_with_its_file():
+  listed = figures.problems()
+  assert not listed, "\n".join(listed)
+
+
+DOC = """# Demo
+
+It took 1 min 41 s and reached 0.91 (`lr = 0.5`).
+"""
+RESULTS = {"run": {"seconds": 101, "accuracy": 0.912}}
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, []),
+    ({"results": {"run": {"seconds": 102, "accuracy": 0.912}}},
+     ["results.json gives 'took 1 min 42 s and', which the doc does not say"]),
+    ({"doc": DOC.replace("0.91", "0.90")},
+     ["results.json gives 'reached 0.91 (', which the doc does not say"]),
+    ({"results": {"run": {"accuracy": 0.912}}}, ["no 'seconds' on the path 'run/seconds'"]),
+    ({"doc": DOC + "A new figure: 3.5x.\n"}, ["'3.5x' in "]),
+    ({"doc": DOC.replace("`lr = 0.5`", "`lr = 0.1`")},
+     ["'`lr = 0.5`', listed as not measured, is not in it", "'0.1' in"]),
+])
+def test_the_check_reports_each_kind_of_disagreement(tmp_path, change, expected):
+  (tmp_path / "doc.md").write_text(change.get("doc", DOC))
+  (tmp_path / "results.json").write_text(json.dumps(change.get("results", RESULTS)))
+  registered = (
+      figures.Figure("doc.md", "took {} and", "results.json", ("run/seconds",), figures.min_s),
+      figures.Figure("doc.md", "reached {} (", "results.json", ("run/accuracy",), "{:.2f}"),
+  )
+  listed = figures.problems(registered, (figures.NotMeasured("doc.md", "`lr = 0.5`", "a setting"),),
+                            ("doc.md",), str(tmp_path))
+  assert len(listed) == len(expected) and all(
+      part in line for part, line in zip(expected, listed)), listed
