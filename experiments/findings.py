@@ -50,7 +50,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import compare, run as run_lib, seeds as seeds_lib, stats  # noqa: E402
+from experiments import compare, findings_report, run as run_lib, seeds as seeds_lib  # noqa: E402
+from experiments import stats  # noqa: E402
 from experiments import gin_externals  # noqa: E402, F401  (what _configured parses)
 from experiments.compare import series, smooth  # noqa: E402
 from models.tokenizer import CharTokenizer  # noqa: E402
@@ -451,47 +452,14 @@ class Result:
 
   def _repr_markdown_(self) -> str:
     saved = self.as_dict()
-    return (f"**{self.title}: {self.verdict}** ({_seed_list(self.seeds)}). "
-            f"{self.analysis.rule}\n\n" + _checks_markdown(saved["checks"]) + "\n\n"
-            + _table_markdown(saved["table"]))
-
-
-def _checks_markdown(checks: list[dict]) -> str:
-  """results.json's checks as a table."""
-  return _markdown([{"check": c["name"], "predicted": c["predicted"],
-                     "mean [95% interval]": c["interval"],
-                     "per seed": ", ".join(f"{v:+.3f}" for v in c["per_seed"].values()),
-                     "verdict": c["reading"]} for c in checks])
-
-
-def _table_markdown(table: list[dict]) -> str:
-  """results.json's per-arm table: each number the mean over seeds [95% interval]."""
-  def cell(v):
-    if isinstance(v, str):
-      return v
-    return (f"{v['mean']:.3g}" if v["n"] < 2
-            else f"{v['mean']:.3g} [{v['low']:.3g}, {v['high']:.3g}]")
-  return _markdown([{column: cell(v) for column, v in row.items()} for row in table])
+    return (f"**{self.title}: {self.verdict}** ({findings_report.seed_list(self.seeds)}). "
+            f"{self.analysis.rule}\n\n" + findings_report.checks_table(saved["checks"])
+            + "\n\n" + findings_report.arms_table(saved["table"]))
 
 
 def _interval_dict(values: dict[int, float]) -> dict:
   return {"per_seed": values,
           **stats.mean_ci(list(values.values()), method=ci_method()).as_dict()}
-
-
-def _markdown(rows: list[dict]) -> str:
-  columns = list(rows[0])
-  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-  return "\n".join(lines + ["| " + " | ".join(str(row[c]) for c in columns) + " |"
-                            for row in rows])
-
-
-def _seed_list(seed_list) -> str:
-  """"seeds 0..4", "seeds 0, 1", "seed 0"."""
-  if len(seed_list) == 1:
-    return f"seed {seed_list[0]}"
-  return "seeds " + (f"{seed_list[0]}..{seed_list[-1]}" if len(seed_list) > 2
-                     else ", ".join(map(str, seed_list)))
 
 
 def _row(data: dict, columns: dict[str, Callable[[dict], float]]) -> dict:
@@ -1054,47 +1022,12 @@ def execute_notebooks(keys, out_dir: str, *, timeout: int = 3600, parallel: int 
 
 
 def write_report(keys, out_dir: str) -> str:
+  """REPORT_DIR/report.md from these findings' REPORT_DIR/<key>/results.json, in this order."""
   results = [json.load(open(os.path.join(out_dir, key, "results.json"))) for key in keys]
-  by_count = {}  # seed count -> the findings' letters, in report order
-  for r in results:
-    by_count.setdefault(len(r["seeds"]), []).append(r["key"].split("_")[0])
-  counts = sorted(by_count)
-  if len(counts) == 1:
-    command = f"`python experiments/findings.py --all --seeds {counts[0]}`"
-    ran = f"Every arm ran on {_seed_list(results[0]['seeds'])}"
-  else:  # more seeds where the interval was too wide: each group by its own command
-    command = " then ".join(f"`python experiments/findings.py {' '.join(by_count[n])} "
-                            f"--seeds {n}`" for n in counts)
-    ran = "Every arm ran on " + "; ".join(
-        f"{_seed_list(list(range(n)))} in {', '.join(by_count[n])}" for n in counts)
-  ci = {"t": "t", "bootstrap": "percentile-bootstrap"}[results[0]["ci"]]
-  lines = ["# Findings reproduced in small", "",
-           f"Reproduce with {command}"
-           + (" (this report: --tiny, a smoke test; its numbers mean nothing)" if tiny()
-              else "") + f". {ran}, each seed from "
-           "its own SFT warm start (`train.seed = k`). Each number is the mean over seeds "
-           f"with its 95% {ci} interval [low, high]; a check is a predicted difference "
-           "(between arms on the same seeds, or within one arm): reproduced when its "
-           "interval excludes zero in the predicted direction, not reproduced when it "
-           "excludes zero the other way or lies within the check's margin (no effect), too "
-           "wide to tell otherwise. Each finding's numbers, per seed, are in "
-           "`<finding>/results.json` beside its plot.", "",
-           "| finding | verdict | seeds | minutes (summed over its runs) |", "|---|---|---|---|"]
-  lines += [f"| {r['title']} | {r['verdict']} | {len(r['seeds'])} | {_minutes(r['minutes'])} |"
-            for r in results]
-  for r in results:
-    lines += ["", f"## {r['title']}", "", f"Claim: {r['claim']}", "",
-              f"**{r['verdict'].capitalize()}.** {r['rule']}", "",
-              _checks_markdown(r["checks"]), "", f"![{r['key']}]({r['key']}/plot.png)", "",
-              _table_markdown(r["table"])]
   path = os.path.join(out_dir, "report.md")
   with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
+    f.write(findings_report.report(results))
   return path
-
-
-def _minutes(value) -> str:
-  return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv=None):

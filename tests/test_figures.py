@@ -45,6 +45,28 @@ def test_the_check_reports_each_kind_of_disagreement(tmp_path, change, expected)
       figures.Figure("doc.md", "reached {} (", "results.json", ("run/accuracy",), "{:.2f}"),
   )
   listed = figures.problems(registered, (figures.NotMeasured("doc.md", "`lr = 0.5`", "a setting"),),
-                            ("doc.md",), str(tmp_path))
+                            generated=(), covered=("doc.md",), root=str(tmp_path))
+  assert len(listed) == len(expected) and all(
+      part in line for part, line in zip(expected, listed)), listed
+
+
+def write_table(root: str) -> str:
+  """A generated doc: a table of results.json's accuracy."""
+  with open(os.path.join(root, "results.json")) as f:
+    return f"| accuracy |\n|---|\n| {json.load(f)['run']['accuracy']:.2f} |\n"
+
+
+@pytest.mark.parametrize("doc, expected", [
+    ("| accuracy |\n|---|\n| 0.91 |\n", []),
+    # A paragraph written in by hand is scanned like any covered doc's.
+    ("| accuracy |\n|---|\n| 0.91 |\n\nBy hand: it took 1.5 s.\n", ["'1.5 s' in"]),
+    ("| accuracy |\n|---|\n| 0.90 |\n", ["write_table writes '| 0.91 |', which the doc"]),
+    ("| accuracy |\n|---|\n", ["write_table writes '| 0.91 |', which the doc"]),
+])
+def test_a_generated_doc_is_what_its_results_write(tmp_path, doc, expected):
+  (tmp_path / "table.md").write_text(doc)
+  (tmp_path / "results.json").write_text(json.dumps(RESULTS))
+  listed = figures.problems((), (), (figures.Generated("table.md", write_table),), ("table.md",),
+                            str(tmp_path))
   assert len(listed) == len(expected) and all(
       part in line for part, line in zip(expected, listed)), listed
