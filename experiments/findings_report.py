@@ -2,7 +2,7 @@
 then per finding its claim, verdict, checks, plot and per-arm table.
 
 experiments/findings.py runs the findings and writes results.json and report.md with this;
-bench/figures.py regenerates docs/findings/report.md from the committed results.json files
+bench/figures/ regenerates docs/findings/report.md from the committed results.json files
 with it, so this module imports nothing heavier than the standard library. Computing a
 finding's numbers is findings.py's business.
 """
