@@ -2,7 +2,7 @@
 
 A hook is a small object with `every` and any of `start(run)` (once, before the first step),
 `step(run, record)` (after every `every`-th step; 0: never) and `end(run)` (once, after the
-last step, unless the run failed). `drive` runs a built run (rl.trainer.Run) through its hooks:
+last step, unless the run failed). `drive` runs a built run (rl.run.Run) through its hooks:
 the loop's generator is drained step by step and each record goes through the hooks in order,
 so a hook sees what the ones before it added (the evaluation's eval_* metrics reach the
 monitors, the monitors' warnings reach metrics.jsonl). `standard` gives the hooks every run

@@ -44,8 +44,10 @@ class HFCheckpoint:
   system_prompt: Optional[str] = None
   template_args: Optional[Mapping[str, Any]] = None
 
-  def check(self) -> None:
-    """ConfigError naming what the directory lacks or holds that we cannot read."""
+  def check(self, tokenizer=None, processes: int = 1) -> None:
+    """ConfigError naming what the directory lacks or holds that we cannot read (as the run's
+    model, and as its start: rl.trainer.Start, for any tokenizer and processes)."""
+    del tokenizer, processes
     if not self.path:
       raise ConfigError("HFCheckpoint.path is not set: name a Hugging Face checkpoint "
                         "directory (a recipe's --gin_param \"CHECKPOINT = '/path'\")")

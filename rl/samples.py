@@ -3,7 +3,7 @@
 A few trajectories of every evaluation and of every `Hooks.samples_every`-th training step,
 with their prompts and completions as text, rewards and verdicts: what a researcher reads
 before any number. Owns which trajectories are shown (`pick`), their rows and the file;
-the hooks decide when (rl/hooks.py, rl/trainer.py `Run.write_samples`), the loggers show the
+the hooks decide when (rl/hooks.py, rl/run.py `Run.write_samples`), the loggers show the
 same rows as a table (rl/loggers.py). A resumed run moves the rows of the steps it redoes out
 of the file as it does metrics.jsonl's (rl.metrics.truncate).
 """

@@ -5,30 +5,30 @@ or written: the model config and its starting params (random init and an SFT war
 another run's params), resumed from the run directory's last checkpoint when there is one;
 the rollout engine (and the evaluation engine), the teachers, the reference policy, the
 jitted train step on the mesh, the rollout source, the checkpointer and the loggers. It
-returns a `Run`, whose `steps()` is the generator of rl/loop.py over those parts: a notebook
-drives it directly. `train` is `build`, then the generator drained through the hooks of
-rl/hooks.py (evaluation, monitors, metrics.jsonl and loggers, the progress bar, checkpoints,
-the summary), then the engines closed.
+returns a `Run` (rl/run.py), whose `steps()` is the generator of rl/loop.py over those
+parts: a notebook drives it directly. `train` is `build`, then the generator drained through
+the hooks of rl/hooks.py (evaluation, monitors, metrics.jsonl and loggers, the progress bar,
+checkpoints, the summary), then the run closed.
 
 A reproducible run (`RLConfig.deterministic`, `make_deterministic`) is one the same command repeats
 bit for bit on the same hardware and software.
 
-Owns the run-level configuration (Objective, WarmStart / FromRun, Hooks, Evaluation) and the
-run directory's layout: config.gin (written by experiments/run.py), metrics.jsonl,
-samples.jsonl (rl/samples.py), metrics.png, summary.json, checkpoints/, sft/ (the starting
-params: the reference policy), TensorBoard and W&B files.
+Owns the run-level configuration (Objective, the `Start` protocol and its WarmStart and
+FromRun, Hooks, Evaluation) and the run directory's layout: config.gin (written by
+experiments/run.py), metrics.jsonl, samples.jsonl (rl/samples.py), metrics.png, summary.json,
+checkpoints/, sft/ (the starting params: the reference policy), TensorBoard and W&B files.
 """
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import os
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import jax
 import numpy as np
-import optax
 from jax.sharding import Mesh
 
 from models import distributed, sharding, transformer, vision
@@ -50,6 +50,7 @@ from rl import monitors as monitors_lib
 from rl import rewards as rewards_lib
 from rl import rollout
 from rl import run_lock
+from rl.run import Run
 from rl import samples as samples_lib
 from rl import sampling as sampling_lib
 from rl import sft
@@ -93,6 +94,30 @@ class Objective:
   expert_balance_coef: float = 0.0
 
 
+class Start(Protocol):
+  """Where a run's params begin, and its reference policy (the params a KL or a reference
+  log-prob reads): WarmStart, FromRun, rl.pretrained.HFCheckpoint, or a class of your own
+  with these methods, bound as `train.start`."""
+
+  def check(self, tokenizer, processes: int) -> None:
+    """ConfigError for what is wrong with it, or what it cannot do with `tokenizer` on
+    `processes` JAX processes, before anything is built."""
+
+  def initial(self, cfg: ModelConfig, mesh: Optional[Mesh], seed: int) -> Any:
+    """The params `params` starts from (on a mesh, this process's shards)."""
+
+  def params(self, initial, cfg: ModelConfig, task, tokenizer, *, seq_len: int, seed: int,
+             progress: bool, mesh: Optional[Mesh]) -> tuple[Any, dict[str, Any]]:
+    """The starting params from `initial`, and the summary's {"sft_loss", "init_from"} (a
+    path when the params come from elsewhere, else None)."""
+
+  def keep(self, run_dir: str, params) -> None:
+    """Keep the starting params as the reference policy (a fresh run, once)."""
+
+  def reference(self, run_dir: str, like) -> Any:
+    """The reference policy's params, shaped and placed like `like`."""
+
+
 class _StartKeptInRun:
   """A start from random params (replaced by the start's own), kept in run_dir/sft as the
   reference policy."""
@@ -124,12 +149,16 @@ class WarmStart(_StartKeptInRun):
   learning_rate: float = 3e-3
   demonstrations: str = ""
 
-  def check(self) -> None:
+  def check(self, tokenizer, processes: int) -> None:
+    del processes
     if self.steps < 0 or self.batch_size < 1:
       raise ConfigError(f"WarmStart(steps={self.steps}, batch_size={self.batch_size}): steps "
                         "must be >= 0 and batch_size >= 1")
     if self.demonstrations and not os.path.isfile(self.demonstrations):
       raise ConfigError(f"WarmStart.demonstrations={self.demonstrations!r}: no such file")
+    if self.demonstrations and not isinstance(tokenizer, ChatPrompts):
+      raise ConfigError("WarmStart.demonstrations are chat conversations: they need a model "
+                        "with a chat template (train.model = @HFCheckpoint())")
 
   def params(self, initial, cfg: ModelConfig, task, tokenizer, *, seq_len: int, seed: int,
              progress: bool, mesh) -> tuple[Any, dict[str, Any]]:
@@ -154,9 +183,13 @@ class FromRun(_StartKeptInRun):
   warm start. They are also this run's reference policy."""
   path: str
 
-  def check(self) -> None:
+  def check(self, tokenizer, processes: int) -> None:
+    del tokenizer
     if not os.path.isdir(os.path.join(self.path, "checkpoints")):
       raise ConfigError(f"FromRun (init_from) {self.path!r}: no checkpoints/ directory there")
+    if processes > 1:
+      raise ConfigError(f"train.start = @FromRun(): not supported with {processes} JAX "
+                        "processes yet (several processes generate whole steps)")
 
   def params(self, initial, cfg: ModelConfig, task, tokenizer, **_) -> tuple[Any, dict]:
     try:
@@ -164,11 +197,6 @@ class FromRun(_StartKeptInRun):
                                                                 "init_from": self.path}
     except ValueError as e:
       raise ConfigError(f"FromRun (init_from): {e}") from None
-
-
-# A run's start: WarmStart, FromRun or rl.pretrained.HFCheckpoint. Each says where the params
-# begin (`initial`, then `params`), and keeps and gives back the reference policy.
-Start = WarmStart | FromRun | HFCheckpoint
 
 
 def random_params(cfg: ModelConfig, mesh: Optional[Mesh], seed: int):
@@ -214,114 +242,6 @@ class Hooks:
   samples_every: int = 10
   progress: bool = True
   extra: Sequence[Any] = ()
-
-
-@dataclasses.dataclass
-class Run:
-  """A built run: its parts and state, and what its hooks read and write. `steps()` is the
-  loop's generator from the current state; `close()` releases the engines, the teachers,
-  the checkpointer and the loggers, then the run directory (rl/run_lock.py)."""
-  run_dir: str
-  cfg: ModelConfig
-  task: Any
-  tokenizer: Any
-  config: RLConfig
-  parts: loop.Parts
-  state: loop.LoopState
-  checkpointer: Checkpointer
-  loggers: loggers_lib.Loggers
-  summary: dict[str, Any]
-  resumed: bool
-  evaluation: Evaluation
-  evaluation_engine: Optional[RolloutEngine] = None
-  hooks: list[Any] = dataclasses.field(default_factory=list)
-  closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
-  held: Optional[run_lock.Hold] = None  # the run directory (process 0)
-  stopped: Optional[dict[str, Any]] = None
-  label: str = ""
-  samples: int = 0  # how many of an evaluation's or a step's trajectories write_samples keeps
-
-  @property
-  def primary(self) -> bool:
-    return distributed.is_primary()
-
-  @property
-  def metrics_path(self) -> str:
-    return os.path.join(self.run_dir, "metrics.jsonl")
-
-  def say(self, *args, **kwargs) -> None:
-    """Print, on process 0 only (it alone writes and talks)."""
-    if self.primary:
-      print(*args, **kwargs)
-
-  def write(self, metrics: dict[str, Any], histograms: Optional[dict] = None) -> None:
-    """One record: into metrics.jsonl (process 0) and to the loggers."""
-    if self.primary:
-      metrics_lib.append(self.metrics_path, metrics)
-    self.loggers.log(metrics, histograms)
-
-  def write_summary(self) -> None:
-    if self.primary:
-      with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-        json.dump(self.summary, f, indent=2)
-
-  def write_samples(self, step: int, split: str, trajectories: Sequence[Any],
-                    rewards: Optional[np.ndarray] = None,
-                    advantages: Optional[np.ndarray] = None) -> None:
-    """`samples` of `trajectories` (rl.samples.pick), with a training step's rewards and
-    advantages (f32[len(trajectories)] each), into samples.jsonl and the loggers' tables
-    (`samples/<split>`); process 0 alone, which has every process's trajectories."""
-    if not (self.primary and self.samples):
-      return
-    step = int(step)  # a notebook may pass the train state's step, an array
-    chosen = samples_lib.pick(self.samples, len(trajectories))
-    take = lambda array: None if array is None else np.asarray(array)[chosen]
-    rows = samples_lib.rows(step, split, [trajectories[i] for i in chosen], self.tokenizer,
-                            self.task, rewards=take(rewards), advantages=take(advantages))
-    samples_lib.append(os.path.join(self.run_dir, samples_lib.FILE), rows)
-    self.loggers.table(step, f"samples/{split}", samples_lib.COLUMNS, samples_lib.cells(rows))
-
-  def evaluate(self, step: int, split: str = "eval") -> dict[str, float]:
-    """Held-out greedy evaluation of the current params: rl.eval.greedy_eval's metrics; its
-    samples go to write_samples as `split`."""
-    trajectories = eval_lib.greedy_trajectories(
-        self._evaluation_engine(step), self.task, self.tokenizer,
-        num_records=self.evaluation.records, max_new_tokens=self.config.max_new_tokens)
-    self.write_samples(step, split, trajectories)
-    return eval_lib.held_out_metrics(self.task, trajectories)
-
-  def sampled_eval(self, step: int, spec: eval_lib.SampledEval, seed: int) -> dict:
-    """rl.eval.sampled_eval of the current params on the evaluation's records, computed on
-    process 0 (where servers are driven) and shared with every process."""
-    engine = self._evaluation_engine(step)
-    records = [self.task.test[i] for i in range(self.evaluation.records)]
-    report = distributed.checked(lambda: eval_lib.sampled_eval(
-        engine, self.task, self.tokenizer, records, spec, seed=seed) if self.primary else None)
-    return distributed.gather(report)[0]
-
-  def _evaluation_engine(self, step: int) -> Optional[RolloutEngine]:
-    engine = self.evaluation_engine
-    if engine is not self.parts.context.engine and engine is not None:
-      engine.update_weights(distributed.local_copy(self.state.train.params), step)
-    return engine
-
-  def steps(self):
-    """The loop's generator from the current state (rl.loop.rl_steps); `state` follows it."""
-    inner = loop.rl_steps(self.state, self.parts)
-    try:
-      for record in inner:
-        self.state = record.state
-        yield record
-    finally:
-      inner.close()  # a source running ahead stops
-
-  def close(self) -> None:
-    for close in self.closers:
-      close()
-    self.closers = []
-    if self.held is not None:  # the directory, last
-      self.held.release()
-      self.held = None
 
 
 # XLA's deterministic GPU operations: reductions and scatters without atomics, and kernels
@@ -420,13 +340,14 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   cfg, tokenizer = plan.cfg, plan.tokenizer
   # Nothing is loaded, started or written before process 0 holds the directory; it lets go last.
   held = distributed.checked(lambda: run_lock.hold(run_dir) if distributed.is_primary() else None)
-  closers = [lambda: held is not None and held.release()]
-  run = None
+  cleanup = contextlib.ExitStack()  # the Run's, once it is made
+  if held is not None:
+    cleanup.callback(held.release)
   try:
     # Teachers load before the warm start: a wrong path or shape fails before anything trains.
     teachers = None if objective.teachers is None else objective.teachers(cfg)
     if teachers is not None:
-      closers.insert(0, teachers.close)
+      cleanup.callback(teachers.close)
     say = print if distributed.is_primary() else lambda *args, **kwargs: None
     say(f"train step: mesh {'one device' if mesh is None else dict(mesh.shape)}, attention "
         f"{plan.kernel}" + (f", {jax.process_count()} processes"
@@ -436,17 +357,16 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
     # A pretrained model's params are where any start begins (a WarmStart fine-tunes them).
     params, place = _initial_params(pretrained or start, cfg, mesh, seed, optimizer)
     rollout_engine = _make_engine(factory, cfg, params, 0)
-    closers.insert(0, lambda: rollout_engine is not None and rollout_engine.close())
+    if rollout_engine is not None:
+      cleanup.callback(rollout_engine.close)
     context = sources.Context(rollout_engine, task, tokenizer, rl, plan.sampler)
     distributed.checked(lambda: sources.check(rollouts, context))
-    run = _start(run_dir, context, rollouts, plan, params, place, optimizer,
+    run = _start(run_dir, context, rollouts, plan, params, place, optimizer, cleanup,
                  start=start, mesh=mesh, hooks=hooks, seed=seed)
-    run.closers, run.held = closers[:-1] + run.closers, held
     run.parts = _parts(run, plan, start, optimizer, mesh, teachers)
     run.evaluation_engine = _evaluation_engine(run, hooks.evaluation)
   except BaseException:
-    for close in (closers if run is None else [run.close]):
-      close()
+    cleanup.close()
     raise
   run.hooks = hooks_lib.standard(run, hooks, seed, pretrained and pretrained.export
                                  ) + list(hooks.extra)
@@ -471,11 +391,7 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
           hooks: Hooks) -> _Plan:
   """Every check that needs nothing built, and what they resolve."""
   rl.check()
-  start.check()
-  if isinstance(start, WarmStart) and start.demonstrations and not isinstance(tokenizer,
-                                                                              ChatPrompts):
-    raise ConfigError("WarmStart.demonstrations are chat conversations: they need a model "
-                      "with a chat template (train.model = @HFCheckpoint())")
+  start.check(tokenizer, jax.process_count())
   monitors = hooks.monitors
   known = set(monitors) if monitors is not None else set(monitors_lib.defaults())
   unknown = sorted(set(hooks.stop_on) - known)
@@ -533,7 +449,7 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
     raise ConfigError(f"Evaluation.records={hooks.evaluation.records} exceeds the "
                       f"{len(task.test)} test records")
   if jax.process_count() > 1:
-    _check_processes(mesh, start, objective)
+    _check_processes(mesh, objective)
   if kernel.startswith("ring/"):
     kernel = f"ring over {context} sequence shards, {kernel.removeprefix('ring/')} chunks"
   return _Plan(cfg, tokenizer, kernel,
@@ -588,19 +504,17 @@ def _check_room(task, tokenizer, rl: RLConfig, sample: int = 64) -> None:
                       f"at least {longest + rl.max_new_tokens - 1} or shorten the prompt")
 
 
-def _check_processes(mesh: Optional[Mesh], start, objective: Objective) -> None:
+def _check_processes(mesh: Optional[Mesh], objective: Objective) -> None:
   """ConfigError for what a run on several JAX processes cannot do (yet): the mesh must span
-  every process's devices, and rollouts are whole steps, from a warm start."""
+  every process's devices, and rollouts are whole steps, without teachers (the start checks
+  its own)."""
   count = jax.process_count()
   if mesh is None or mesh.devices.size != jax.device_count():
     raise ConfigError(f"{count} JAX processes with {jax.device_count()} devices in all: "
                       "train.mesh must span them all (e.g. make_mesh.fsdp = "
                       f"{jax.device_count()}), got {None if mesh is None else dict(mesh.shape)}")
-  unsupported = {"train.start = @FromRun()": isinstance(start, FromRun),
-                 "Objective.teachers": objective.teachers is not None}
-  named = [name for name, on in unsupported.items() if on]
-  if named:
-    raise ConfigError(f"{', '.join(named)}: not supported with {count} JAX processes yet "
+  if objective.teachers is not None:
+    raise ConfigError(f"Objective.teachers: not supported with {count} JAX processes yet "
                       "(several processes generate whole steps)")
 
 
@@ -631,11 +545,14 @@ def _make_engine(factory: EngineFactory, cfg: ModelConfig, params, version: int)
 
 
 def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params, place,
-           optimizer, *, start, mesh, hooks: Hooks, seed: int) -> Run:
+           optimizer, cleanup: contextlib.ExitStack, *, start: Start, mesh, hooks: Hooks,
+           seed: int) -> Run:
   """The run at its first step: resumed from the last checkpoint, or from `start` (the
-  starting params kept as the reference and given to the engine)."""
+  starting params kept as the reference and given to the engine); what it opens goes on
+  `cleanup`, which the Run takes."""
   os.makedirs(run_dir, exist_ok=True)
   checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+  cleanup.callback(checkpointer.close)
   parts = loop.Parts(context, rollouts, plan.loss, None, plan.reward, plan.advantage)
   state = loop.init_state(params, optimizer, parts, seed + 1)
   state = state.replace(train=place(state.train))
@@ -658,8 +575,8 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
                                    seq_len=context.config.seq_len, seed=seed,
                                    progress=hooks.progress and distributed.is_primary(),
                                    mesh=mesh)
-    if not isinstance(start, WarmStart):
-      say(f"starting from the params of {start.path} (no SFT warm start)")
+    if summary["init_from"] is not None:
+      say(f"starting from the params of {summary['init_from']} (no SFT warm start)")
     summary["sft_seconds"] = time.perf_counter() - started
     state = state.replace(train=place(init_train_state(params, optimizer)))
     start.keep(run_dir, params)
@@ -675,10 +592,11 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
       config={"loss": objective.loss, "loss_hparams": objective.loss_hparams,
               "advantage": plan.advantage, "rl": dataclasses.asdict(context.config),
               "seed": seed, "start": repr(start), "rollouts": repr(rollouts)})
+  cleanup.callback(loggers.close)
   return Run(run_dir, plan.cfg, context.task, context.tokenizer, context.config, parts,
-             state, checkpointer, loggers, summary, resumed, hooks.evaluation,
-             closers=[checkpointer.close, loggers.close],
-             label=f"{objective.loss} on {type(context.task).__name__}", samples=hooks.samples)
+             state, checkpointer, loggers, summary, resumed, hooks.evaluation.records,
+             cleanup=cleanup, label=f"{objective.loss} on {type(context.task).__name__}",
+             samples=hooks.samples)
 
 
 def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
@@ -748,5 +666,5 @@ def _evaluation_engine(run: Run, evaluation: Evaluation):
   own = _make_engine(evaluation.engine or embedded_engine, run.cfg, run.state.train.params,
                      int(run.state.step))
   if own is not None:
-    run.closers.append(own.close)
+    run.cleanup.callback(own.close)
   return own

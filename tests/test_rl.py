@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from models import config, transformer
-from rl import corrections, distill, loop, losses, rewards, sampling, sft, sources, trainer
+from rl import ConfigError, corrections, distill, loop, losses, rewards, sampling, sft, sources, trainer
 from rl.checkpoint import Checkpointer
 from rl.config import KLReward, RLConfig
 from rl.tasks.arithmetic import Arithmetic
@@ -261,6 +261,70 @@ def test_resuming_a_checkpoint_of_another_layout_names_what_differs(tmp_path):
     ckpt.restore(like)
   np.testing.assert_array_equal(ckpt.restore_params()["w"], np.ones(3))  # nothing lost
   ckpt.close()
+
+
+class GivenParams:
+  """A start of one's own (rl.trainer.Start): the run begins from `given`, also its reference
+  policy, held in memory; `calls` records what the trainer asked of it."""
+
+  def __init__(self, given, fail: bool = False):
+    self.given, self.fail, self.calls = given, fail, []
+
+  def check(self, tokenizer, processes: int) -> None:
+    self.calls.append("check")
+
+  def initial(self, cfg, mesh, seed: int):
+    return self.given
+
+  def params(self, initial, cfg, task, tokenizer, **_):
+    if self.fail:
+      raise RuntimeError("no params today")
+    return initial, {"sft_loss": None, "init_from": "memory"}
+
+  def keep(self, run_dir: str, params) -> None:
+    self.calls.append("keep")
+
+  def reference(self, run_dir: str, like):
+    self.calls.append("reference")
+    return self.given
+
+
+def test_a_start_of_ones_own_begins_the_run_and_one_stack_cleans_up(tmp_path, capsys,
+                                                                    tokenizer):
+  """rl.trainer.Start is a protocol: a class with its methods starts a run and is asked for
+  the reference of a loss with a KL. A build that fails midway (here in the start's params)
+  releases what it acquired, the run directory's hold included: the next build on that
+  directory goes ahead; a run closed twice closes once."""
+  model = lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64)
+  given = transformer.init_params(model(tokenizer.vocab_size), jax.random.PRNGKey(3))
+  kwargs = dict(task=Arithmetic(digits=1, num_train=50, num_test=8), model=model,
+                rl=dataclasses.replace(TINY_RL, num_steps=1),
+                objective=trainer.Objective(loss="grpo"),
+                hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=8), progress=False,
+                                    tensorboard=False))
+  run_dir = str(tmp_path / "run")
+  with pytest.raises(RuntimeError, match="no params today"):
+    trainer.build(run_dir, start=GivenParams(given, fail=True), **kwargs)
+  start = GivenParams(given)
+  run = trainer.build(run_dir, start=start, **kwargs)
+  try:
+    jax.tree.map(np.testing.assert_array_equal, run.state.train.params, given)
+  finally:
+    run.close()
+    run.close()
+  assert start.calls == ["check", "keep", "reference"], start.calls
+  assert "starting from the params of memory (no SFT warm start)" in capsys.readouterr().out
+
+
+def test_demonstrations_without_a_chat_template_are_refused_before_anything_is_written(
+    tmp_path):
+  demonstrations = tmp_path / "sft.jsonl"
+  demonstrations.write_text('{"messages": []}\n')
+  with pytest.raises(ConfigError, match="WarmStart.demonstrations are chat conversations"):
+    trainer.build(str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=50, num_test=8),
+                  model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
+                  start=trainer.WarmStart(demonstrations=str(demonstrations)))
+  assert not os.path.exists(tmp_path / "run")
 
 
 @pytest.mark.slow
