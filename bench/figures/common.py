@@ -14,6 +14,10 @@ EXAMPLE = "a binding in an example"
 BOUND = "a round bound the measured figures beside it are read against"
 UNRECORDED = "measured, never recorded in a results file, and the doc says so"
 INTERVAL = "the interval's level"
+ROUGH = "a command's rough length, a guide to running it and not a result"
+MACHINE = "the machine's size, not a measurement"
+EARLIER = "an earlier run, whose results file a later one replaced: the doc names the commit"
+GIB = 2**30
 
 
 def min_s(seconds: float) -> str:
