@@ -1,7 +1,8 @@
 """bench/README.md's sections on the train step and what it holds in memory, each section's
 figures from the bench/results/ file its script writes: attention kernels, long-context steps,
-log-probs, RoPE, the MoE meshes of bench/memory.py, the RL loop's memory, checkpoints, and the
-mixture's step against the dense one. bench_readme.py covers them with the rest."""
+log-probs, RoPE, the MoE meshes of bench/memory.py, the RL loop's memory, checkpoints, the
+mixture's step against the dense one, and where the step's time goes against PyTorch's.
+bench_readme.py covers them with the rest."""
 
 import statistics
 
@@ -384,6 +385,69 @@ _MOE_STEP_NOT_MEASURED = (
     NotMeasured(_DOC, "[E, capacity, H] buffers, 1.25 times the active FLOPs", CONFIG),
 )
 
+# ## `bench/step_breakdown.py`: each variant's row of the table and each part's, as
+# bench/step_breakdown.py prints them, and what the text reads in them. The two earlier runs'
+# tables are listed as earlier ones (the doc names the commits whose results files hold them).
+STEP_BREAKDOWN = "bench/results/step_breakdown.json"
+
+
+_PARTS = {
+    "attention": lambda steps: steps["full"] - steps["no_attention"],
+    "mlp": lambda steps: steps["full"] - steps["no_mlp"],
+    "mlp (mlp_only - rest)": lambda steps: steps["mlp_only"] - steps["rest"],
+    "head": lambda steps: steps["full"] - steps["no_head"],
+    "rest": lambda steps: steps["rest"],
+}  # each part's estimated seconds from a framework's variants, as bench/step_breakdown.py's
+
+
+def _part_seconds(part: str):
+  """The format that reads a framework's estimated seconds of `part`."""
+  return lambda steps: f"{_PARTS[part](steps):.2f}"
+
+
+_STEP_BREAKDOWN = (
+    *(Figure(_DOC, f"{variant} {{}} {{}}", STEP_BREAKDOWN,
+             (f"ours/{variant}", f"torch/{variant}"), "{:.2f}")
+      for variant in ("full", "no_attention", "no_mlp", "no_head", "mlp_only")),
+    Figure(_DOC, "mlp_only {} {} rest {} {} part (estimated s)", STEP_BREAKDOWN,
+           ("ours/mlp_only", "torch/mlp_only", "ours/rest", "torch/rest"), "{:.2f}"),
+    *(Figure(_DOC, f"{part} {{}} {{}}", STEP_BREAKDOWN, ("ours", "torch"), _part_seconds(part))
+      for part in ("attention", "mlp", "mlp (mlp_only - rest)", "head")),
+    Figure(_DOC, "head {} {} rest {} {} ```", STEP_BREAKDOWN, ("ours", "torch", "ours", "torch"),
+           (_part_seconds("head"),) * 2 + (_part_seconds("rest"),) * 2),
+    Figure(_DOC, "Attention is now the smallest part of our step ({} s;", STEP_BREAKDOWN,
+           ("ours",), _part_seconds("attention")),
+    Figure(_DOC, "in seconds its MLP's matmuls most ({} s against {} s)", STEP_BREAKDOWN,
+           ("torch", "ours"), (_part_seconds("mlp"),) * 2),
+)
+_STEP_BREAKDOWN_NOT_MEASURED = (
+    NotMeasured(_DOC, "bench/step_breakdown.py --rounds 3 # ~10 minutes;", ROUGH),
+    NotMeasured(_DOC, "ours alone measured full 2.61 s and no_attention 1.98 s, 0.63 s of "
+                "attention, at commit 9fe273d and not recorded", UNRECORDED),
+    NotMeasured(_DOC, "variant (s/step) ours torch full 3.03 2.81 no_attention 2.33 2.42 "
+                "no_mlp 1.58 1.34 no_head 2.59 2.38 mlp_only 1.98 2.00 rest 0.64 0.71 part "
+                "(estimated s) ours torch attention 0.71 0.40 mlp 1.46 1.47 mlp (mlp_only - rest) "
+                "1.34 1.29 head 0.45 0.44 rest 0.64 0.71", EARLIER),
+    NotMeasured(_DOC, "attention held the whole gap, 0.71 s against 0.40 s", EARLIER),
+    NotMeasured(_DOC, "8 x 512 tokens; this and the tries below timed at commit f47822d, not "
+                "recorded), ours took 65-80 ms and PyTorch's SDPA 61-63 ms", UNRECORDED),
+    NotMeasured(_DOC, "(~56% of the square); our 256-token tiles compute 3 of 4 tiles (75%)",
+                "the shares of the causal square each kernel computes, from their tile sizes"),
+    NotMeasured(_DOC, "0.81x/0.95x/1.04-1.10x; attention over batch groups of 2 or 4 rows "
+                "(independent work for XLA's two threads) 1.03-1.14x, with turns ranging "
+                "0.85-1.30x", UNRECORDED),
+    NotMeasured(_DOC, "variant (s/step) ours torch full 6.92 5.08 no_attention 5.66 4.28 "
+                "no_mlp 3.94 2.32 no_head 5.77 4.29 mlp_only 4.90 3.61 rest 1.89 1.27 part "
+                "(estimated s) ours torch attention 1.25 0.80 mlp 2.97 2.76 mlp (mlp_only - rest) "
+                "3.01 2.34 head 1.15 0.79 rest 1.89 1.27", EARLIER),
+    NotMeasured(_DOC, "each was 8-57% slower", EARLIER),
+    NotMeasured(_DOC, "(XLA's ynn kernels at ~180-230 GFLOP/s on these shapes against MKL's "
+                "~225-250 through PyTorch, each measured alone; this and the temp allocation "
+                "below at commit 97d3f3c, not recorded)", UNRECORDED),
+    NotMeasured(_DOC, "XLA's temp allocation stays ~1.5 GiB", UNRECORDED),
+    NotMeasured(_DOC, "2,048- or 4,096-token log-prob chunks", CONFIG),
+)
+
 # The sections, each by its heading after `## `.
 HEADINGS = (
     "`bench/attention.py`: long-context attention",
@@ -393,9 +457,10 @@ HEADINGS = (
     "`bench/loop_memory.py`: the RL loop's peak memory, copying vs donating train step",
     "`bench/checkpoint_verify.py`: what checksums add to a checkpoint's save and restore",
     "`bench/moe.py`: a mixture's train step against the dense model of its active parameters",
+    "`bench/step_breakdown.py`: where the train step's time goes, ours vs PyTorch",
 )
 FIGURES = (_ATTENTION + _LONG_CONTEXT + _LOGPROBS + _ROPE + _MOE_MEMORY + _LOOP_MEMORY
-           + _CHECKPOINT_VERIFY + _MOE_STEP)
+           + _CHECKPOINT_VERIFY + _MOE_STEP + _STEP_BREAKDOWN)
 NOT_MEASURED = (_ATTENTION_NOT_MEASURED + _LONG_CONTEXT_NOT_MEASURED + _LOGPROBS_NOT_MEASURED
                 + _ROPE_NOT_MEASURED + _LOOP_MEMORY_NOT_MEASURED + _CHECKPOINT_VERIFY_NOT_MEASURED
-                + _MOE_STEP_NOT_MEASURED)
+                + _MOE_STEP_NOT_MEASURED + _STEP_BREAKDOWN_NOT_MEASURED)

@@ -91,7 +91,8 @@ FIGURES = (
            _seeds("off", "max/engine_logp_diff_max") + _seeds("on", "max/engine_logp_diff_max"),
            "{:.2f}"),
     Figure(_DOC, "(256 problems) | {} → {} / {} → {} / {} → {} | "
-           "{} → {} / {} → {} / {} → {} |", MOE, _sft_and_rl("off") + _sft_and_rl("on"), "{:.3f}"),
+           "{} → {} / {} → {} / {} → {} |", MOE, _sft_and_rl("off") + _sft_and_rl("on"),
+           "{:.3f}"),
     # What it shows
     Figure(_DOC, "replay takes {} to {}% off it", MOE, ("arms", "arms"), (_least_cut, _most_cut)),
     Figure(_DOC, "changes its log-prob by {} to {}.", MOE, ("arms/off", "arms/off"),
