@@ -1,8 +1,8 @@
 """bench/README.md's sections on the train step and what it holds in memory, each section's
 figures from the bench/results/ file its script writes: attention kernels, long-context steps,
-log-probs, RoPE, the MoE meshes of bench/memory.py, the RL loop's memory, checkpoints, the
-mixture's step against the dense one, and where the step's time goes against PyTorch's.
-bench_readme.py covers them with the rest."""
+log-probs, RoPE, the RL loop's memory, checkpoints, the mixture's step against the dense one,
+where the step's time goes against PyTorch's, and attention and the step on a GPU. The compiled
+memory of bench/memory.py is bench_memory's. bench_readme.py covers them with the rest."""
 
 import statistics
 
@@ -15,11 +15,6 @@ _DOC = "bench/README.md"
 def _gib(n_bytes: int) -> str:
   """16083812368 -> '14.98': GiB as the scripts print them."""
   return f"{n_bytes / GIB:.2f}"
-
-
-def _memory(value: float | list[str]) -> str:
-  """bench/memory.py's table: bytes as GiB, and the chips the step fits ('none')."""
-  return (", ".join(value) or "none") if isinstance(value, list) else f"{value / GIB:.1f}Gi"
 
 
 # ## `bench/attention.py`: the run of 2026-12-05's kernels and ring lines, the train step of
@@ -269,23 +264,6 @@ _ROPE = (
 )
 _ROPE_NOT_MEASURED = (NotMeasured(_DOC, "bench/rope.py --rounds 20 # ~6 minutes", ROUGH),)
 
-# ### Mixtures of experts on 8 devices (in ## `bench/memory.py`): each mesh as the table names
-# it and its results file, then the rows (mesh, model, tokens a row) in the table's order: both
-# models at 4k and 16k on the float32 meshes, at 16k on the bf16 ones.
-_MOE_MESHES = {"fsdp=1 x expert=8": "fsdp1expert8", "fsdp=2 x expert=4": "fsdp2expert4",
-               "fsdp=4 x expert=2": "fsdp4expert2", "bf16, fsdp=4 x expert=2": "bf16fsdp4expert2",
-               "bf16, fsdp=2 x expert=4": "bf16fsdp2expert4"}
-_MOE_ROWS = tuple((mesh, model, tokens) for mesh in tuple(_MOE_MESHES)[:3]
-                  for model in ("qwen3-30b-a3b", "moonlight-16b-a3b") for tokens in (4096, 16384)
-                  ) + tuple((mesh, model, 16384) for mesh in tuple(_MOE_MESHES)[3:]
-                            for model in ("qwen3-30b-a3b", "moonlight-16b-a3b"))
-_MOE_MEMORY = tuple(
-    Figure(_DOC, f"{mesh} {model} {tokens} {{}} {{}} {{}}",
-           f"bench/results/memory_moe/{_MOE_MESHES[mesh]}.json",
-           tuple(f"results/model={model},tokens={tokens}/{field}"
-                 for field in ("peak", "temporaries", "fits")), _memory)
-    for mesh, model, tokens in _MOE_ROWS)
-
 # ## `bench/loop_memory.py`: peak RSS after each RL step, copying and donating.
 LOOP_MEMORY = "bench/results/loop_memory.json"
 
@@ -448,6 +426,120 @@ _STEP_BREAKDOWN_NOT_MEASURED = (
     NotMeasured(_DOC, "2,048- or 4,096-token log-prob chunks", CONFIG),
 )
 
+# ## `bench/gpu_checks.py`: the H200 run of 2026-12-04. Its settings (the attention check's
+# shapes, the train step's heads and MLP, the quickstart's batch) are bench/gpu_checks.py's and
+# quickstart.gin's; the sizes the file keeps are quoted from it.
+GPU_CHECKS = "bench/results/gpu_checks.json"
+
+
+def _ms(seconds: float) -> str:
+  """0.0119 -> '12.0', 0.172 -> '172': milliseconds as the table writes them."""
+  return f"{1e3 * seconds:.0f}" if seconds >= 0.1 else f"{1e3 * seconds:.1f}"
+
+
+def _errors(kernel: str) -> str:
+  """The path to `kernel`'s largest errors in bf16."""
+  return f"attention/dtype=bfloat16,kernel={kernel}/"
+
+
+def _slower(seq: int):
+  """The format that reads how many times blockwise's seconds are cudnn's at `seq` tokens."""
+  def ratio(rows: list[dict]) -> str:
+    seconds = {r["kernel"]: r["seconds"] for r in rows if r["seq"] == seq}
+    return f"{seconds['blockwise'] / seconds['cudnn']:.1f}"
+  return ratio
+
+
+def _cudnn_faster(rows: list[dict]) -> str:
+  """cudnn's least and most speed over blockwise's: '6-11'."""
+  seconds = {(r["kernel"], r["seq"]): r["seconds"] for r in rows}
+  ratios = [seconds["blockwise", seq] / seconds["cudnn", seq] for seq in {r["seq"] for r in rows}]
+  return f"{min(ratios):.0f}-{max(ratios):.0f}"
+
+
+def _gpu_attention_row(seq: int) -> Figure:
+  cudnn, blockwise = (f"attention_speed/seq={seq},kernel={kernel}/" for kernel in
+                      ("cudnn", "blockwise"))
+  return Figure(_DOC, f"| {seq:,} | {{}} ms | {{}} ms ({{}}x) | {{}} GiB | {{}} GiB |", GPU_CHECKS,
+                (cudnn + "seconds", blockwise + "seconds", "attention_speed",
+                 cudnn + "peak_bytes", blockwise + "peak_bytes"),
+                (_ms, _ms, _slower(seq), _gib, _gib))
+
+
+def _train_step(kernel: str) -> str:
+  return f"train_step/kernel={kernel}/"
+
+
+def _blockwise_slower(steps: list[dict]) -> str:
+  seconds = {r["kernel"]: r["seconds"] for r in steps}
+  return f"{seconds['blockwise'] / seconds['cudnn']:.0f}"
+
+
+def _sci(digits: int):
+  """The format that writes a small number as the text does: 1.5655e-4 -> '1.6e-4'."""
+  def sci(x: float) -> str:
+    mantissa, exponent = f"{x:.{digits}e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+  return sci
+
+
+def _relative_difference(steps: list[dict]) -> str:
+  losses = [r["loss"] for r in steps]
+  return _sci(0)(abs(losses[0] - losses[1]) / abs(losses[0]))
+
+
+_GPU_CHECKS = (
+    Figure(_DOC, "bf16 {}^3 matrix product of the same run: {} TFLOP/s", GPU_CHECKS,
+           ("peak/0/n", "peak/0/tflops"), ("{}", "{:.0f}")),
+    Figure(_DOC, "in bf16 the largest error is {} on the output and {} / {} / {} on dq / dk / dv, "
+           "where blockwise in bf16 has {} and {} / {} / {}", GPU_CHECKS,
+           tuple(_errors(kernel) + f"{key}_max_err" for kernel in ("cudnn", "blockwise")
+                 for key in ("out", "dq", "dk", "dv")), "{:.3f}"),
+    *(_gpu_attention_row(seq) for seq in (4096, 16384, 32768)),
+    Figure(_DOC, "cuDNN is {}x faster", GPU_CHECKS, ("attention_speed",), _cudnn_faster),
+    Figure(_DOC, "({} TFLOP/s counted within documents at 32k)", GPU_CHECKS,
+           ("attention_speed/seq=32768,kernel=cudnn/tflops",), "{:.0f}"),
+    Figure(_DOC, "width {}, {} layers, 16 / 4 heads, MLP 2816, vocabulary {}; one packed row of "
+           "{} tokens, 8 documents): {} s with cudnn attention, {}k tokens/s, {} TFLOP/s ({}% of "
+           "the measured matmul peak", GPU_CHECKS,
+           tuple(_train_step("cudnn") + key for key in (
+               "width", "layers", "vocab", "seq", "seconds", "tokens_per_s", "tflops",
+               "mfu_vs_peak")),
+           ("{}", "{}", "{:,}", "{:,}", "{:.3f}", lambda n: f"{n / 1e3:.0f}", "{:.0f}",
+            lambda share: f"{100 * share:.0f}")),
+    Figure(_DOC, "{} s with blockwise ({}x slower", GPU_CHECKS,
+           (_train_step("blockwise") + "seconds", "train_step"), ("{:.2f}", _blockwise_slower)),
+    Figure(_DOC, "Losses {} and {} (relative difference {})", GPU_CHECKS,
+           (_train_step("cudnn") + "loss", _train_step("blockwise") + "loss", "train_step"),
+           ("{:.2f}", "{:.2f}", _relative_difference)),
+    Figure(_DOC, "{} sequences x {} sampled tokens): {}M tokens/s in float32, {}M in bf16",
+           GPU_CHECKS, ("engine/0/sequences", "engine/0/new_tokens", "engine/dtype=float32/"
+                        "tokens_per_s", "engine/dtype=bfloat16/tokens_per_s"),
+           ("{}", "{}", lambda n: f"{n / 1e6:.2f}", lambda n: f"{n / 1e6:.2f}")),
+    Figure(_DOC, "float32 mean {}, max {}; bf16 mean {}, max {}.", GPU_CHECKS,
+           tuple(f"engine/dtype={dtype}/logp_diff_{key}" for dtype in ("float32", "bfloat16")
+                 for key in ("mean", "max")),
+           (_sci(1),) * 3 + ("{:.3f}",)),
+    Figure(_DOC, "logged `engine_logp_diff_max` up to {}.", GPU_CHECKS,
+           ("quickstart/0/engine_logp_diff_max",), "{:.3f}"),
+    Figure(_DOC, "{} RL steps instead of 150): sft_accuracy {}, rl_accuracy {} after {} steps; the "
+           "median RL step took {} s", GPU_CHECKS,
+           tuple("quickstart/0/" + key for key in ("rl_steps", "sft_accuracy", "rl_accuracy",
+                                                   "rl_steps", "step_seconds_median")),
+           ("{}", "{:.2f}", "{:.2f}", "{}", "{:.3f}")),
+    Figure(_DOC, "Its SFT (600 steps) took {} s", GPU_CHECKS, ("quickstart/0/sft_seconds",),
+           "{:.0f}"),
+)
+_GPU_CHECKS_NOT_MEASURED = (
+    NotMeasured(_DOC, "about 7 minutes on an H200;", ROUGH),
+    NotMeasured(_DOC, "heads, 1,024 tokens):", CONFIG),
+    NotMeasured(_DOC, "At 128k tokens that mask alone would take 16 GiB per row (131,072² bytes), "
+                "and the bf16 bias made of it 32 GiB more",
+                "the size of a [131072, 131072] mask and its bias, not a measurement"),
+    NotMeasured(_DOC, "(54 s for the findings' warm start, timed at commit 3dea3ca and not "
+                "recorded)", UNRECORDED),
+)
+
 # The sections, each by its heading after `## `.
 HEADINGS = (
     "`bench/attention.py`: long-context attention",
@@ -458,9 +550,11 @@ HEADINGS = (
     "`bench/checkpoint_verify.py`: what checksums add to a checkpoint's save and restore",
     "`bench/moe.py`: a mixture's train step against the dense model of its active parameters",
     "`bench/step_breakdown.py`: where the train step's time goes, ours vs PyTorch",
+    "`bench/gpu_checks.py`: what only a GPU shows",
 )
-FIGURES = (_ATTENTION + _LONG_CONTEXT + _LOGPROBS + _ROPE + _MOE_MEMORY + _LOOP_MEMORY
-           + _CHECKPOINT_VERIFY + _MOE_STEP + _STEP_BREAKDOWN)
+FIGURES = (_ATTENTION + _LONG_CONTEXT + _LOGPROBS + _ROPE + _LOOP_MEMORY
+           + _CHECKPOINT_VERIFY + _MOE_STEP + _STEP_BREAKDOWN + _GPU_CHECKS)
 NOT_MEASURED = (_ATTENTION_NOT_MEASURED + _LONG_CONTEXT_NOT_MEASURED + _LOGPROBS_NOT_MEASURED
                 + _ROPE_NOT_MEASURED + _LOOP_MEMORY_NOT_MEASURED + _CHECKPOINT_VERIFY_NOT_MEASURED
-                + _MOE_STEP_NOT_MEASURED + _STEP_BREAKDOWN_NOT_MEASURED)
+                + _MOE_STEP_NOT_MEASURED + _STEP_BREAKDOWN_NOT_MEASURED
+                + _GPU_CHECKS_NOT_MEASURED)
