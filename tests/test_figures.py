@@ -71,32 +71,3 @@ def test_a_generated_doc_is_what_its_results_write(tmp_path, doc, expected):
                             str(tmp_path))
   assert len(listed) == len(expected) and all(
       part in line for part, line in zip(expected, listed)), listed
-
-
-SECTIONED = """# Demo
-
-## Covered
-
-It took 1.5 s.
-
-### A subsection
-
-It reached 0.91.
-
-## Not yet
-
-It took 2.5 s.
-"""
-
-
-@pytest.mark.parametrize("headings, expected", [
-    (("Covered",), ["'1.5 s' in", "'0.91' in"]),
-    (("Not yet",), ["'2.5 s' in"]),
-    (("Covered", "Not yet"), ["'1.5 s' in", "'0.91' in", "'2.5 s' in"]),
-    (("Missing",), ["no section '## Missing' to cover"]),
-])
-def test_a_doc_covered_by_sections_is_scanned_only_there(tmp_path, headings, expected):
-  (tmp_path / "doc.md").write_text(SECTIONED)
-  listed = figures.problems((), (), (), (figures.Sections("doc.md", headings),), str(tmp_path))
-  assert len(listed) == len(expected) and all(
-      part in line for part, line in zip(expected, listed)), listed

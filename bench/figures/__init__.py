@@ -25,16 +25,14 @@ the commands the docs time by hand. Nor can the scan tell a bare integer ("5 see
 15") from prose: those are registered where they are measured, with nothing to force it.
 Blocks of Python are code: not scanned, not quoted.
 
-`COVERED` lists the docs covered so far, each whole or, as `Sections`, by its `## ` sections:
-bench/README.md joins it a section at a time as its figures are registered, and the rest of
-docs/ once theirs are.
+`COVERED` lists the docs covered: README.md, bench/README.md and every doc of docs/.
 """
 
 import os
 
 from . import ahead, architecture, bench_readme, check, distillation, findings, moe, objectives
 from . import readme, sglang
-from .check import Figure, Generated, NotMeasured, Sections
+from .check import Figure, Generated, NotMeasured
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,6 +49,6 @@ GENERATED = tuple(entry for doc in _DOCS for entry in doc.GENERATED)
 def problems(figures: tuple[Figure, ...] = FIGURES,
              not_measured: tuple[NotMeasured, ...] = NOT_MEASURED,
              generated: tuple[Generated, ...] = GENERATED,
-             covered: tuple[str | Sections, ...] = COVERED, root: str = ROOT) -> list[str]:
+             covered: tuple[str, ...] = COVERED, root: str = ROOT) -> list[str]:
   """`check.problems` of the registry, or of what is given."""
   return check.problems(figures, not_measured, generated, covered, root)

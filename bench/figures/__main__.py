@@ -6,5 +6,5 @@ import sys
 from bench.figures import COVERED, problems
 
 listed = problems()
-print("\n".join(listed) or f"every figure of {', '.join(map(str, COVERED))} agrees with its file")
+print("\n".join(listed) or f"every figure of {', '.join(COVERED)} agrees with its file")
 sys.exit(1 if listed else 0)

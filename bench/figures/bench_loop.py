@@ -282,14 +282,6 @@ _HYBRID_NOT_MEASURED = (
                 "recorded)", UNRECORDED),
 )
 
-# The sections, each by its heading after `## `.
-HEADINGS = (
-    "`bench/partial_rollouts.py`: partial rollouts vs waiting for the longest",
-    "`bench/verifiers.py`: math verifiers scored on labelled pairs, and verifier throughput",
-    "`bench/refit.py`: one weight sync at Qwen2.5-0.5B and 1.5B shapes, against the disk",
-    "`bench/quantized.py`: the embedded engine on bf16, FP8 and INT4 weights",
-    "`bench/hybrid.py`: a hybrid deployment's switches at Qwen2.5-0.5B's shape",
-)
 FIGURES = _VERIFIERS + _PARTIAL_ROLLOUTS + _REFIT + _QUANTIZED + _HYBRID
 NOT_MEASURED = (_VERIFIERS_NOT_MEASURED + _PARTIAL_ROLLOUTS_NOT_MEASURED + _REFIT_NOT_MEASURED
                 + _QUANTIZED_NOT_MEASURED + _HYBRID_NOT_MEASURED)

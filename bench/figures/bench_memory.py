@@ -186,6 +186,5 @@ _MOE_MEMORY_NOT_MEASURED = (
     NotMeasured(_DOC, "fits a 141 GB GPU at 4k tokens", CHIPS),
 )
 
-HEADING = "`bench/memory.py`: what the RL train step needs per device at real sizes"
 FIGURES = _TRAIN + _MOE_MEMORY
 NOT_MEASURED = _TRAIN_NOT_MEASURED + _MOE_MEMORY_NOT_MEASURED

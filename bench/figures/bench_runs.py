@@ -258,11 +258,5 @@ _SCALEOUT_NOT_MEASURED = (
     NotMeasured(_DOC, "24 GiB CPU machine", MACHINE),
 )
 
-# The sections, each by its heading after `## `.
-HEADINGS = (
-    "`bench/iteration.py`: whole RL iterations, ours in lockstep and ahead vs TRL and Tunix",
-    "`bench/agentic.py`: multi-turn episodes in waves vs one at a time",
-    "`bench/scaleout.py`: a fleet behind sglang-router, and one train step on 1 vs 2 processes",
-)
 FIGURES = _ITERATION + _AGENTIC + _SCALEOUT
 NOT_MEASURED = _ITERATION_NOT_MEASURED + _AGENTIC_NOT_MEASURED + _SCALEOUT_NOT_MEASURED

@@ -540,18 +540,6 @@ _GPU_CHECKS_NOT_MEASURED = (
                 "recorded)", UNRECORDED),
 )
 
-# The sections, each by its heading after `## `.
-HEADINGS = (
-    "`bench/attention.py`: long-context attention",
-    "`bench/long_context.py`: one RL step on 128k-token rows",
-    "`bench/logprobs.py`: memory of per-token log-probs",
-    "`bench/rope.py`: RoPE from tables vs cos and sin in the step",
-    "`bench/loop_memory.py`: the RL loop's peak memory, copying vs donating train step",
-    "`bench/checkpoint_verify.py`: what checksums add to a checkpoint's save and restore",
-    "`bench/moe.py`: a mixture's train step against the dense model of its active parameters",
-    "`bench/step_breakdown.py`: where the train step's time goes, ours vs PyTorch",
-    "`bench/gpu_checks.py`: what only a GPU shows",
-)
 FIGURES = (_ATTENTION + _LONG_CONTEXT + _LOGPROBS + _ROPE + _LOOP_MEMORY
            + _CHECKPOINT_VERIFY + _MOE_STEP + _STEP_BREAKDOWN + _GPU_CHECKS)
 NOT_MEASURED = (_ATTENTION_NOT_MEASURED + _LONG_CONTEXT_NOT_MEASURED + _LOGPROBS_NOT_MEASURED

@@ -33,18 +33,6 @@ class NotMeasured:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sections:
-  """The `## ` sections of `doc` with these `headings` (each as its line reads after `## `): a
-  `COVERED` entry for a doc covered a section at a time, whose other sections are not scanned.
-  A section runs to the next `## ` heading, its `###` subsections included."""
-  doc: str
-  headings: tuple[str, ...]
-
-  def __str__(self) -> str:
-    return f"{self.doc} ({len(self.headings)} of its sections)"
-
-
-@dataclasses.dataclass(frozen=True)
 class Generated:
   """A doc that `write(root)` writes from results files, so its figures need no registering:
   each line `write` returns stands in `doc`, in its order. Lines the doc adds were written by
@@ -68,24 +56,6 @@ def _text(doc: str, root: str) -> str:
   """The doc with every run of whitespace one space."""
   with open(os.path.join(root, doc)) as f:
     return " ".join(f.read().split())
-
-
-def _section_spans(entry: Sections, root: str) -> tuple[list[str], list[tuple[int, int]]]:
-  """The headings of `entry` that its doc lacks (one line each), and where (start, end) in the
-  doc's `_text` the sections it has stand."""
-  with open(os.path.join(root, entry.doc)) as f:
-    lines = f.read().split("\n")
-  starts, start = {}, 0  # each `## ` heading's start in the doc's text, and the text's end
-  for line in lines:
-    words = " ".join(line.split())
-    if line.startswith("## "):
-      starts[line[3:].strip()] = start
-    start += len(words) + 1 if words else 0
-  ends = sorted(starts.values()) + [start]
-  found = [f"{entry.doc}: no section '## {heading}' to cover (there: {list(starts)})"
-           for heading in entry.headings if heading not in starts]
-  return found, [(starts[h], ends[ends.index(starts[h]) + 1]) for h in entry.headings
-                 if h in starts]
 
 
 def _generated_places(entry: Generated, root: str) -> tuple[list[str], list[tuple[int, int]]]:
@@ -153,22 +123,14 @@ def _places(text: str, quote: str, slots: bool) -> list[tuple[int, int]]:
 
 
 def problems(figures: tuple[Figure, ...], not_measured: tuple[NotMeasured, ...],
-             generated: tuple[Generated, ...], covered: tuple[str | Sections, ...],
+             generated: tuple[Generated, ...], covered: tuple[str, ...],
              root: str) -> list[str]:
   """One line per figure its file does not give as the doc quotes it, per `NotMeasured` quote
-  the doc lacks, per line of a generated doc that its results would not write, per covered
-  section the doc lacks, and per number of a covered doc (or of its covered sections) that
-  looks measured and is none of these."""
-  found, scanned = [], {}  # the covered docs' spans to scan, in their texts; None: all of it
-  for entry in covered:
-    if isinstance(entry, Sections):
-      missing, spans = _section_spans(entry, root)
-      found += missing
-      scanned[entry.doc] = spans
-    else:
-      scanned[entry] = None
+  the doc lacks, per line of a generated doc that its results would not write, and per number
+  of a covered doc that looks measured and is none of these."""
+  found = []
   texts = {doc: _text(doc, root)
-           for doc in {e.doc for e in figures + not_measured + generated} | {*scanned}}
+           for doc in {e.doc for e in figures + not_measured + generated} | {*covered}}
   places = {doc: [] for doc in texts}  # (start, end) of every quote, in its doc's text
   for entry in generated:
     missing, written = _generated_places(entry, root)
@@ -192,12 +154,11 @@ def problems(figures: tuple[Figure, ...], not_measured: tuple[NotMeasured, ...],
     if not _places(texts[entry.doc], entry.quote, slots=False):
       found.append(f"{entry.doc}: {entry.quote!r}, listed as not measured, is not in it")
     places[entry.doc] += _places(texts[entry.doc], entry.quote, slots=False)
-  for doc, spans in scanned.items():
+  for doc in covered:
     text = texts[doc]
     skipped = places[doc] + [(m.start(), m.end()) for m in PYTHON_BLOCK.finditer(text)]
     for m in MEASURED.finditer(text):
-      inside = spans is None or any(start <= m.start() < end for start, end in spans)
-      if inside and not any(start <= m.start() and m.end() <= end for start, end in skipped):
+      if not any(start <= m.start() and m.end() <= end for start, end in skipped):
         found.append(f"{doc}: {m.group()!r} in {text[max(0, m.start() - 40):m.end() + 20]!r} "
                      "looks measured: register it in its doc's module of bench/figures/ "
                      "(FIGURES) or say why it is not (NOT_MEASURED)")
