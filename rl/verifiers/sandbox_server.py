@@ -310,6 +310,7 @@ class _Session:
       self.stdin_w = None
     self.call_mode = request["mode"] == "call"
     self.results, self.in_call = bytearray(), False
+    self.result_open = self.call_mode
 
   def drain(self, fd) -> None:
     chunk = os.read(fd, 1 << 16)
@@ -322,18 +323,23 @@ class _Session:
       self.verdict = "output limit"
 
   def drain_buffered(self) -> None:
-    """What the pipes hold now (the program exited; a daemon holding them must not keep us)."""
-    while self.verdict is None and self.open_fds and select.select(
-        list(self.open_fds), [], [], 0)[0]:
-      for fd in select.select(list(self.open_fds), [], [], 0)[0]:
-        self.drain(fd)
+    """What the pipes hold now (the program exited; a daemon holding them must not keep us):
+    its output, and in call mode a reply it wrote just before exiting, relayed as any other
+    (the loop may see the exit before it sees the reply)."""
+    while self.verdict is None:
+      pipes = list(self.open_fds) + ([self.result_r] if self.result_open else [])
+      ready = select.select(pipes, [], [], 0)[0] if pipes else []
+      if not ready:
+        return
+      for fd in ready:
+        self.read(fd)
 
   def readers(self, exited) -> list:
     readers = list(self.open_fds) + [exited]
-    if self.call_mode:
+    if self.result_open:
       readers.append(self.result_r)
-      if not self.in_call:
-        readers.append(0)
+    if self.call_mode and not self.in_call:
+      readers.append(0)
     return readers
 
   def write_stdin(self) -> None:
@@ -362,7 +368,11 @@ class _Session:
       except BrokenPipeError:  # it exited; the loop reports how
         pass
     elif fd == self.result_r:
-      self.results += os.read(self.result_r, 1 << 20)
+      chunk = os.read(self.result_r, 1 << 20)
+      if not chunk:  # the program closed it: an end-of-file pipe would stay readable
+        self.result_open = False
+        return
+      self.results += chunk
       while b"\n" in self.results:
         line, _, rest = bytes(self.results).partition(b"\n")
         self.results = bytearray(rest)
