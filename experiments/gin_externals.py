@@ -17,6 +17,7 @@ import optax
 
 from models import config
 from models import distributed
+from models import lora
 from models import sharding
 from models import tokenizer
 from experiments import evaluation
@@ -66,6 +67,7 @@ _REGISTERED = {
                     corrections.trust_region, corrections.seq_tis, corrections.mis,
                     corrections.icepop, corrections.geo_mask],
     "models": [config.tiny, config.tiny_vision, config.ModelConfig, config.MoeConfig,
+               lora.LoraConfig,
                tokenizer.CharTokenizer, tokenizer.vision_chars, sharding.make_mesh],
     "tasks": [arithmetic.Arithmetic, mixture.Mixture, math_task.MathTask, code_task.CodeTask,
               effort.EffortTask, agentic.ToolArithmetic, needle.Needle,

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import lora
 from models import sharding as shd
 from models.config import ModelConfig, MoeConfig
 from models.layers import swiglu
@@ -316,8 +317,9 @@ class MoE(nn.Module):
       experts = jnp.where(jnp.all(replay >= 0, axis=-1, keepdims=True), replay, native)
     weights = route_weights(scores, experts, moe)
     init = nn.initializers.lecun_normal(batch_axis=(0,))
-    expert = lambda name, shape: self.param(name, init, (moe.num_experts, *shape),
-                                            cfg.param_dtype).astype(cfg.compute_dtype)
+    # A LoRA kernel merged here, one layer's experts at a time (models/lora.py).
+    expert = lambda name, shape: lora.weight(self.param(
+        name, init, (moe.num_experts, *shape), cfg.param_dtype)).astype(cfg.compute_dtype)
     weights_of = (expert("experts_gate_proj", (hidden, moe.expert_size)),
                   expert("experts_up_proj", (hidden, moe.expert_size)),
                   expert("experts_down_proj", (moe.expert_size, hidden)))

@@ -1,6 +1,6 @@
 """The decoder's projections: flax Dense layers that compute on their kernels rounded to
 `ModelConfig.weight_format` (quantization-aware training, models/quantize.py's formats, with
-straight-through gradients), which params are a decoder layer's projections (what a quantized
+straight-through gradients) and on a LoRA kernel as its base plus its adapter (models/lora.py), which params are a decoder layer's projections (what a quantized
 checkpoint stores quantized), holding them packed in a format and dequantizing them on the fly,
 and the SwiGLU MLP built from them (a dense layer's, and a mixture's shared experts).
 """
@@ -9,8 +9,9 @@ import functools
 
 import flax.linen as nn
 import jax
+from flax.linen.dtypes import promote_dtype
 
-from models import quantize
+from models import lora, quantize
 from models import sharding as shd
 from models.config import ModelConfig
 from models.layers import swiglu
@@ -29,20 +30,35 @@ def on_tokens(layer, x):
 
 
 @functools.cache
-def _rounded_dot(fmt: str):
-  """A dot_general for flax's Dense / DenseGeneral whose kernel (its right operand, input
-  dims first) is rounded to weight format `fmt` as the checkpoint's [out, in] matrix
-  (models/quantize.py), with straight-through gradients."""
+def _dot(fmt: str | None):
+  """A dot_general for flax's Dense / DenseGeneral: with weight format `fmt`, the kernel (its
+  right operand, input dims first) rounded to it as the checkpoint's [out, in] matrix
+  (models/quantize.py), with straight-through gradients; on a LoRA kernel (models/lora.py:
+  the base rounded, the adapter not), the base's product plus the adapter's low-rank one."""
   def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    (_, contracted), _ = dimension_numbers
-    if tuple(contracted) != tuple(range(len(contracted))):
-      raise ValueError(f"weight_format: a kernel contracted over dims {contracted}, not its "
-                       "leading ones")
-    matrix = quantize.kernel_matrix(rhs, len(contracted))
-    rhs = quantize.fake_quantize(matrix, fmt).T.reshape(rhs.shape)
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type)
+    adapted = isinstance(rhs, lora.Adapted)
+    kernel = rhs.kernel if adapted else rhs
+    if fmt is not None:
+      (_, contracted), _ = dimension_numbers
+      if tuple(contracted) != tuple(range(len(contracted))):
+        raise ValueError(f"weight_format: a kernel contracted over dims {contracted}, not its "
+                         "leading ones")
+      matrix = quantize.kernel_matrix(kernel, len(contracted))
+      kernel = quantize.fake_quantize(matrix, fmt).T.reshape(kernel.shape)
+    y = jax.lax.dot_general(lhs, kernel, dimension_numbers, precision=precision,
+                            preferred_element_type=preferred_element_type)
+    if adapted:
+      y = y + lora.low_rank(lhs, rhs.adapter, dimension_numbers, y.dtype)
+    return y
   return dot_general
+
+
+def _promote_dtype(inputs, kernel, bias, dtype=None):
+  """flax's promote_dtype, for a plain or a LoRA kernel (whose adapter the dot casts)."""
+  if not isinstance(kernel, lora.Adapted):
+    return promote_dtype(inputs, kernel, bias, dtype=dtype)
+  inputs, base, bias = promote_dtype(inputs, kernel.kernel, bias, dtype=dtype)
+  return inputs, kernel.replace(kernel=base), bias
 
 
 def projection_inputs(path) -> int | None:
@@ -72,10 +88,9 @@ def unpack_projections(params):
 
 def projection(cfg: ModelConfig, module, *args, **kwargs):
   """`module(*args, **kwargs)` (nn.Dense or nn.DenseGeneral), computing on its weights rounded
-  to cfg.weight_format when it has one."""
-  if cfg.weight_format is not None:
-    kwargs["dot_general"] = _rounded_dot(cfg.weight_format)
-  return module(*args, **kwargs)
+  to cfg.weight_format when it has one, and on a LoRA kernel as its base and adapter."""
+  return module(*args, dot_general=_dot(cfg.weight_format), promote_dtype=_promote_dtype,
+                **kwargs)
 
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models import distributed
+from rl import loop
 from rl import metrics as metrics_lib
 from rl import monitors as monitors_lib
 from rl.trajectory import column
@@ -239,7 +240,8 @@ class Export(Hook):
     self.export = export
 
   def end(self, run) -> None:
-    params = distributed.local_copy(run.state.train.params)  # every process gathers
+    # Every process gathers; a LoRA run exports its merged weights.
+    params = distributed.local_copy(loop.plain_policy(run.parts, run.state.train.params))
     if run.primary:
       path = self.export(params, run.cfg, os.path.join(run.run_dir, "hf"))
       run.say(f"final params exported to {path} (a Hugging Face checkpoint directory)")

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from models import distributed
+from models import lora
 from models import sharding
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
@@ -75,7 +76,9 @@ class Parts:
   whenever given, for the mismatch every step logs (one forward pass per minibatch).
   kl_reward: KL to the reference in the reward, with reference_logprobs: `TrainBatch ->
   f32[rows, seq]` under the reference. ref_params: to the train step (a loss reading
-  ref_logp). teachers: score every trajectory (a loss reading teacher_logp).
+  ref_logp). teachers: score every trajectory (a loss reading teacher_logp). base: a LoRA
+  run's frozen base (models/lora.py): TrainState.params are then its adapters, the policy
+  `policy(parts, params)`, and train_step and trainer_logprobs attach them themselves.
   """
   context: sources.Context
   rollouts: Any
@@ -90,6 +93,7 @@ class Parts:
   reference_logprobs: Optional[Callable] = None
   ref_params: Any = None
   teachers: Optional[distill.Teachers] = None
+  base: Any = None
 
   @property
   def reads(self) -> frozenset[str]:
@@ -302,13 +306,27 @@ def _engine_copies(parts: Parts) -> bool:
       config.hybrid and engine is not None and engine.capabilities.keeps_weight_arrays)
 
 
+def policy(parts: Parts, params):
+  """The policy's params from the train state's: a LoRA run's adapters attached to its base
+  (no copy), else the params themselves."""
+  return params if parts.base is None else lora.attach(parts.base, params)
+
+
+def plain_policy(parts: Parts, params):
+  """The policy of train state params `params` as plain weights (a LoRA run's merged: fresh
+  arrays), what an engine, an evaluation or an export takes."""
+  return lora.merge(policy(parts, params))
+
+
 def _sync(parts: Parts, params, version: int) -> None:
-  """The engine gets `params` as `version` (taking back the memory it released, in a hybrid
-  deployment). With several processes, an engine on each gets a whole copy of them; one that
-  keeps the arrays it is given gets a copy of its own when _engine_copies says so."""
+  """The engine gets the policy of train state params `params` (plain_policy) as `version`
+  (taking back the memory it released, in a hybrid deployment). With several processes, an
+  engine on each gets a whole copy of them; one that keeps the arrays it is given gets a copy
+  of its own when _engine_copies says so (merged ones are already its own)."""
   engine = parts.context.engine
-  whole = distributed.local_copy(params)
-  if _engine_copies(parts) and engine is not None and engine.capabilities.keeps_weight_arrays:
+  whole = distributed.local_copy(plain_policy(parts, params))
+  if (parts.base is None and _engine_copies(parts) and engine is not None
+      and engine.capabilities.keeps_weight_arrays):
     whole = jax.tree.map(jnp.copy, whole)
   distributed.checked(lambda: engine and engine.update_weights(
       whole, version=version, while_generating=parts.rollouts.concurrent))

@@ -110,7 +110,8 @@ class Run:
   def _evaluation_engine(self, step: int) -> Optional[RolloutEngine]:
     engine = self.evaluation_engine
     if engine is not self.parts.context.engine and engine is not None:
-      engine.update_weights(distributed.local_copy(self.state.train.params), step)
+      engine.update_weights(distributed.local_copy(
+          loop.plain_policy(self.parts, self.state.train.params)), step)
     return engine
 
   def steps(self):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from models import logprobs as logprobs_lib
-from models import mixture, transformer
+from models import lora, mixture, transformer
 from models.config import ModelConfig
 from rl import kl as kl_lib
 from rl.types import TrainBatch
@@ -56,20 +56,23 @@ def policy_logprobs(params, cfg: ModelConfig, batch: TrainBatch, *, chunk_size: 
 
 
 def micro_step(params, ref_params, mb: TrainBatch, *, cfg: ModelConfig, loss_fn: Callable,
-               logprob_chunk: int, replay: bool = False, balance_coef: float = 0.0):
+               logprob_chunk: int, replay: bool = False, balance_coef: float = 0.0,
+               base=None):
   """One micro-batch's gradient of the loss's total, its (total, count) sums (loss, entropy,
   logp_diff_mean, ratio_mean, kl_to_old, kl_to_reference, the loss's own metrics,
   clip_fraction, a mixture's routing metrics) and max |logp - old_logp| over loss tokens.
   With `ref_params`, mb.ref_logp is computed under them first (routed by the reference's own
   router); with `replay`, the policy's tokens go to mb.routed_experts; with `balance_coef`,
   a mixture's load-balancing loss over the real tokens is added, times the loss's count (so
-  that the step's division by the counts leaves balance_coef times it)."""
+  that the step's division by the counts leaves balance_coef times it). With `base` (a LoRA
+  run's frozen base), `params` are its adapters (models/lora.py), and the gradient theirs."""
   if ref_params is not None:
     ref_logp, _ = policy_logprobs(ref_params, cfg, mb, chunk_size=logprob_chunk)
     mb = mb.replace(ref_logp=jax.lax.stop_gradient(ref_logp))
   replay_to = replayed_routes(mb, replay)
 
   def objective(p):
+    p = p if base is None else lora.attach(base, p)
     hidden, routes = transformer.forward_with_routes(p, cfg, mb.tokens, mb.positions,
                                                      mb.segment_ids, replay_to,
                                                      images=mb.images)
@@ -127,10 +130,12 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
                     loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048,
                     state_shardings=None, donate_state: bool = False, replay: bool = False,
                     expert_bias_rate: float = 0.0, balance_coef: float = 0.0):
-  """A jitted `step(state, batch, ref_params=None) -> (state, metrics)`.
+  """A jitted `step(state, batch, ref_params=None, base=None) -> (state, metrics)`.
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
-  ref_logp is computed under them (for losses with a KL to a reference policy).
+  ref_logp is computed under them (for losses with a KL to a reference policy). With `base`,
+  a LoRA run's frozen base (never donated): state.params are its adapters, the policy
+  lora.attach(base, state.params) (models/lora.py), and only the adapters move.
   replay: rollout routing replay: a mixture's tokens go to the experts the engine chose
   (batch.routed_experts), their gate weights the trainer's router's at those experts.
   expert_bias_rate: after the update, a mixture's correction biases move by it against the
@@ -159,7 +164,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
 
   _check_balancing(cfg, expert_bias_rate, balance_coef)
 
-  def step(state: TrainState, batch: TrainBatch, ref_params=None):
+  def step(state: TrainState, batch: TrainBatch, ref_params=None, base=None):
     rows = batch.tokens.shape[0]
     if rows % micro_batches:
       raise ValueError(f"train step: {rows} rows do not split into {micro_batches} micro-batches")
@@ -169,7 +174,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
     def accumulate(carry, mb):
       grads, sums, diff_max = micro_step(state.params, ref_params, mb, cfg=cfg, loss_fn=loss_fn,
                                          logprob_chunk=logprob_chunk, replay=replay,
-                                         balance_coef=balance_coef)
+                                         balance_coef=balance_coef, base=base)
       if carry is None:
         return grads, sums, diff_max
       add = lambda a, b: jax.tree.map(jnp.add, a, b)

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from models import distributed, sharding, transformer, vision
+from models import lora as lora_lib
 from models.attention import dispatch
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer, ChatPrompts, WithImages
@@ -432,6 +433,8 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
   if objective.expert_balance_coef and cfg.moe is None:
     raise ConfigError(f"Objective.expert_balance_coef={objective.expert_balance_coef} weighs "
                       f"a mixture's load-balancing loss; the model ({cfg.family}) is dense")
+  if rl.lora is not None:
+    _check_lora(rl, cfg, objective, mesh)
   if cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                       f"{tokenizer.vocab_size}")
@@ -504,6 +507,25 @@ def _check_room(task, tokenizer, rl: RLConfig, sample: int = 64) -> None:
                       f"at least {longest + rl.max_new_tokens - 1} or shorten the prompt")
 
 
+def _check_lora(rl: RLConfig, cfg: ModelConfig, objective: Objective,
+                mesh: Optional[Mesh]) -> None:
+  """ConfigError for what a LoRA run cannot do (yet)."""
+  if mesh is not None:
+    raise ConfigError("RLConfig.lora: LoRA runs on one device for now (train.mesh unset); "
+                      f"got a mesh of {dict(mesh.shape)}")
+  if objective.expert_bias_rate:
+    raise ConfigError(f"Objective.expert_bias_rate={objective.expert_bias_rate} moves the "
+                      "router's correction bias, which a LoRA run keeps frozen in its base")
+  def adapters():
+    key = jax.random.PRNGKey(0)
+    return lora_lib.init_adapters(transformer.init_params(cfg, key), rl.lora, cfg, key)
+
+  try:  # shapes only: nothing is compiled or computed
+    jax.eval_shape(adapters)
+  except ValueError as e:
+    raise ConfigError(f"RLConfig.lora: {e}") from None
+
+
 def _check_processes(mesh: Optional[Mesh], objective: Objective) -> None:
   """ConfigError for what a run on several JAX processes cannot do (yet): the mesh must span
   every process's devices, and rollouts are whole steps, without teachers (the start checks
@@ -553,8 +575,11 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
   os.makedirs(run_dir, exist_ok=True)
   checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
   cleanup.callback(checkpointer.close)
+  lora_cfg = context.config.lora
   parts = loop.Parts(context, rollouts, plan.loss, None, plan.reward, plan.advantage)
-  state = loop.init_state(params, optimizer, parts, seed + 1)
+  # A LoRA run's train state holds its adapters, fresh ones here (the shape to restore into).
+  trained = params if lora_cfg is None else _fresh_adapters(params, plan.cfg, lora_cfg, seed)
+  state = loop.init_state(trained, optimizer, parts, seed + 1)
   state = state.replace(train=place(state.train))
   summary_path = os.path.join(run_dir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
@@ -569,6 +594,8 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
         if moved:
           say(f"{moved} records of {name} after the checkpoint moved to {name}.discarded")
     summary.pop("stopped", None)
+    if lora_cfg is not None:  # the base: the starting params the fresh run kept
+      parts = dataclasses.replace(parts, base=start.reference(run_dir, params))
   else:
     started = time.perf_counter()
     params, summary = start.params(params, plan.cfg, context.task, context.tokenizer,
@@ -578,9 +605,17 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
     if summary["init_from"] is not None:
       say(f"starting from the params of {summary['init_from']} (no SFT warm start)")
     summary["sft_seconds"] = time.perf_counter() - started
-    state = state.replace(train=place(init_train_state(params, optimizer)))
+    if lora_cfg is not None:
+      parts = dataclasses.replace(parts, base=params)
+      trained = _fresh_adapters(params, plan.cfg, lora_cfg, seed)
+      say(f"LoRA: {lora_lib.count(trained):,} trained parameters (rank {lora_cfg.rank}, alpha "
+          f"{lora_cfg.alpha:g}) over a frozen base of {lora_lib.count(params):,}")
+    else:
+      trained = params
+    state = state.replace(train=place(init_train_state(trained, optimizer)))
     start.keep(run_dir, params)
-  engine, whole = context.engine, distributed.local_copy(state.train.params)
+  engine = context.engine
+  whole = distributed.local_copy(loop.plain_policy(parts, state.train.params))
   # It was made with the random params. Every process joins the check's collective.
   distributed.checked(lambda: engine is not None and engine.update_weights(
       whole, int(state.step)))
@@ -599,11 +634,17 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
              samples=hooks.samples)
 
 
+def _fresh_adapters(params, cfg: ModelConfig, lora_cfg: lora_lib.LoraConfig, seed: int):
+  """A LoRA run's adapters at its first step, over base `params`."""
+  return lora_lib.init_adapters(params, lora_cfg, cfg, jax.random.PRNGKey(seed + 2))
+
+
 def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
            teachers) -> loop.Parts:
   """The loop's parts: the jitted train step (donating, on the mesh), the reference policy
-  (the starting params, from the start) when the loss or the reward reads it, and the
-  trainer's log-probs (for the correction, and for the mismatch every step logs)."""
+  (the starting params, from the start; a LoRA run's base, no copy) when the loss or the
+  reward reads it, and the trainer's log-probs (for the correction, and for the mismatch
+  every step logs)."""
   cfg, loss, objective = run.cfg, plan.loss, plan.objective
   place_rows = (lambda batch: batch) if mesh is None else (
       lambda batch: sharding.place_rows(batch, mesh))
@@ -613,8 +654,10 @@ def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
   replay = objective.routing_replay
   kl_reward = objective.kl_reward if objective.kl_reward and objective.kl_reward.coef else None
   reference = reference_logprobs = None
+  base = run.parts.base
   if "ref_logp" in loss.reads or kl_reward is not None:
-    reference = start.reference(run.run_dir, run.state.train.params)
+    reference = base if base is not None else start.reference(run.run_dir,
+                                                               run.state.train.params)
     # Params go in as an argument: closing over them would bake them into the executable.
     reference_logprobs = lambda batch: distributed.host_copy(
         logprobs_fn(reference, cfg, place_rows(batch))[0])
@@ -622,10 +665,11 @@ def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
                         state_shardings, replay, (objective.expert_bias_rate,
                                                   objective.expert_balance_coef))
   return dataclasses.replace(
-      run.parts, train_step=lambda train, batch, ref: step_fn(train, place_rows(batch), ref),
+      run.parts,
+      train_step=lambda train, batch, ref: step_fn(train, place_rows(batch), ref, base),
       correction=plan.correction,
-      trainer_logprobs=lambda params, batch: distributed.host_copy(
-          logprobs_fn(params, cfg, place_rows(batch), replay=replay)[0]),
+      trainer_logprobs=lambda params, batch: distributed.host_copy(logprobs_fn(
+          loop.policy(run.parts, params), cfg, place_rows(batch), replay=replay)[0]),
       kl_reward=kl_reward, reference_logprobs=reference_logprobs,
       ref_params=reference if "ref_logp" in loss.reads else None, teachers=teachers)
 
@@ -663,8 +707,8 @@ def _evaluation_engine(run: Run, evaluation: Evaluation):
   engine = run.parts.context.engine
   if run.config.weight_sync_every == 1:
     return engine
-  own = _make_engine(evaluation.engine or embedded_engine, run.cfg, run.state.train.params,
-                     int(run.state.step))
+  own = _make_engine(evaluation.engine or embedded_engine, run.cfg,
+                     loop.plain_policy(run.parts, run.state.train.params), int(run.state.step))
   if own is not None:
     run.cleanup.callback(own.close)
   return own

@@ -20,6 +20,7 @@ EFFORT = os.path.join(ROOT, "experiments/configs/effort.gin")
 EFFORT_EVAL = os.path.join(ROOT, "experiments/configs/effort_eval.gin")
 LONG_CONTEXT = os.path.join(ROOT, "experiments/configs/long_context.gin")
 QUICKSTART_MOE = os.path.join(ROOT, "experiments/configs/quickstart_moe.gin")
+QUICKSTART_LORA = os.path.join(ROOT, "experiments/configs/quickstart_lora.gin")
 
 
 def run(*args, env_extra=None):
@@ -50,6 +51,14 @@ def run(*args, env_extra=None):
      "moves a mixture's correction bias"),
     (["--gin", QUICKSTART, "--gin_param", "Objective.expert_balance_coef = 0.001"],
      "weighs a mixture's load-balancing loss; the model (qwen2) is dense"),
+    (["--gin", QUICKSTART_LORA, "--gin_param", "LoraConfig.targets = ('qkv_proj',)"],
+     "LoraConfig.targets: ['qkv_proj'] are not projections LoRA adapts"),
+    (["--gin", QUICKSTART_LORA, "--gin_param", "tiny.moe = @MoeConfig()",
+      "--gin_param", "MoeConfig.num_experts = 4", "--gin_param", "MoeConfig.experts_per_token = 2",
+      "--gin_param", "MoeConfig.expert_size = 8", "--gin_param", "MoeConfig.correction_bias = True",
+      "--gin_param", "MoeConfig.scoring = 'sigmoid'",
+      "--gin_param", "Objective.expert_bias_rate = 0.001"],
+     "keeps frozen in its base"),
     (["--gin", QUICKSTART, "--gin_param", "Objective.correction = @drop()"],
      "No configurable matching reference '@drop()'"),
     (["--gin", QUICKSTART, "--gin_param", "train.rollouts = @Ahead()",
@@ -148,6 +157,17 @@ def test_the_moe_quickstart_replays_the_engines_routing(tmp_path):
   assert step["routing_differs"] == 0.0
   assert 0.0 <= step["router_differs"] <= 1.0
   assert 0.0 < step["router_entropy"] <= np.log(8)
+
+
+def test_the_lora_quickstart_trains_adapters_over_the_frozen_warm_start(tmp_path):
+  """quickstart_lora.gin shrunk: the run trains rank-8 adapters and says how many."""
+  run_dir = tmp_path / "run"
+  result = run("--gin", QUICKSTART_LORA, "--gin", TINY, "--run_dir", str(run_dir),
+               "--gin_param", "Hooks.progress = False", "--gin_param", "RLConfig.num_steps = 1")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "trained parameters (rank 8, alpha 16) over a frozen base of" in result.stdout
+  records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+  assert next(r for r in records if "train_s" in r)["grad_norm"] > 0
 
 
 def test_long_context_config_runs_its_rl_step(tmp_path):
