@@ -39,7 +39,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import projections, quantize, transformer
+from models import quantize, transformer
 from models.config import (ROPE_SCALINGS, DynamicRope, Llama3Rope, LinearRope, MlaConfig,
                            ModelConfig, MoeConfig, RopeScaling, VisionConfig, YarnRope)
 
@@ -546,7 +546,7 @@ def _packed(t: _Tensor, stored: list[np.ndarray], quantization: str, shape, dtyp
             fname: str) -> quantize.Packed:
   """Projection `t`'s stored tensors (weight_shape dropped) as the quantize.Packed of a kernel
   of `shape`; CheckpointError when their shapes are not what that kernel packs to."""
-  inputs = projections.projection_inputs(t.path)
+  inputs = quantize.projection_inputs(t.path)
   expected = jax.eval_shape(lambda k: quantize.pack(k, quantization, inputs),
                             jax.ShapeDtypeStruct(shape, jnp.float32)).stored
   arrays = stored[:len(expected)]

@@ -90,13 +90,14 @@ class Adapted:
 
 
 def _kernels(params):
-  """(path of key strings, array) of every kernel LoRA could adapt in `params`."""
+  """(path of key strings, array, its input dims: quantize.projection_inputs, or None for a
+  mixture's experts) of every kernel LoRA could adapt in `params`."""
   is_packed = lambda x: isinstance(x, quantize.Packed)
   for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_packed)[0]:
     keys = tuple(k.key for k in path)
-    if keys[0].startswith("layers_") and (
-        (keys[-1] == "kernel" and keys[-2] in PROJECTIONS) or keys[-1].startswith(_EXPERTS)):
-      yield keys, leaf
+    inputs = quantize.projection_inputs(keys)
+    if inputs is not None or (keys[0].startswith("layers_") and keys[-1].startswith(_EXPERTS)):
+      yield keys, leaf, inputs
 
 
 def _target(keys) -> str:
@@ -115,23 +116,22 @@ def init_adapters(params, lora: LoraConfig, cfg: ModelConfig, key: jax.Array) ->
   targets no kernel of the model."""
   lora.check()
   adapters: dict = {}
-  kernels = [(keys, kernel) for keys, kernel in _kernels(params) if _target(keys) in lora.targets]
+  kernels = [kernel for kernel in _kernels(params) if _target(kernel[0]) in lora.targets]
   if not kernels:
     raise ValueError(f"LoRA: the model has no kernel among the targets {lora.targets}")
-  for (keys, kernel), k in zip(kernels, jax.random.split(key, len(kernels))):
-    shape = getattr(kernel, "shape")  # quantize.Packed keeps its kernel's shape too
-    if keys[-1].startswith(_EXPERTS):
+  for (keys, kernel, inputs), k in zip(kernels, jax.random.split(key, len(kernels))):
+    shape = kernel.shape  # a quantize.Packed keeps its kernel's shape too
+    if inputs is None:  # a mixture's experts [E, in, out]
       rank = max(1, lora.rank // cfg.moe.num_experts)
       experts, fan_in, fan_out = shape
       a_shape, b_shape = (experts, fan_in, rank), (experts, rank, fan_out)
     else:
-      inputs = 2 if keys[-2] == "o_proj" else 1  # o_proj's kernel is [heads, head_dim, hidden]
       rank, fan_in = lora.rank, math.prod(shape[:inputs])
       a_shape, b_shape = (*shape[:inputs], rank), (rank, *shape[inputs:])
     bound = 1.0 / math.sqrt(fan_in)
     _set(adapters, keys, Adapter(
         jax.random.uniform(k, a_shape, jnp.float32, -bound, bound),
-        jnp.zeros(b_shape, jnp.float32), lora.alpha / rank, keys[-1].startswith(_EXPERTS)))
+        jnp.zeros(b_shape, jnp.float32), lora.alpha / rank, inputs is None))
   return adapters
 
 
@@ -149,15 +149,6 @@ def attach(params, adapters):
 
 def _is_adapted(x) -> bool:
   return isinstance(x, Adapted)
-
-
-def adapters_of(params) -> dict:
-  """The Adapters of params that `attach` made, as init_adapters gives them."""
-  adapters: dict = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_adapted)[0]:
-    if isinstance(leaf, Adapted):
-      _set(adapters, tuple(k.key for k in path), leaf.adapter)
-  return adapters
 
 
 def base_of(params):

@@ -1,8 +1,8 @@
 """The decoder's projections: flax Dense layers that compute on their kernels rounded to
 `ModelConfig.weight_format` (quantization-aware training, models/quantize.py's formats, with
-straight-through gradients) and on a LoRA kernel as its base plus its adapter (models/lora.py), which params are a decoder layer's projections (what a quantized
-checkpoint stores quantized), holding them packed in a format and dequantizing them on the fly,
-and the SwiGLU MLP built from them (a dense layer's, and a mixture's shared experts).
+straight-through gradients) and on a LoRA kernel as its base plus its adapter
+(models/lora.py), holding them packed in a format and dequantizing them on the fly, and the
+SwiGLU MLP built from them (a dense layer's, and a mixture's shared experts).
 """
 
 import functools
@@ -61,20 +61,11 @@ def _promote_dtype(inputs, kernel, bias, dtype=None):
   return inputs, kernel.replace(kernel=base), bias
 
 
-def projection_inputs(path) -> int | None:
-  """How many leading (input) dims the kernel at params `path` (its keys) contracts, when it
-  is a decoder layer's projection (what a quantized checkpoint stores quantized), else None."""
-  if not (path[0].startswith("layers_") and path[-1] == "kernel"
-          and path[-2].endswith(("_proj", "_proj_with_mqa"))):
-    return None
-  return 2 if path[-2] == "o_proj" else 1  # o_proj's kernel is [heads, head_dim, hidden]
-
-
 def pack_projections(params, fmt: str):
   """`params` with every decoder layer's projection kernel held in weight format `fmt`
   (quantize.Packed): an engine's weights at rest, as a quantized checkpoint stores them."""
   def maybe_pack(path, x):
-    inputs = projection_inputs(tuple(k.key for k in path))
+    inputs = quantize.projection_inputs(tuple(k.key for k in path))
     return x if inputs is None else quantize.pack(x, fmt, inputs)
   return jax.tree_util.tree_map_with_path(maybe_pack, params)
 

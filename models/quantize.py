@@ -18,6 +18,8 @@ layout [out, in] (a flax kernel is its transpose), in jnp so that it runs under 
   `pack` / `unpack`), its arrays exactly a checkpoint's tensors of that projection.
 - `fake_quantize`: the round trip with straight-through gradients, so that a trainer's forward
   computes on the weights the engine holds (quantization-aware training).
+- `projection_inputs`: which params are a decoder layer's projections (what a quantized
+  checkpoint stores quantized, and what LoRA adapts) and how many input dims each contracts.
 """
 
 import functools
@@ -137,6 +139,15 @@ class Packed:
   shape: tuple = struct.field(pytree_node=False)
   contracted: int = struct.field(pytree_node=False)
   dtype: str = struct.field(pytree_node=False)
+
+
+def projection_inputs(path) -> int | None:
+  """How many leading (input) dims the kernel at params `path` (its keys) contracts, when it
+  is a decoder layer's projection (what a quantized checkpoint stores quantized), else None."""
+  if not (path[0].startswith("layers_") and path[-1] == "kernel"
+          and path[-2].endswith(("_proj", "_proj_with_mqa"))):
+    return None
+  return 2 if path[-2] == "o_proj" else 1  # o_proj's kernel is [heads, head_dim, hidden]
 
 
 def kernel_matrix(kernel, contracted: int):

@@ -516,6 +516,7 @@ def _check_lora(rl: RLConfig, cfg: ModelConfig, objective: Objective,
   if objective.expert_bias_rate:
     raise ConfigError(f"Objective.expert_bias_rate={objective.expert_bias_rate} moves the "
                       "router's correction bias, which a LoRA run keeps frozen in its base")
+
   def adapters():
     key = jax.random.PRNGKey(0)
     return lora_lib.init_adapters(transformer.init_params(cfg, key), rl.lora, cfg, key)
@@ -577,8 +578,10 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
   cleanup.callback(checkpointer.close)
   lora_cfg = context.config.lora
   parts = loop.Parts(context, rollouts, plan.loss, None, plan.reward, plan.advantage)
-  # A LoRA run's train state holds its adapters, fresh ones here (the shape to restore into).
-  trained = params if lora_cfg is None else _fresh_adapters(params, plan.cfg, lora_cfg, seed)
+  # A LoRA run's train state holds its adapters: fresh ones (they depend on the params'
+  # shapes alone), or the shape a resumed run's restore into.
+  trained = params if lora_cfg is None else lora_lib.init_adapters(
+      params, lora_cfg, plan.cfg, jax.random.PRNGKey(seed + 2))
   state = loop.init_state(trained, optimizer, parts, seed + 1)
   state = state.replace(train=place(state.train))
   summary_path = os.path.join(run_dir, "summary.json")
@@ -605,13 +608,12 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
     if summary["init_from"] is not None:
       say(f"starting from the params of {summary['init_from']} (no SFT warm start)")
     summary["sft_seconds"] = time.perf_counter() - started
-    if lora_cfg is not None:
+    if lora_cfg is None:
+      trained = params
+    else:
       parts = dataclasses.replace(parts, base=params)
-      trained = _fresh_adapters(params, plan.cfg, lora_cfg, seed)
       say(f"LoRA: {lora_lib.count(trained):,} trained parameters (rank {lora_cfg.rank}, alpha "
           f"{lora_cfg.alpha:g}) over a frozen base of {lora_lib.count(params):,}")
-    else:
-      trained = params
     state = state.replace(train=place(init_train_state(trained, optimizer)))
     start.keep(run_dir, params)
   engine = context.engine
@@ -632,11 +634,6 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
              state, checkpointer, loggers, summary, resumed, hooks.evaluation.records,
              cleanup=cleanup, label=f"{objective.loss} on {type(context.task).__name__}",
              samples=hooks.samples)
-
-
-def _fresh_adapters(params, cfg: ModelConfig, lora_cfg: lora_lib.LoraConfig, seed: int):
-  """A LoRA run's adapters at its first step, over base `params`."""
-  return lora_lib.init_adapters(params, lora_cfg, cfg, jax.random.PRNGKey(seed + 2))
 
 
 def _parts(run: Run, plan: _Plan, start: Start, optimizer, mesh: Optional[Mesh],
