@@ -443,6 +443,12 @@ def _tensors(cfg: ModelConfig) -> list[_Tensor]:
   return out
 
 
+def weight_paths(cfg: ModelConfig) -> dict[str, tuple]:
+  """{Hugging Face tensor name: its path in our params} of every tensor of `cfg`'s checkpoint;
+  a routed expert's path ends with its index into the stacked kernel."""
+  return {t.hf_name: t.path for t in _tensors(cfg)}
+
+
 def _vision_tensors(v: VisionConfig) -> list[_Tensor]:
   """Qwen2.5-VL's vision tower's tensors (`visual.*`, params under "visual")."""
   same = lambda x: x

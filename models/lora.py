@@ -52,6 +52,12 @@ class LoraConfig:
   alpha: float = 32.0
   targets: tuple[str, ...] = PROJECTIONS
 
+  @property
+  def attention_only(self) -> bool:
+    """Whether no MLP projection (dense, shared or routed expert) is adapted: what "LoRA
+    Without Regret" found underperforms in RL."""
+    return not set(self.targets) & {"gate_proj", "up_proj", "down_proj"}
+
   def check(self) -> None:
     """ValueError for a config that cannot adapt anything (init_adapters calls it)."""
     if self.rank < 1:

@@ -368,6 +368,12 @@ def load_policy(run_dir: str, like=None):
     want = jax.tree.map(lambda x: tuple(x.shape), like)
     got = jax.tree.map(lambda x: tuple(x.shape), params)
     if want != got:
+      keys = [path[-1] for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+      if all(getattr(key, "key", None) in ("a", "b") for key in keys):
+        raise ValueError(f"{run_dir} holds LoRA adapters (a LoRA run's checkpoints), not a "
+                         "model's params; starting from them is not supported yet (a LoRA run "
+                         "from a Hugging Face checkpoint exports its merged weights to "
+                         "run_dir/hf, a start of its own)")
       raise ValueError(f"the params in {run_dir} do not fit this model config (saved shapes "
                        f"{got}, expected {want})")
     params = jax.tree.map(lambda x, ref: jax.numpy.asarray(x, ref.dtype), params, like)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from models import distributed
+from models import distributed, hf_lora
 from rl import loop
 from rl import metrics as metrics_lib
 from rl import monitors as monitors_lib
@@ -233,24 +233,40 @@ class Summary(Hook):
 class Export(Hook):
   """At the end: the final params as a Hugging Face directory, run_dir/hf, written by
   `export(params, cfg, out_dir)` (rl.pretrained.HFCheckpoint.export: weights, config.json
-  and the starting checkpoint's tokenizer files)."""
+  and the starting checkpoint's tokenizer files). A LoRA run's are its merged weights, and its
+  adapters are also written as a PEFT directory, run_dir/hf_adapter (models/hf_lora.py), over
+  `base` (the starting checkpoint's path), or over its warm start's params, exported to
+  run_dir/hf_base, when those are the base."""
   every = 0
 
-  def __init__(self, export):
-    self.export = export
+  def __init__(self, export, base: str | None = None):
+    self.export, self.base = export, base
 
   def end(self, run) -> None:
-    # Every process gathers; a LoRA run exports its merged weights.
+    # Every process gathers; only the first writes.
     params = distributed.local_copy(loop.plain_policy(run.parts, run.state.train.params))
     if run.primary:
       path = self.export(params, run.cfg, os.path.join(run.run_dir, "hf"))
       run.say(f"final params exported to {path} (a Hugging Face checkpoint directory)")
+    if run.parts.base is None:
+      return
+    base = self.base
+    if base is None:
+      base_params = distributed.local_copy(run.parts.base)
+      if run.primary:
+        base = self.export(base_params, run.cfg, os.path.join(run.run_dir, "hf_base"))
+    adapters = distributed.local_copy(run.state.train.params)
+    if run.primary:
+      path = hf_lora.save_adapter(adapters, run.cfg, run.parts.context.config.lora,
+                                  os.path.join(run.run_dir, "hf_adapter"), base=base)
+      run.say(f"LoRA adapters exported to {path} (a PEFT directory over {base})")
 
 
-def standard(run, hooks, seed: int, export=None) -> list[Any]:
+def standard(run, hooks, seed: int, export=None, base: str | None = None) -> list[Any]:
   """The hooks every run has, in their order, from rl.trainer.Hooks `hooks`; `export`: the
-  Export hook's function, for a run from a pretrained checkpoint."""
+  Export hook's function, for a run from a pretrained checkpoint; `base`: that checkpoint's
+  path when it is also a LoRA run's base."""
   monitors = monitors_lib.defaults() if hooks.monitors is None else dict(hooks.monitors)
   return [Evaluate(hooks.evaluation, seed), Monitors(monitors, hooks.stop_on), Record(),
           Samples(hooks.samples_every), Checkpoint(hooks.checkpoint_every),
-          Progress(hooks.progress), *([Export(export)] if export else []), Summary()]
+          Progress(hooks.progress), *([Export(export, base)] if export else []), Summary()]

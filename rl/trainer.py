@@ -369,8 +369,8 @@ def build(run_dir: str, *, task, model: Callable[[int], ModelConfig], tokenizer=
   except BaseException:
     cleanup.close()
     raise
-  run.hooks = hooks_lib.standard(run, hooks, seed, pretrained and pretrained.export
-                                 ) + list(hooks.extra)
+  run.hooks = hooks_lib.standard(run, hooks, seed, pretrained and pretrained.export, (
+      start is pretrained or None) and pretrained.path) + list(hooks.extra)
   return run
 
 
@@ -614,6 +614,10 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
       parts = dataclasses.replace(parts, base=params)
       say(f"LoRA: {lora_lib.count(trained):,} trained parameters (rank {lora_cfg.rank}, alpha "
           f"{lora_cfg.alpha:g}) over a frozen base of {lora_lib.count(params):,}")
+      if lora_cfg.attention_only:
+        say("warning: LoRA adapts attention alone, which underperforms in RL (LoRA Without "
+            "Regret, Thinking Machines 2025); add gate_proj, up_proj and down_proj to "
+            "LoraConfig.targets")
     state = state.replace(train=place(init_train_state(trained, optimizer)))
     start.keep(run_dir, params)
   engine = context.engine

@@ -14,15 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
-from models import config, lora, projections, transformer
+from models import config, hf, hf_lora, lora, projections, transformer
 from models.config import MlaConfig, ModelConfig, MoeConfig
 from models.lora import LoraConfig
-from rl import ConfigError, trainer
+from rl import ConfigError, checkpoint, trainer
 from rl import hooks as hooks_lib
 from rl.checkpoint import Checkpointer
 from rl.config import RLConfig
 from rl.tasks.arithmetic import Arithmetic
+from tests.test_hf import _write_checkpoint
 
 MOE = MoeConfig(num_experts=4, experts_per_token=2, expert_size=24, shared_size=16)
 LATENT = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
@@ -113,6 +116,8 @@ def test_targets_ranks_and_scales_follow_the_config():
   only = lora.init_adapters(params, LoraConfig(rank=8, targets=("q_proj", "v_proj")), cfg,
                             jax.random.PRNGKey(1))
   assert set(only["layers_0"]) == {"self_attn"}
+  assert LoraConfig(targets=("q_proj", "v_proj")).attention_only
+  assert not LoraConfig().attention_only and not LoraConfig(targets=("down_proj",)).attention_only
   assert set(only["layers_0"]["self_attn"]) == {"q_proj", "v_proj"}
   assert lora.count(only) == 2 * (32 * 8 + 8 * 4 * 8 + 32 * 8 + 8 * 2 * 8)  # 2 kv heads
 
@@ -153,6 +158,73 @@ def test_a_quantized_base_takes_adapters(fmt):
   np.testing.assert_allclose(
       _logits(lora.attach(params, adapters), rounded, rows),
       _logits(lora.attach(dequantized, adapters), cfg, rows), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_tied", "qwen2_moe", "deepseek_v3"])
+def test_a_peft_export_loads_in_peft_over_transformers_with_our_logits(family, tmp_path):
+  """save_adapter writes a PEFT directory that peft 0.22 loads over the transformers model
+  (q/k/v/o and the MLP; a mixture's routed and shared experts, which peft fuses for
+  transformers 5; latent attention's four projections) to logits equal to ours with the
+  adapters attached; load_adapter reads it back to the same adapters, bit for bit (routed
+  experts at their own rank again)."""
+  import peft
+  import torch
+  model = _write_checkpoint(family, str(tmp_path / "base"))
+  cfg, params = hf.load(str(tmp_path / "base"))
+  lora_cfg = LoraConfig(rank=4, alpha=8.0)
+  adapters = _moved(lora.init_adapters(params, lora_cfg, cfg, jax.random.PRNGKey(1)), size=0.1)
+  out = hf_lora.save_adapter(adapters, cfg, lora_cfg, str(tmp_path / "adapter"),
+                             base=str(tmp_path / "base"))
+  tokens = np.arange(12)[None] * 7 % cfg.vocab_size
+  with torch.no_grad():
+    base_logits = model(torch.tensor(tokens)).logits.numpy()
+    adapted = peft.PeftModel.from_pretrained(model, out).eval()
+    theirs = adapted(torch.tensor(tokens)).logits.numpy()
+  ours = _logits(lora.attach(params, adapters), cfg,
+                 (jnp.asarray(tokens), jnp.arange(12)[None], jnp.ones((1, 12), jnp.int32)))
+  assert float(np.max(np.abs(theirs - base_logits))) > 0.1  # the adapter is applied
+  np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=1e-5)
+  back, back_cfg = hf_lora.load_adapter(out, cfg)
+  assert (back_cfg.rank, back_cfg.alpha) == (4, 8.0)
+  assert jax.tree.structure(back) == jax.tree.structure(adapters)  # ranks and scales too
+  jax.tree.map(np.testing.assert_array_equal, back, adapters)
+
+
+def test_bad_adapter_directories_name_what_is_wrong(tmp_path):
+  """rsLoRA (a scale SGLang does not apply), a missing half of a pair, a tensor no kernel of
+  the model has and a shape that does not fit are refused, each named."""
+  cfg = config.tiny(64, hidden_size=32, intermediate_size=48)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  lora_cfg = LoraConfig(rank=4, targets=("q_proj",))
+  good = hf_lora.save_adapter(lora.init_adapters(params, lora_cfg, cfg, jax.random.PRNGKey(1)),
+                              cfg, lora_cfg, str(tmp_path / "good"))
+
+  def altered(name, config=None, tensors=None):
+    """A copy of the good directory with its config and tensors changed."""
+    out = str(tmp_path / name)
+    os.makedirs(out)
+    with open(os.path.join(good, hf_lora.CONFIG)) as f:
+      written = json.load(f)
+    with open(os.path.join(out, hf_lora.CONFIG), "w") as f:
+      json.dump({**written, **(config or {})}, f)
+    with safe_open(os.path.join(good, hf_lora.WEIGHTS), "numpy") as f:
+      stored = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors(stored) if tensors else stored, os.path.join(out, hf_lora.WEIGHTS))
+    return out
+
+  with pytest.raises(ValueError, match="use_rslora=True; only plain LoRA"):
+    hf_lora.load_adapter(altered("rslora", {"use_rslora": True}), cfg)
+  b = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+  with pytest.raises(ValueError, match=f"{b} is missing"):
+    hf_lora.load_adapter(altered("half", tensors=lambda t: {k: v for k, v in t.items()
+                                                            if k != b}), cfg)
+  extra = "base_model.model.lm_head.lora_A.weight"
+  with pytest.raises(ValueError, match=f"fit no projection of this model config: .*{extra}"):
+    hf_lora.load_adapter(altered("extra", tensors=lambda t: {**t, extra: t[b]}), cfg)
+  with pytest.raises(ValueError, match=r"q_proj's A \(4, 32\) and B \(16, 4\) do not fit"):
+    hf_lora.load_adapter(altered("shape", tensors=lambda t: {**t, b: t[b][:16]}), cfg)
+  with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
+    hf_lora.load_adapter(str(tmp_path), cfg)
 
 
 TINY_LORA = RLConfig(prompts_per_step=4, samples_per_prompt=4, minibatches=2,
@@ -207,6 +279,8 @@ def test_a_lora_run_moves_only_its_adapters_and_resumes_exactly(tmp_path, capsys
   saved.close()
   assert sorted(np.shape(x) for x in jax.tree.leaves(held)) == sorted(
       np.shape(x) for x in jax.tree.leaves(adapters))
+  with pytest.raises(ValueError, match="holds LoRA adapters .* not supported yet"):
+    checkpoint.load_policy(whole, like=base)  # FromRun's read: refused, named
   split = str(tmp_path / "split")
   _lora_run(split, 2)
   resumed, *_ = _lora_run(split, 4)

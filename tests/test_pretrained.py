@@ -25,7 +25,7 @@ import pytest
 from safetensors import safe_open
 
 from experiments import tiny_checkpoint
-from models import transformer
+from models import hf, hf_lora, lora, transformer
 from models.tokenizer import ChatPrompts, HFTokenizer
 from rl import ConfigError
 from rl.checkpoint import Checkpointer
@@ -319,6 +319,39 @@ def test_rl_from_a_pretrained_qwen2_raises_accuracy_resumes_and_exports(competen
   assert "resuming from" in result.stdout and "at RL step 4" in result.stdout, result.stdout
   assert _raised_accuracy(run_dir)["init_from"] == checkpoint
   _export_is_the_runs_in_transformers(run_dir, checkpoint)
+
+
+@QWEN2
+def test_a_lora_run_from_a_pretrained_qwen2_exports_merged_weights_and_a_peft_adapter(
+    competent, tmp_path):
+  """Two LoRA steps of the tiny GRPO recipe (every projection adapted, rank 8, lr 10x the
+  recipe's): run_dir/hf holds the merged weights, run_dir/hf_adapter a PEFT directory over
+  the checkpoint; peft loads it over transformers' checkpoint to the merged export's logits,
+  which are ours of the checkpoint with the run's last adapters."""
+  import peft
+  import torch
+  import transformers
+  checkpoint, run_dir = competent("qwen2"), str(tmp_path / "run")
+  _runs_a_few_steps("grpo_math", checkpoint, run_dir, *FEW_PROMPTS, "--gin_param",
+                    "RLConfig.lora = @LoraConfig()", "--gin_param", "LoraConfig.rank = 8",
+                    "--gin_param", "RLConfig.learning_rate = 2e-3", records=8)
+  adapter_dir = os.path.join(run_dir, "hf_adapter")
+  with open(os.path.join(adapter_dir, hf_lora.CONFIG)) as f:
+    assert json.load(f)["base_model_name_or_path"] == checkpoint
+  assert not os.path.exists(os.path.join(run_dir, "hf_base"))  # the checkpoint is the base
+  tokens = torch.tensor(np.random.default_rng(0).integers(0, 100, (2, 20)))
+  with torch.no_grad():
+    merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "hf"))
+    want = merged.eval()(tokens).logits.numpy()
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    before = base(tokens).logits.numpy()
+    got = peft.PeftModel.from_pretrained(base, adapter_dir).eval()(tokens).logits.numpy()
+  assert float(np.max(np.abs(want - before))) > 1e-3  # the adapters moved
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  cfg, params = hf.load(checkpoint)
+  adapters, _ = hf_lora.load_adapter(adapter_dir, cfg)
+  np.testing.assert_allclose(_logits(lora.attach(params, adapters), cfg,
+                                     jnp.asarray(tokens.numpy())), want, atol=1e-4, rtol=0)
 
 
 # The group accuracy from which tiny/k15_qwen3.gin's length penalty applies, lowered from
