@@ -34,6 +34,12 @@ the runtime, fragmentation and, on one GPU, nothing else: the rollout engine is 
 bf16 weights, the KV cache in bf16) at the rows a recipe's `embedded_engine.kv_cache_gib`
 allows, on one device, beside the weights + KV cache it was sized by.
 
+`--parts lora`: LoRA against full fine-tuning (RLConfig.lora; models/lora.py: every
+projection adapted, a mixture's experts at rank // experts), the same GRPO step on one device
+(a LoRA run is not sharded yet) at the first of --tokens, for each rank of --lora (0: full
+fine-tuning): the train state (the adapters and their moments, beside the frozen base, which
+is also the reference: no second copy) and XLA's peak. Results go to OUT/memory_lora.json.
+
 The CPU compiler fuses and schedules differently from XLA:GPU and XLA:TPU, so the figures are
 an estimate of the same program's needs, not a measurement on the chip.
 """
@@ -51,7 +57,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from models import hf, sharding, transformer  # noqa: E402
+from models import hf, lora, sharding, transformer  # noqa: E402
 from rollouts import decoding, jax_engine  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from rl import loop, losses  # noqa: E402
@@ -146,16 +152,25 @@ def analytic(cfg: ModelConfig, tokens: int, mesh_shape: dict[str, int]) -> dict[
   }
 
 
-def compile_step(cfg: ModelConfig, tokens: int, mesh) -> dict[str, int]:
-  """XLA's memory analysis of the compiled train step on `mesh` (one device's bytes)."""
+def compile_step(cfg: ModelConfig, tokens: int, mesh, lora_rank: int = 0) -> dict[str, int]:
+  """XLA's memory analysis of the compiled train step on `mesh` (one device's bytes); with
+  `lora_rank`, a LoRA run's (alpha = rank), on one device: its train state the adapters', its
+  frozen base (the reference too) an argument never donated; plus "state": the train state's
+  bytes."""
   optimizer = loop.rl_optimizer(1e-6)
   loss = losses.bind("grpo", {})
   params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         params, sharding.param_shardings(params, mesh))
-  state = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
+  trained = params if not lora_rank else jax.eval_shape(lambda p: lora.init_adapters(
+      p, lora.LoraConfig(rank=lora_rank, alpha=float(lora_rank)), cfg, jax.random.PRNGKey(1)),
+      params)
+  state = jax.eval_shape(lambda p: init_train_state(p, optimizer), trained)
+  shardings = (sharding.state_shardings(state, optimizer, mesh) if not lora_rank else
+               jax.tree.map(lambda _: NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                            state))
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       state, sharding.state_shardings(state, optimizer, mesh))
+                       state, shardings)
   rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
   rows_spec = NamedSharding(mesh, sharding.spec((sharding.BATCH, sharding.SEQ), (rows, tokens),
                                                 mesh))
@@ -168,11 +183,12 @@ def compile_step(cfg: ModelConfig, tokens: int, mesh) -> dict[str, int]:
                      loss_mask=field(jnp.float32), old_logp=field(jnp.float32),
                      advantages=field(jnp.float32))
   step = make_train_step(cfg, optimizer, loss, logprob_chunk=LOGPROB_CHUNK,
-                         state_shardings=sharding.state_shardings(state, optimizer, mesh),
-                         donate_state=True)
+                         state_shardings=shardings, donate_state=True)
   with jax.set_mesh(mesh):
-    compiled = step.lower(state, batch, params).compile()
-  return _memory(compiled)
+    compiled = (step.lower(state, batch, params) if not lora_rank else
+                step.lower(state, batch, params, params)).compile()
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  return {**_memory(compiled), "state": state_bytes}
 
 
 # The embedded engine's decode of one batch of a recipe, at the rows its kv_cache_gib allows:
@@ -224,14 +240,26 @@ def main():
                       help="a mixture's expert capacity factor, or 'none' for dropless (whose "
                       "grouped products XLA:CPU lowers over every group: not the GPU's memory)")
   parser.add_argument("--parts", default="train,engine",
-                      help="train: the train step's table; engine: the embedded engine's")
+                      help="train: the train step's table; engine: the embedded engine's; "
+                      "lora: LoRA against full fine-tuning on one device")
+  parser.add_argument("--lora", default="0,32",
+                      help="--parts lora: the ranks compared (0: full fine-tuning)")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args()
   # Before JAX starts its backend (importing jax does not): the simulated devices.
-  devices = args.fsdp * args.tensor * args.context * args.expert
+  devices = 1 if args.parts == "lora" else args.fsdp * args.tensor * args.context * args.expert
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                              f"device_count={devices}")
   parts = args.parts.split(",")
+  if parts == ["lora"]:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "memory_lora.json")
+    with open(path, "w") as f:
+      json.dump({"results": lora_table(args)}, f, indent=1, default=str)
+    print(f"wrote {path}")
+    return
+  if "lora" in parts:
+    parser.error("--parts lora runs alone (one device)")
   results = train_table(args) if "train" in parts else []
   engine = engine_table() if "engine" in parts else []
   os.makedirs(args.out, exist_ok=True)
@@ -271,6 +299,33 @@ def train_table(args) -> list[dict]:
       print(f"{name:>13} {count / 1e9:6.2f}B {tokens:>7} {xla['peak'] / GIB:8.1f}Gi "
             f"{xla['temporaries'] / GIB:7.1f}Gi {by_hand}  "
             f"{', '.join(row['fits']) or 'none'}", flush=True)
+  return results
+
+
+def lora_table(args) -> list[dict]:
+  """The train step of each model at each rank of --lora (0: full fine-tuning), one device."""
+  mesh = sharding.make_mesh()
+  tokens = int(args.tokens.split(",")[0])
+  capacity = None if args.capacity_factor == "none" else float(args.capacity_factor)
+  print(f"RL train step (GRPO, bf16 compute, {args.param_dtype} master weights or frozen base, "
+        f"AdamW, remat full) on one device, one row of {tokens} tokens; LoRA rank 0 is full "
+        "fine-tuning")
+  print(f"{'model':>13} {'rank':>5} {'trained':>9} {'state':>9} {'XLA peak':>10} "
+        f"{'temps':>9}")
+  results = []
+  for name in args.models.split(","):
+    cfg = model_config(name, args.param_dtype, capacity)
+    for rank in (int(r) for r in args.lora.split(",")):
+      started = time.perf_counter()
+      xla = compile_step(cfg, tokens, mesh, rank)
+      trained = param_count(cfg) if not rank else lora.count(jax.eval_shape(
+          lambda p, r=rank: lora.init_adapters(p, lora.LoraConfig(rank=r), cfg,
+                                               jax.random.PRNGKey(1)),
+          jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.PRNGKey(0)))))
+      results.append({"model": name, "rank": rank, "tokens": tokens, "trained": trained,
+                      **xla, "compile_s": time.perf_counter() - started})
+      print(f"{name:>13} {rank:>5} {trained / 1e6:8.1f}M {xla['state'] / GIB:7.2f}Gi "
+            f"{xla['peak'] / GIB:8.1f}Gi {xla['temporaries'] / GIB:7.1f}Gi", flush=True)
   return results
 
 
