@@ -112,22 +112,27 @@ def _pattern(patterns: dict, module: str, default):
   return default
 
 
-def read_config(adapter_dir: str) -> lora.LoraConfig:
+def read_config(adapter_dir: str, as_sglang: bool = False) -> lora.LoraConfig:
   """The LoraConfig of PEFT directory `adapter_dir`. ValueError for what we cannot compute as
-  PEFT and SGLang would: another PEFT type, rsLoRA, DoRA, biases, fan_in_fan_out."""
+  PEFT and SGLang would: another PEFT type, rsLoRA, DoRA, biases, fan_in_fan_out
+  (`as_sglang`: another PEFT type and DoRA only, the rest ignored as SGLang ignores it)."""
   path = os.path.join(adapter_dir, CONFIG)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{adapter_dir}: no {CONFIG} (not a PEFT adapter directory)")
   with open(path) as f:
     config = json.load(f)
-  problems = [f"{key}={config.get(key)!r}" for key, want in (
-      ("peft_type", "LORA"), ("use_rslora", False), ("use_dora", False), ("bias", "none"),
-      ("fan_in_fan_out", False)) if config.get(key, want) != want]
+  checked = (("peft_type", "LORA"), ("use_dora", False)) + ((
+      ("use_rslora", False), ("bias", "none"), ("fan_in_fan_out", False)) if not as_sglang
+      else ())
+  problems = [f"{key}={config.get(key)!r}" for key, want in checked
+              if config.get(key, want) != want]
   if problems:
     raise ValueError(f"{path}: {', '.join(problems)}; only plain LoRA (alpha / r, no biases) "
                      "is supported, as SGLang computes it")
   targets = config["target_modules"]
-  if isinstance(targets, str):  # a regex or "all-linear": SGLang takes names only
+  if as_sglang and targets in ("all", "all-linear"):  # sglang srt/lora/utils.py L289-296
+    targets = lora.PROJECTIONS
+  if isinstance(targets, str):  # a regex: SGLang takes names, or "all" / "all-linear"
     raise ValueError(f"{path}: target_modules {targets!r}; a list of module names is needed")
   cfg = lora.LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
                         targets=tuple(sorted(targets)))
@@ -138,13 +143,15 @@ def read_config(adapter_dir: str) -> lora.LoraConfig:
   return cfg
 
 
-def load_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[dict, lora.LoraConfig]:
+def load_adapter(adapter_dir: str, cfg: ModelConfig, *,
+                 as_sglang: bool = False) -> tuple[dict, lora.LoraConfig]:
   """(adapters, LoraConfig) of PEFT directory `adapter_dir` for a model of `cfg`: the adapter
   tree models/lora.py attaches, in float32, each adapter's product PEFT's for its module
   (lora_alpha / r, or its rank_pattern / alpha_pattern entries; a routed expert's B unfolded
-  as `save_adapter` folds it). ValueError naming a tensor that fits no kernel of `cfg`, a
-  missing half of a pair, or a shape that does not fit."""
-  lora_cfg = read_config(adapter_dir)
+  as `save_adapter` folds it), or with `as_sglang` SGLang's, lora_alpha / r everywhere
+  (sglang srt/lora/lora.py L71; lora_config.py reads no pattern). ValueError naming a tensor
+  that fits no kernel of `cfg`, a missing half of a pair, or a shape that does not fit."""
+  lora_cfg = read_config(adapter_dir, as_sglang)
   with open(os.path.join(adapter_dir, CONFIG)) as f:
     config = json.load(f)
   path = os.path.join(adapter_dir, WEIGHTS)
@@ -172,8 +179,9 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[dict, lora.LoraCon
     if lora_a.shape[1] != math.prod(dims_in) or lora_b.shape != (math.prod(dims_out), rank):
       raise ValueError(f"{path}: {key}'s A {lora_a.shape} and B {lora_b.shape} do not fit "
                        f"its kernel {shape}")
-    peft_scale = (_pattern(config.get("alpha_pattern") or {}, module, lora_cfg.alpha)
-                  / _pattern(config.get("rank_pattern") or {}, module, lora_cfg.rank))
+    peft_scale = lora_cfg.alpha / lora_cfg.rank if as_sglang else (
+        _pattern(config.get("alpha_pattern") or {}, module, lora_cfg.alpha)
+        / _pattern(config.get("rank_pattern") or {}, module, lora_cfg.rank))
     if expert is None:
       adapters[kernel] = _ours(lora_a.T.reshape(*dims_in, rank),
                                lora_b.T.reshape(rank, *dims_out), peft_scale, lora_cfg.alpha)

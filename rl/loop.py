@@ -161,7 +161,7 @@ def rl_steps(state: LoopState, parts: Parts) -> Iterator[StepRecord]:
   parts.check()
   source = parts.rollouts
   if _engine_copies(parts):  # the engine's own copy
-    _sync(parts, state.train.params, int(state.step))
+    sync_engine(parts, state.train.params, int(state.step), parts.rollouts.concurrent)
   try:
     while True:
       step = int(state.step)
@@ -223,7 +223,7 @@ def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
   metrics.update(train_metrics)
   started = time.perf_counter()
   if (step + 1) % parts.context.config.weight_sync_every == 0:
-    _sync(parts, train.params, step + 1)
+    sync_engine(parts, train.params, step + 1, parts.rollouts.concurrent)
     parts.rollouts.synced(step + 1)
   metrics["weight_sync_s"] = time.perf_counter() - started
   if switch:
@@ -322,15 +322,24 @@ def plain_policy(parts: Parts, params):
 _merged = jax.jit(lambda base, adapters: lora.merge(lora.attach(base, adapters)))
 
 
-def _sync(parts: Parts, params, version: int) -> None:
-  """The engine gets the policy of train state params `params` (plain_policy) as `version`
-  (taking back the memory it released, in a hybrid deployment). With several processes, an
-  engine on each gets a whole copy of them; one that keeps the arrays it is given gets a copy
-  of its own when _engine_copies says so (merged ones are already its own)."""
+def sync_engine(parts: Parts, params, version: int, while_generating: bool = False) -> None:
+  """The engine gets the policy of train state params `params` as `version`, its requests in
+  flight aborted or, `while_generating`, finishing on the weights they started with (taking
+  back the memory it released, in a hybrid deployment): a LoRA run's adapters alone when the
+  engine takes adapters (Capabilities.adapters: servers), its base once; else plain_policy's
+  weights. With several processes, an engine on each gets a whole copy of them; one that
+  keeps the arrays it is given gets a copy of its own when _engine_copies says so (merged
+  ones are already its own)."""
   engine = parts.context.engine
+  if parts.base is not None and engine is not None and engine.capabilities.adapters:
+    adapters = distributed.local_copy(params)
+    distributed.checked(lambda: engine.update_adapters(
+        adapters, parts.context.config.lora, version,
+        base=lambda: distributed.local_copy(parts.base), while_generating=while_generating))
+    return
   whole = distributed.local_copy(plain_policy(parts, params))
   if (parts.base is None and _engine_copies(parts) and engine is not None
       and engine.capabilities.keeps_weight_arrays):
     whole = jax.tree.map(jnp.copy, whole)
   distributed.checked(lambda: engine and engine.update_weights(
-      whole, version=version, while_generating=parts.rollouts.concurrent))
+      whole, version=version, while_generating=while_generating))

@@ -402,6 +402,9 @@ def _plan(*, task, model, tokenizer, rl: RLConfig, objective: Objective, start, 
   for name in ("samples", "samples_every"):
     if getattr(hooks, name) < 0:
       raise ConfigError(f"Hooks.{name}={getattr(hooks, name)}: must be >= 0 (0: none)")
+  if hooks.checkpoint_every < 1:
+    raise ConfigError(f"Hooks.checkpoint_every={hooks.checkpoint_every}: must be >= 1 (the "
+                      "last step is always checkpointed too)")
   if hooks.wandb_project and importlib.util.find_spec("wandb") is None:
     raise ConfigError("Hooks.wandb_project needs the wandb package: pip install "
                       "'longrl[wandb]'")
@@ -620,11 +623,8 @@ def _start(run_dir: str, context: sources.Context, rollouts, plan: _Plan, params
             "LoraConfig.targets")
     state = state.replace(train=place(init_train_state(trained, optimizer)))
     start.keep(run_dir, params)
-  engine = context.engine
-  whole = distributed.local_copy(loop.plain_policy(parts, state.train.params))
-  # It was made with the random params. Every process joins the check's collective.
-  distributed.checked(lambda: engine is not None and engine.update_weights(
-      whole, int(state.step)))
+  # The engine was made with the random params (a LoRA run's: adapters and base, on servers).
+  loop.sync_engine(parts, state.train.params, int(state.step))
   objective = plan.objective
   loggers = loggers_lib.Loggers(
       run_dir, tensorboard=hooks.tensorboard and distributed.is_primary(),

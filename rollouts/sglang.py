@@ -47,11 +47,12 @@ from rollouts.engine import Completion, SamplingParams
 
 FINISH_TYPES = ("stop", "length", "abort")
 # The calls SGLang marks ADMIN_OPTIONAL, which take the admin key when the server has one
-# (srt/entrypoints/http_server.py L1025, L1300, L1575, L1587, L1721, L1831, L1844); the others
-# (/generate, /model_info, /server_info, /v1/loads) take the API key.
+# (srt/entrypoints/http_server.py L1025, L1300, L1575, L1587, L1652-1684, L1721, L1831,
+# L1844); the others (/generate, /model_info, /server_info, /v1/loads) take the API key.
 ADMIN_CALLS = frozenset({"/flush_cache", "/update_weights_from_disk",
                          "/release_memory_occupation", "/resume_memory_occupation",
-                         "/abort_request", "/pause_generation", "/continue_generation"})
+                         "/abort_request", "/pause_generation", "/continue_generation",
+                         "/load_lora_adapter", "/unload_lora_adapter"})
 # "1" in a reproducible run (rl.trainer.make_deterministic): servers must then honour seeds.
 DETERMINISTIC_ENV = "LONGRL_DETERMINISTIC"
 
@@ -88,6 +89,10 @@ class Request:
   affinity: int = 0
   sampling_seed: int | None = None
   images: RequestImages | None = None
+  # The LoRA adapter it runs on (its name on the servers: lora_path) and that adapter's
+  # version, which every token it makes is tagged with (a server's weight_version is its
+  # base's); None: the base.
+  adapter: tuple[str, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,8 @@ def request_body(request: Request, sampling: SamplingParams, *,
     body.update(return_routed_experts=True, routed_experts_start_len=0)
   if request.images is not None:
     body.update(image_data=list(request.images.data), return_prompt_token_ids=True)
+  if request.adapter is not None:  # GenerateReqInput.lora_path (io_struct.py L276-279)
+    body["lora_path"] = request.adapter[0]
   return body
 
 
@@ -500,6 +507,9 @@ class SGLangClient:
                                 np.zeros(0, np.int32))
       else:
         completion = parse_response(*sent, routes)
+        if request.adapter is not None:
+          completion = dataclasses.replace(completion, versions=np.full_like(
+              completion.versions, request.adapter[1]))
         if request.images is not None:
           check_expansion(*sent, request)
       results[index] = completion
@@ -644,6 +654,16 @@ class SGLangClient:
     if missing:
       raise ServerError(f"{needed_by} needs servers started with {flag}; "
                         f"{', '.join(missing)} were not")
+
+  def load_adapter(self, name: str, path: str) -> None:
+    """Every live worker loads PEFT directory `path` as LoRA adapter `name`
+    (/load_lora_adapter); ServerError naming a worker that refuses it, with its message."""
+    self._run(self._each("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path}))
+
+  def unload_adapter(self, name: str) -> None:
+    """Every live worker unloads adapter `name`, each once no request uses it (SGLang
+    unregisters it, then waits for them: tokenizer_control_mixin.py L634-657)."""
+    self._run(self._each("POST", "/unload_lora_adapter", {"lora_name": name}))
 
   def release_memory(self) -> float:
     """A hybrid deployment's switch to training: every worker pauses (mode abort: nothing

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from models import hf
+from models import hf, hf_lora
 from rollouts import image_data
 from rollouts import router as router_lib
 from rollouts.engine import Capabilities, Completion, SamplingParams
@@ -34,12 +34,15 @@ from rollouts.sglang import (DETERMINISTIC_ENV, Request, RequestImages, RoutesLa
 # model's 3 GiB of bf16 as 12 files, 4 at a time: bench/refit.py).
 EXPORT_SHARD_BYTES = 256 * 2**20
 EXPORT_WORKERS = 4
+# local_engine's servers load adapters of ranks up to this (our server holds an adapter
+# merged: no memory pool sized by it, as SGLang's is).
+LORA_MAX_RANK = 512
 
 # Requests are aborted by rid, weight syncs can let requests in flight finish, process 0
 # drives the servers for every process, the weights travel as files, and the servers can
 # release their memory between steps (started with --enable-memory-saver).
 CAPABILITIES = Capabilities(abort=True, pause=True, serves_all_processes=True,
-                            release_memory=True)
+                            release_memory=True, adapters=True)
 
 
 class Unservable(ValueError):
@@ -100,7 +103,9 @@ class SGLangEngine:
     (default: "longrl-" and 8 random hex digits, so that two trainers on one fleet never
     send the same rid: SGLang refuses a live one). `context_length`: the servers' (the most
     tokens a request may hold, SGLangClient.context_length), which the run's sequences must
-    fit (Capabilities.context_length)."""
+    fit (Capabilities.context_length). A LoRA run's adapters go alone (update_adapters), to
+    servers started with --enable-lora (ServerError at the first sync naming one that was
+    not)."""
     refused = refusals(cfg, weight_format)
     if refused:
       raise Unservable(refused)
@@ -117,6 +122,8 @@ class SGLangEngine:
     self.sync_seconds: list[float] = []
     self.processes = list(processes)
     self._memory_saver_checked = False
+    self.adapter: tuple[str, int] | None = None  # the adapter requests run on: (name, version)
+    self._adapters: list[str] = []  # the names loaded on the servers, oldest first
 
   @property
   def version(self) -> int:
@@ -147,7 +154,7 @@ class SGLangEngine:
     keys = affinity if affinity is not None else [hash(tuple(p)) & 0x7FFFFFFF for p in prompts]
     sent = self._images(prompts, images) if images is not None else [None] * len(prompts)
     return [Request(rid=f"{prefix}{i}", max_new_tokens=int(n), affinity=int(key),
-                    sampling_seed=(seed * 1_000_003 + i) % 2**31,
+                    sampling_seed=(seed * 1_000_003 + i) % 2**31, adapter=self.adapter,
                     input_ids=tuple(p) if ims is None else
                     tuple(image_data.collapse(p, ims.image_token_id)), images=ims)
             for i, (p, n, key, ims) in enumerate(zip(prompts, max_new_tokens, keys, sent))]
@@ -273,6 +280,43 @@ class SGLangEngine:
         process.kill()
     self.processes = []
 
+  def update_adapters(self, adapters, lora, version: int, *, base: Callable[[], Any],
+                      while_generating: bool = False) -> float:
+    """A LoRA run's sync: `adapters` (models/lora.py's tree, of LoraConfig `lora`) written as
+    a PEFT directory weights_dir/a<version> and loaded by every server under a name of this
+    version's own, `rid_prefix`-v<version> (SGLang reloads a name it held before from that
+    name's last path, so that a name unloaded and loaded again races with the requests
+    naming it: docs/sglang.md 3(n)); every request from now on names it, and its tokens are
+    tagged with `version`. The frozen base (`base()`) goes to the servers as full weights
+    first, once (and again after they released their memory: RLConfig.hybrid). Requests in flight are aborted, or, `while_generating`, finish on the
+    adapter they started with. The keep_versions newest adapters stay loaded; an older one is
+    unloaded (each server returns once no request uses it) and its directory removed. Returns
+    the seconds."""
+    started = time.perf_counter()
+    if self.adapter is None:  # the servers hold the start's weights, not yet the base
+      self.client.check_started_with("--enable-lora", "a LoRA run's adapter syncs "
+                                     "(RLConfig.lora)")
+    if self.adapter is None or self.client.released:  # or released it (a hybrid step)
+      self.update_weights(base(), version, while_generating=while_generating)
+      self.sync_seconds.pop()  # counted in this sync's
+    name = f"{self.rid_prefix}-v{version}"
+    path = hf_lora.save_adapter(adapters, self.cfg, lora,
+                                os.path.join(self.weights_dir, f"a{version:06d}"))
+    if not while_generating:
+      self.client.abort_all()
+    self.client.load_adapter(name, path)
+    self.adapter, self._version = (name, version), version
+    self._adapters.append(name)
+    while len(self._adapters) > self.keep_versions:
+      self.client.unload_adapter(self._adapters.pop(0))
+    kept = {f"a{int(n.rsplit('-v', 1)[1]):06d}" for n in self._adapters}
+    for stale in os.listdir(self.weights_dir):
+      if stale.startswith("a") and stale not in kept:
+        shutil.rmtree(os.path.join(self.weights_dir, stale), ignore_errors=True)
+    seconds = time.perf_counter() - started
+    self.sync_seconds.append(seconds)
+    return seconds
+
   def update_weights(self, params, version: int, *, while_generating: bool = False) -> float:
     """Export, sync every server, and return the seconds the whole update took. Requests in
     flight are aborted, or, `while_generating`, finish on the old weights first."""
@@ -301,7 +345,9 @@ def remote_engine(cfg, params, version: int, *, urls: Sequence[str] = (),
   SGLangEngine; 'int4' is refused before any server is asked: `refusals`). The servers'
   --api-key and --admin-api-key, if they have them, come from the environment
   (LONGRL_SGLANG_API_KEY, LONGRL_SGLANG_ADMIN_API_KEY: SGLangClient), so that no key is
-  written into a run's config.gin."""
+  written into a run's config.gin. A LoRA run syncs its adapters alone
+  (SGLangEngine.update_adapters): start the servers with --enable-lora, a --max-lora-rank
+  at least its rank and --lora-target-modules covering its targets."""
   if not urls or not weights_dir:
     raise ValueError("remote_engine needs urls (the SGLang workers) and weights_dir (a "
                      "directory they share with the trainer)")
@@ -353,7 +399,9 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
   (SGLangEngine), the starting weights included: from `checkpoint` too they start from its
   quantized export, the quantization being fixed when a server starts; "int4" is refused,
   as it is for SGLang (refusals). A mixture of experts' servers start
-  with --enable-return-routed-experts (rollout routing replay)."""
+  with --enable-return-routed-experts (rollout routing replay). They start ready for a LoRA
+  run's adapters (--enable-lora, ranks up to LORA_MAX_RANK, every projection), which it
+  syncs alone (SGLangEngine.update_adapters)."""
   refused = refusals(cfg, weight_format)
   if refused:
     raise Unservable(refused)
@@ -370,7 +418,9 @@ def local_engine(cfg, params, version: int, *, servers: int = 1, weights_dir: st
       process, url = launch(["--hf_checkpoint", start, "--weight_version", str(version),
                              "--max_batch", str(max_batch), "--dtype", export_dtype,
                              *(["--enable-memory-saver"] if memory_saver else []),
-                             *(["--enable-return-routed-experts"] if cfg.moe else [])],
+                             *(["--enable-return-routed-experts"] if cfg.moe else []),
+                             "--enable-lora", "--max-lora-rank", str(LORA_MAX_RANK),
+                             "--lora-target-modules", "all"],
                             cores=cores)
       processes.append(process)
       urls.append(url)

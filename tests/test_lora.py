@@ -286,3 +286,34 @@ def test_a_lora_run_moves_only_its_adapters_and_resumes_exactly(tmp_path, capsys
   resumed, *_ = _lora_run(split, 4)
   assert "resuming from" in capsys.readouterr().out
   jax.tree.map(np.testing.assert_array_equal, resumed, adapters)
+
+
+@pytest.mark.slow
+def test_a_lora_run_through_servers_syncs_adapters_and_generates_with_them(tmp_path):
+  """Through our server as a subprocess (local_engine): the warm start's base goes once, then
+  each step's adapters alone under a name of their version, which every request names: the
+  engine's log-probs are the trainer's recomputation under the adapters (a request on the
+  base would differ by the adapters' update); the two newest versions stay loaded."""
+  import httpx
+  from rollouts.sglang_engine import local_engine
+  run = trainer.build(
+      str(tmp_path / "run"), task=Arithmetic(digits=1, num_train=500, num_test=16),
+      model=lambda vocab: config.tiny(vocab, hidden_size=32, intermediate_size=64),
+      rl=dataclasses.replace(TINY_LORA, num_steps=3, learning_rate=1e-2,
+                            prompts_per_step=8, samples_per_prompt=8),
+      objective=trainer.Objective(loss="grpo"), start=trainer.WarmStart(steps=400, batch_size=16),
+      engine=functools.partial(local_engine, weights_dir=str(tmp_path / "weights")),
+      hooks=trainer.Hooks(evaluation=trainer.Evaluation(records=16), checkpoint_every=10,
+                          progress=False, tensorboard=False))
+  try:
+    engine = run.parts.context.engine
+    hooks_lib.drive(run)
+    prefix = engine.rid_prefix
+    assert engine.adapter == (f"{prefix}-v3", 3)
+    cards = httpx.get(engine.client.urls[0] + "/v1/models", timeout=30).json()["data"]
+    assert [c["id"] for c in cards[1:]] == [f"{prefix}-v2", f"{prefix}-v3"]
+  finally:
+    run.close()
+  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
+  assert len(records) == 3 and max(r["grad_norm"] for r in records) > 0
+  assert max(r["engine_logp_diff_max"] for r in records) < 1e-4, records

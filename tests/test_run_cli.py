@@ -59,6 +59,8 @@ def run(*args, env_extra=None):
       "--gin_param", "MoeConfig.scoring = 'sigmoid'",
       "--gin_param", "Objective.expert_bias_rate = 0.001"],
      "keeps frozen in its base"),
+    (["--gin", QUICKSTART, "--gin_param", "Hooks.checkpoint_every = 0"],
+     "Hooks.checkpoint_every=0: must be >= 1"),
     (["--gin", QUICKSTART, "--gin_param", "Objective.correction = @drop()"],
      "No configurable matching reference '@drop()'"),
     (["--gin", QUICKSTART, "--gin_param", "train.rollouts = @Ahead()",

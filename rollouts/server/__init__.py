@@ -9,6 +9,9 @@ Its rooms:
                   in batches (rollouts/decoding.py's programs), so that abort, pause and
                   weight updates take effect between tokens; the prefix cache; memory release
   http_server.py  the endpoints over http.server, their keys, `serve` (one in this process)
+  adapters.py     LoRA adapters as SGLang serves them (--enable-lora): loads from PEFT
+                  directories, requests naming them, unloads waiting for their requests,
+                  reloads, eviction
   main.py         the command line (`python -m rollouts.server`), loading a model to serve,
                   `launch` (one as a subprocess)
 The engine factory that starts servers as subprocesses for a run is
@@ -20,8 +23,9 @@ stream, return_logprob), /abort_request (a live rid, or all; partial output),
 /pause_generation (abort, retract, in_place), /continue_generation, /update_weights_from_disk,
 /update_weight_version, /flush_cache, /release_memory_occupation, /resume_memory_occupation (a
 hybrid deployment's turns: weights and KV cache freed while the trainer runs), /model_info,
-/server_info, /health, /health_generate, /ready, /v1/loads, and return_routed_experts (a
-mixture's, with --enable-return-routed-experts). It behaves as SGLang where a client can go
+/server_info, /health, /health_generate, /ready, /v1/loads, /v1/models, return_routed_experts
+(a mixture's, with --enable-return-routed-experts), and with --enable-lora
+/load_lora_adapter, /unload_lora_adapter and /generate's lora_path (adapters.py). It behaves as SGLang where a client can go
 wrong (docs/sglang.md, section 3): an unknown rid's abort does nothing, a live rid is refused,
 the entry at logprob_start_len is null, /health generates (so it blocks while paused or
 updating), requests arriving while paused or updating wait outside the scheduler,

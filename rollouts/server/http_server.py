@@ -22,7 +22,9 @@ from rollouts.server.protocol import (BadRequest, InternalError, Request, Reques
                                       SchedulerCrash, body_rids, context_error,
                                       derived_context_length, expand_request, memory_tags,
                                       response)
+from rollouts.server.adapters import NOT_ENABLED, AdapterError, Adapters, lora_names
 from rollouts.server.scheduler import Scheduler
+
 
 class Handler(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"
@@ -135,7 +137,8 @@ class Server(http.server.ThreadingHTTPServer):
     get = {"/health": self.health, "/health_generate": self.health, "/ready": self.ready,
            "/model_info": self.model_info, "/get_model_info": self.model_info,
            "/server_info": self.server_info, "/get_server_info": self.server_info,
-           "/v1/loads": self.v1_loads, "/flush_cache": self.flush_cache}
+           "/v1/loads": self.v1_loads, "/flush_cache": self.flush_cache,
+           "/v1/models": self.v1_models}
     post = {"/generate": self.generate, "/abort_request": self.abort_request,
             "/pause_generation": self.pause_generation,
             "/continue_generation": self.continue_generation,
@@ -143,7 +146,9 @@ class Server(http.server.ThreadingHTTPServer):
             "/update_weight_version": self.update_weight_version,
             "/flush_cache": self.flush_cache,
             "/release_memory_occupation": self.release_memory_occupation,
-            "/resume_memory_occupation": self.resume_memory_occupation}
+            "/resume_memory_occupation": self.resume_memory_occupation,
+            "/load_lora_adapter": self.load_lora_adapter,
+            "/unload_lora_adapter": self.unload_lora_adapter}
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
       get[path] = post[path]  # GET or POST, as SGLang's (http_server.py L1575-1595)
     return get if method == "GET" else post
@@ -189,8 +194,69 @@ class Server(http.server.ThreadingHTTPServer):
                   "enable_memory_saver": s.memory_saver,
                   "enable_weights_cpu_backup": s.weights_cpu_backup,
                   "enable_return_routed_experts": s.return_routed_experts,
-                  "context_length": self.context_length,
+                  "context_length": self.context_length, **self._lora_info(),
                   "internal_states": [s.loads()], "version": "0.5.23 (longrl embedded)"})
+
+  def _lora_info(self) -> dict:
+    """/server_info's LoRA settings: the start-up ones, never the adapters loaded since
+    (SGLang's are its server args: server_args.py L316-333)."""
+    a = self.scheduler.adapters
+    return {"enable_lora": a is not None, "max_lora_rank": a and a.max_rank,
+            "lora_target_modules": a and list(a.targets),
+            "lora_paths": a.startup if a else None,
+            "max_loaded_loras": a and a.max_loaded, "max_loras_per_batch": a.max_per_batch
+            if a else 8, "lora_eviction_policy": "lru", "lora_backend": "csgmv"}
+
+  def v1_models(self, h: Handler):
+    """The served model's card, then one per adapter loaded now (http_server.py
+    L1993-2023)."""
+    created = int(time.time())
+    card = lambda id_, root, parent: {"id": id_, "object": "model", "created": created,
+                                      "owned_by": "sglang", "root": root, "parent": parent,
+                                      "max_model_len": None}
+    cards = [{**card(self.served_model_name, self.served_model_name, None),
+              "max_model_len": self.context_length}]
+    if self.scheduler.adapters is not None:
+      cards += [card(name, path, self.served_model_name)
+                for name, path in self.scheduler.adapters.loaded().items()]
+    h._send(200, {"object": "list", "data": cards})
+
+  def _lora_call(self, h: Handler, required: tuple[str, ...], call) -> None:
+    """A LoRA load or unload answered as SGLang answers it: 200 with success true, 400 with
+    success false and the message (both with the adapters then loaded; null when LoRA is
+    off), FastAPI's 400 for a body without a required field (http_server.py L635-690,
+    L1652-1684; io_struct.py L2572-2580)."""
+    body = h._body()
+    missing = [key for key in required if not isinstance(body.get(key), str)]
+    if missing:
+      h._send(400, {"object": "error", "message": f"Object missing required field `"
+                    f"{missing[0]}`", "type": "Bad Request", "param": None, "code": 400})
+      return
+    adapters = self.scheduler.adapters
+    reply = {"rid": None, "http_worker_ipc": None}
+    if adapters is None:
+      h._send(400, {**reply, "success": False, "error_message": NOT_ENABLED,
+                    "loaded_adapters": None})
+      return
+    try:
+      call(adapters, body)
+    except AdapterError as e:
+      h._send(400, {**reply, "success": False, "error_message": str(e),
+                    "loaded_adapters": adapters.loaded()})
+      return
+    h._send(200, {**reply, "success": True, "error_message": "",
+                  "loaded_adapters": adapters.loaded()})
+
+  def load_lora_adapter(self, h: Handler):
+    """{lora_name, lora_path, pinned}: Adapters.load over the weights served now."""
+    self._lora_call(h, ("lora_name", "lora_path"), lambda adapters, body: adapters.load(
+        body["lora_name"], body["lora_path"], bool(body.get("pinned", False)),
+        self.scheduler.params))
+
+  def unload_lora_adapter(self, h: Handler):
+    """{lora_name}: Adapters.unload, which waits for the requests using it."""
+    self._lora_call(h, ("lora_name",),
+                    lambda adapters, body: adapters.unload(body["lora_name"]))
 
   def v1_loads(self, h: Handler):
     h._send(200, {"timestamp": time.time(), "dp_rank_count": 1,
@@ -214,7 +280,14 @@ class Server(http.server.ThreadingHTTPServer):
         error = context_error(r, self.context_length)
         if error:
           raise RequestError(error)
-      self.scheduler.submit(requests)
+      self._name_adapters(body, requests)
+      try:
+        self.scheduler.submit(requests)
+      except BaseException:
+        for r in requests:
+          if r.adapter is not None:
+            self.scheduler.adapters.release(r.adapter)
+        raise
     finally:
       self.scheduler.unregister(rids)
     if body.get("stream"):
@@ -229,6 +302,24 @@ class Server(http.server.ThreadingHTTPServer):
       return
     outputs = [response(r, self.scheduler.weight_version) for r in requests]
     h._send(200, outputs if as_list else outputs[0])
+
+  def _name_adapters(self, body: dict, requests: list[Request]) -> None:
+    """Each request's LoRA adapter, from the body's lora_path (adapters.lora_names), counted
+    in flight (Adapters.acquire); RequestError as SGLang's (tokenizer_manager.py
+    L3723-3797)."""
+    ids = body["input_ids"]  # expand_request checked it
+    prompts = len(ids) if isinstance(ids[0], list) else 1
+    names = lora_names(body, prompts, len(requests) // prompts)
+    if not any(names):
+      return
+    adapters = self.scheduler.adapters
+    if adapters is None:
+      first = next(name for name in names if name)
+      raise RequestError(f"LoRA adapter '{first}' was requested, but LoRA is not enabled. "
+                         "Please launch the server with --enable-lora flag and preload "
+                         "adapters using --lora-paths or /load_lora_adapter endpoint.")
+    for r, served in zip(requests, adapters.acquire(names, self.scheduler.params)):
+      r.adapter = served
 
   def _stream(self, h: Handler, requests: list[Request], as_list: bool):
     """Server-sent events with cumulative chunks, then [DONE] (SGLang's default)."""
@@ -336,17 +427,25 @@ class Server(http.server.ThreadingHTTPServer):
 
 def serve(cfg: ModelConfig, params, *, host: str = "127.0.0.1", port: int = 0,
           warmup_len: int = 0, context_length: int | None = None, api_key: str | None = None,
-          admin_api_key: str | None = None, **scheduler_options) -> Server:
+          admin_api_key: str | None = None, lora: dict | None = None,
+          lora_paths: dict[str, str] | None = None, **scheduler_options) -> Server:
   """A running server (on a background thread); `server.server_address` has the port.
   With warmup_len > 0, every batch shape for requests of up to that many tokens is compiled
   first (Scheduler.warmup). `context_length`: requests above it are refused as SGLang
   refuses them (context_error; default as SGLang derives it from the config.json the model
   has or would export: derived_context_length). `api_key`, `admin_api_key`: SGLang's
-  --api-key and --admin-api-key (Server.refuses). `scheduler_options`: Scheduler's
+  --api-key and --admin-api-key (Server.refuses). `lora`: LoRA on (SGLang's --enable-lora),
+  with Adapters' options (max_rank, targets, max_loaded, max_per_batch), and `lora_paths`
+  {name: PEFT directory} loaded first (--lora-paths). `scheduler_options`: Scheduler's
   (weight_version, model_path, max_batch, deterministic, memory_saver and
   weights_cpu_backup for its release_memory, return_routed_experts: a mixture's routes are
   recorded for requests that ask)."""
-  scheduler = Scheduler(cfg, params, **scheduler_options)
+  adapters = None if lora is None else Adapters(cfg, **lora)
+  for name, path in (lora_paths or {}).items():
+    adapters.load(name, path, False, params)
+    adapters.startup.append({"lora_id": adapters.registry[name].lora_id, "lora_name": name,
+                             "lora_path": path, "pinned": False})
+  scheduler = Scheduler(cfg, params, adapters=adapters, **scheduler_options)
   if warmup_len > 0:
     scheduler.warmup(warmup_len)
   if context_length is None:

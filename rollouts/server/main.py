@@ -7,6 +7,9 @@ starts one as a subprocess and waits until it accepts connections.
                            [--enable-memory-saver] [--enable-weights-cpu-backup]
                            [--enable-return-routed-experts] [--context-length N]
                            [--api-key KEY] [--admin-api-key KEY]
+                           [--enable-lora --max-lora-rank R --lora-target-modules M ...
+                            --lora-paths NAME=DIR ... --max-loaded-loras N
+                            --max-loras-per-batch N]
   python -m experiments.serve --gin FILE [--gin_param B] [the options above]
 
 (the second serves a model bound in gin, e.g. `load_model.model = @tiny`: gin is the entry
@@ -29,9 +32,10 @@ from typing import Any, Sequence
 
 import jax
 
-from models import hf, transformer
+from models import hf, hf_lora, transformer
 from models.config import ModelConfig
 from rollouts import sglang
+from rollouts.server.adapters import TARGET_MODULES
 from rollouts.server.http_server import serve
 
 def served_dtype(config: dict, dtype: str) -> str:
@@ -109,6 +113,22 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--admin-api-key", "--admin_api_key", default=None,
                       help="SGLang's --admin-api-key: the control calls need it (and no "
                       "longer take the API key)")
+  # LoRA: SGLang's flags (sglang srt/arg_groups/fields/lora.py L34-112; rollouts/server/adapters.py)
+  parser.add_argument("--enable-lora", "--enable_lora", action="store_true",
+                      help="serve LoRA adapters (/load_lora_adapter; on with --lora-paths)")
+  parser.add_argument("--max-lora-rank", "--max_lora_rank", type=int, default=None,
+                      help="the largest rank a loaded adapter may have")
+  parser.add_argument("--lora-target-modules", "--lora_target_modules", nargs="+",
+                      default=None, choices=[*TARGET_MODULES, "all"], metavar="MODULE",
+                      help="the projections a loaded adapter may adapt (or all)")
+  parser.add_argument("--lora-paths", "--lora_paths", nargs="+", default=None,
+                      metavar="NAME=DIR", help="adapters loaded at start (PEFT directories)")
+  parser.add_argument("--max-loaded-loras", "--max_loaded_loras", type=int, default=None,
+                      help="adapters held at most: a load past it evicts the least recently "
+                      "used unpinned one")
+  parser.add_argument("--max-loras-per-batch", "--max_loras_per_batch", type=int, default=8,
+                      help="SGLang's adapter slots, the base's included (at most this minus "
+                      "one adapters pinned)")
   parser.add_argument("--exit_with_parent", action="store_true",
                       help="stop when the process that started this one exits (launch sets it)")
   return parser
@@ -128,6 +148,7 @@ def main(argv=None, *, load=None):
       os._exit(0)
 
     threading.Thread(target=watch, daemon=True).start()
+  lora, lora_paths = _lora_options(parser, args)
   dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
   if args.hf_checkpoint:
     cfg, params, path = load_model(hf_checkpoint=args.hf_checkpoint, dtype=dtype)
@@ -146,7 +167,7 @@ def main(argv=None, *, load=None):
                  weights_cpu_backup=args.enable_weights_cpu_backup,
                  return_routed_experts=args.enable_return_routed_experts,
                  context_length=args.context_length, api_key=args.api_key,
-                 admin_api_key=args.admin_api_key)
+                 admin_api_key=args.admin_api_key, lora=lora, lora_paths=lora_paths)
   server.scheduler.on_crash = lambda: os._exit(1)  # as SGLang's server goes down
   del params  # the scheduler's is then the only reference: a release frees the weights
   host, port = server.server_address[:2]
@@ -155,6 +176,34 @@ def main(argv=None, *, load=None):
     threading.Event().wait()
   except KeyboardInterrupt:
     pass
+
+
+def _lora_options(parser, args) -> tuple[dict | None, dict[str, str]]:
+  """serve()'s `lora` and `lora_paths` from the command line, as SGLang checks them at start
+  (sglang srt/arg_groups/lora_hook.py): --lora-paths turns LoRA on; without them
+  --max-lora-rank and --lora-target-modules are required, else they default to the largest
+  rank and every target of the adapters given."""
+  paths = {}
+  for item in args.lora_paths or ():
+    name, sep, path = item.partition("=")
+    paths[name if sep else os.path.basename(os.path.normpath(item))] = path if sep else item
+  if not (args.enable_lora or paths):
+    return None, {}
+  if not paths and (not args.max_lora_rank or not args.lora_target_modules):
+    parser.error("--enable-lora without --lora-paths needs --max-lora-rank and "
+                 "--lora-target-modules (SGLang asserts both at start)")
+  if args.lora_target_modules and "all" in args.lora_target_modules and len(
+      args.lora_target_modules) > 1:
+    parser.error("--lora-target-modules: 'all' stands alone")
+  configs = [hf_lora.read_config(path, as_sglang=True) for path in paths.values()]
+  rank = args.max_lora_rank or max(c.rank for c in configs)
+  targets = args.lora_target_modules or sorted({t for c in configs for t in c.targets})
+  if args.max_loaded_loras is not None and args.max_loaded_loras < max(
+      args.max_loras_per_batch, len(paths)):
+    parser.error("--max-loaded-loras must be at least --max-loras-per-batch and the number "
+                 "of --lora-paths")
+  return {"max_rank": rank, "targets": targets, "max_loaded": args.max_loaded_loras,
+          "max_per_batch": args.max_loras_per_batch}, paths
 
 
 def launch(args: list[str], *, timeout: float = 300.0, env: dict | None = None,

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Sequence
+from typing import Any, Sequence
 
 from models import vision
 from models.config import VisionConfig
@@ -116,6 +116,7 @@ class Request:
   images: list = dataclasses.field(default_factory=list)
   image_key: tuple[str, ...] = ()
   return_prompt_token_ids: bool = False  # the response carries input_ids, as expanded
+  adapter: Any = None  # the LoRA adapter it names (adapters.Served), None: the base
   started: float = dataclasses.field(default_factory=time.time)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
 

@@ -71,8 +71,10 @@ def _prefix_key(r: Request, fed: int) -> tuple:
   """What the prefix cache keeps `r`'s input and first `fed` generated tokens under: the
   tokens, then its images' digests (the same ids with other images are another prefix; SGLang
   keys image tokens by their image's hash: schedule_batch.py
-  MultimodalDataItem.pad_value)."""
-  return tuple(r.input_ids) + tuple(r.tokens[:fed]) + r.image_key
+  MultimodalDataItem.pad_value), then its LoRA adapter's id (SGLang's extra_key:
+  schedule_batch.py L1165-1170)."""
+  adapter = () if r.adapter is None else (r.adapter.lora_id,)  # a version of its own
+  return tuple(r.input_ids) + tuple(r.tokens[:fed]) + r.image_key + adapter
 
 
 def _layout(r: Request) -> tuple[int, int]:
@@ -95,8 +97,9 @@ class Scheduler:
   def __init__(self, cfg: ModelConfig, params, *, weight_version: str = "default",
                model_path: str = "", max_batch: int = 64, deterministic: bool = False,
                memory_saver: bool = False, weights_cpu_backup: bool = False,
-               return_routed_experts: bool = False):
+               return_routed_experts: bool = False, adapters=None):
     self.cfg, self.params = cfg, params
+    self.adapters = adapters  # rollouts.server.adapters.Adapters with --enable-lora, or None
     self.serves_int4 = any(isinstance(leaf, quantize.Packed) and leaf.fmt == "int4" for leaf in
                            jax.tree.leaves(params, is_leaf=lambda x: isinstance(
                                x, quantize.Packed)))
@@ -186,10 +189,15 @@ class Scheduler:
         while (self.paused or self.updating) and not self.stopped:
           self.lock.wait()
         self._check_not_released("a prefill")
-        params = self.params
-      # Deterministic, each alone: its shapes (and top-k or not) then depend on it only.
-      for group in ([[r] for r in scored] if self.deterministic else [scored]):
-        self._score(params, group)
+        weights = {id(r.adapter): self._weights(r) for r in scored}
+      # By adapter; deterministic, each alone: its shapes (and top-k or not) then depend on
+      # it only.
+      by_adapter: dict = {}
+      for r in scored:
+        by_adapter.setdefault(id(r.adapter), []).append(r)
+      for key, group in by_adapter.items():
+        for part in ([[r] for r in group] if self.deterministic else [group]):
+          self._score(weights[key], part)
     with self.lock:
       for r in requests:
         # An abort spent while it was pending: later ones are dropped (abort_by_rid).
@@ -324,6 +332,8 @@ class Scheduler:
         while (self.running or self.waiting) and self.paused is None:
           self.lock.wait(0.01)
         self.params = params
+        if self.adapters is not None:  # SGLang applies them to the new base
+          self.adapters.rebase(params)
         if model_path is not None:
           self.model_path = model_path
         if flush_cache and not self._idle():
@@ -453,7 +463,13 @@ class Scheduler:
 
   # --- the loop
 
+  def _weights(self, r: Request):
+    """The params `r` is computed with: its adapter's merged weights, or the base's."""
+    return self.params if r.adapter is None else r.adapter.weights
+
   def _finish(self, r: Request, reason: dict):
+    if r.adapter is not None and not r.done.is_set():  # its adapter may now be unloaded
+      self.adapters.release(r.adapter)
     r.finish_reason = reason
     if r.return_routed_experts and r.routes:
       r.routed_experts = self._routed_experts(r)
@@ -513,13 +529,16 @@ class Scheduler:
         self.lock.notify_all()
 
   def _next_batch(self) -> list[Request]:
-    """The next batch, out of the waiting queue (call under the lock): its first max_batch
-    requests; deterministic, the first max_batch of those laid out as the oldest one is."""
-    if not self.deterministic:
+    """The next batch, out of the waiting queue (call under the lock): the first max_batch
+    requests of the oldest one's LoRA adapter (or the base: adapters are served merged, one
+    a batch); deterministic, of those the ones laid out as the oldest one is."""
+    first = self.waiting[0]
+    same = lambda r: r.adapter is first.adapter and (
+        not self.deterministic or _layout(r) == _layout(first))
+    if all(same(r) for r in self.waiting):
       batch, self.waiting = self.waiting[:self.max_batch], self.waiting[self.max_batch:]
       return batch
-    layout = _layout(self.waiting[0])
-    batch = [r for r in self.waiting if _layout(r) == layout][:self.max_batch]
+    batch = [r for r in self.waiting if same(r)][:self.max_batch]
     taken = {id(r) for r in batch}
     self.waiting = [r for r in self.waiting if id(r) not in taken]
     return batch
@@ -560,7 +579,7 @@ class Scheduler:
     prompts, lens, kv_valid, positions, images, following = self._batch_arrays(
         batch, rows, plen, size)
     with self.lock:
-      params = self.params
+      params = self._weights(batch[0])
       cached = {} if self.deterministic else {
           i: self._cached_prefix(_prefix_key(r, 0)) for i, r in enumerate(batch)}
     cached = {i: c for i, c in cached.items() if c is not None}
@@ -592,7 +611,7 @@ class Scheduler:
       with self.lock:
         while self.paused in ("in_place", "retract") and not any(r.aborted for r in batch):
           self.lock.wait(0.05)  # frozen: the KV stays, weights may change meanwhile
-        params, version = self.params, self.weight_version
+        params, version = self._weights(batch[0]), self.weight_version
         aborted = [row for row, r in enumerate(batch) if active[row] and r.aborted]
         if aborted:  # one copy to the host, not a slicing op compiled per batch shape
           host_logits = np.asarray(logits)
