@@ -20,6 +20,7 @@ from models import hf
 from rollouts import router
 from rollouts.engine import SamplingParams
 from rollouts.jax_engine import JaxEngine
+from rollouts.server import scheduler as scheduler_module
 from rollouts.server.main import launch, served_dtype
 from rollouts.sglang import Request, SGLangClient, ServerError
 from rollouts.sglang_engine import SGLangEngine, remote_engine
@@ -89,6 +90,26 @@ def test_only_an_exact_live_rid_aborts_and_partial_rollouts_keep_their_budget(ti
       engine.close()
     assert [c.finish_reason for c in got] == ["length", "abort", "abort", "abort"]
     assert all(len(c.token_ids) < 300 for c in got[1:])
+
+
+def test_aborts_that_empty_the_queue_while_a_batch_gathers_leave_the_scheduler_serving(
+    tiny_cfg, tiny_params, monkeypatch):
+  """A request aborted while the scheduler waits for more to join its batch (a wait made
+  long here) leaves an empty queue behind; the scheduler goes back to waiting (it once died
+  there, and every later request waited forever)."""
+  monkeypatch.setattr(scheduler_module, "GATHER_SECONDS", 0.3)
+  with helpers.serving(tiny_cfg, tiny_params) as (url, scheduler):
+    for attempt in range(3):
+      thread, _ = _in_background(lambda: _generate(url, f"gone-{attempt}", 4))
+      deadline = time.monotonic() + 30
+      while not scheduler.waiting and thread.is_alive():
+        assert time.monotonic() < deadline, "the request never queued"
+        time.sleep(0.0005)
+      httpx.post(url + "/abort_request", json={"abort_all": True}, timeout=30)
+      thread.join(30)
+      time.sleep(0.7)  # the gather's two waits, then the batch it makes of an empty queue
+      assert not thread.is_alive() and scheduler.thread.is_alive(), attempt
+    assert _generate(url, "after", 4).status_code == 200
 
 
 def test_a_live_rid_is_refused_and_a_retry_goes_under_a_fresh_one(tiny_cfg, tiny_params):

@@ -186,5 +186,29 @@ _MOE_MEMORY_NOT_MEASURED = (
     NotMeasured(_DOC, "fits a 141 GB GPU at 4k tokens", CHIPS),
 )
 
-FIGURES = _TRAIN + _MOE_MEMORY
-NOT_MEASURED = _TRAIN_NOT_MEASURED + _MOE_MEMORY_NOT_MEASURED
+# ### LoRA against full fine-tuning: the table's rows (model, rank), and the temporaries' range.
+LORA = "bench/results/memory_lora.json"
+_LORA_MODELS = ("qwen2.5-7b", "qwen3-8b", "qwen3-30b-a3b")
+
+
+def _temporaries_over_full(rows: list[dict]) -> str:
+  """LoRA's temporaries over full fine-tuning's, each model's, as a range in percent."""
+  by = {(r["model"], r["rank"]): r["temporaries"] for r in rows}
+  ratios = [by[m, rank] / by[m, 0] for m, rank in by if rank]
+  return f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}"
+
+
+_LORA_MEMORY = tuple(
+    Figure(_DOC, f"{model} {rank} {{}} {{}} {{}} {{}}", LORA,
+           tuple(f"results/model={model},rank={rank}/{field}"
+                 for field in ("trained", "state", "peak", "temporaries")),
+           (lambda n: f"{n / 1e6:.1f}M", lambda n: f"{n / GIB:.2f}Gi", _memory, _memory))
+    for model in _LORA_MODELS for rank in (0, 32)) + (
+    Figure(_DOC, "the temporaries stay at {}% of full fine-tuning's", LORA, ("results",),
+           _temporaries_over_full),)
+_LORA_NOT_MEASURED = (
+    NotMeasured(_DOC, "about 25 min on this 2-core machine;", ROUGH),
+)
+
+FIGURES = _TRAIN + _MOE_MEMORY + _LORA_MEMORY
+NOT_MEASURED = _TRAIN_NOT_MEASURED + _MOE_MEMORY_NOT_MEASURED + _LORA_NOT_MEASURED

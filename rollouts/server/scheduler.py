@@ -509,6 +509,8 @@ class Scheduler:
             break
         self._check_not_released("a batch")
         batch = self._next_batch()
+        if not batch:
+          continue
         if os.environ.get("LONGRL_SERVER_DEBUG"):
           print(f"batch of {len(batch)}, {len(self.waiting)} waiting at {time.time():.3f}, "
                 f"first arrived {min(r.started for r in batch):.3f}", file=sys.stderr)
@@ -531,7 +533,10 @@ class Scheduler:
   def _next_batch(self) -> list[Request]:
     """The next batch, out of the waiting queue (call under the lock): the first max_batch
     requests of the oldest one's LoRA adapter (or the base: adapters are served merged, one
-    a batch); deterministic, of those the ones laid out as the oldest one is."""
+    a batch); deterministic, of those the ones laid out as the oldest one is. Empty when
+    aborts emptied the queue while the batch gathered."""
+    if not self.waiting:
+      return []
     first = self.waiting[0]
     same = lambda r: r.adapter is first.adapter and (
         not self.deterministic or _layout(r) == _layout(first))
