@@ -15,10 +15,10 @@ WANDB_MODE=offline it needs no network or account and writes its run under
 RUN_DIR/wandb (`wandb sync` uploads it later).
 """
 
-import itertools
 import os
 import secrets
 import sys
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -57,9 +57,13 @@ def markdown_table(columns: Sequence[str], cells: Sequence[Sequence[Any]]) -> st
   return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in cells])
 
 
-# tensorboardX names an event file by the second it opened it, and overwrites a file of the
-# same name: a pid and a count tell apart the files of writers opened within one second.
-_FILE_COUNT = itertools.count()
+# tensorboardX names an event file by the second it opened it and overwrites a file of the
+# same name; TensorBoard reads a folder's files in name order, so a resumed run's SessionLog
+# START must sort after the files it hides. The nanosecond of opening (19 digits until 2286)
+# orders writers opened within one second, in one process or several; the pid keeps apart two
+# processes opening in one nanosecond.
+def _file_suffix() -> str:
+  return f".{time.time_ns()}.{os.getpid()}"
 
 
 class TensorBoard:
@@ -70,7 +74,7 @@ class TensorBoard:
     self._event, self._summary = tbx.proto.event_pb2, tbx.proto.summary_pb2
     self._histogram, self._text = tbx.summary.histogram, tbx.summary.text
     self._writer = tbx.FileWriter(log_dir, flush_secs=30,
-                                  filename_suffix=f".{os.getpid()}.{next(_FILE_COUNT)}")
+                                  filename_suffix=_file_suffix())
     if resume_step is not None:
       # TensorBoard drops the points from this step on that earlier files hold: those an
       # interrupted run logged after its last checkpoint, which this run redoes (as

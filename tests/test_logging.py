@@ -106,6 +106,20 @@ def test_tensorboard_writes_names_as_they_are_and_marks_a_resume(tmp_path):
   assert start.step == 3 and start.session_log.status == start.session_log.START
 
 
+def test_event_files_opened_within_one_second_sort_in_the_order_they_were_opened(
+    tmp_path, monkeypatch):
+  # TensorBoard reads a folder's event files in name order; tensorboardX names them by the
+  # second. Eleven writers in one second (a resume in a warm process takes less) must sort as
+  # opened, or a resumed run's SessionLog START would be read before the points it hides.
+  monkeypatch.setattr(time, "time", lambda: 1796669153.25)
+  for step in range(11):
+    writer = loggers.TensorBoard(str(tmp_path))
+    writer.log(step, {"reward": float(step)}, {})
+    writer.close()
+  assert len(glob.glob(str(tmp_path / "events.out.tfevents.1796669153.*"))) == 11
+  assert [e.step for e in tensorboard_events(str(tmp_path)) if e.summary.value] == list(range(11))
+
+
 def test_tensorboard_logging_does_not_import_torch(tmp_path):
   """tensorboardX's writer imports torch where it is installed (as in the test extra)."""
   code = ("import sys; from rl import loggers; w = loggers.TensorBoard(sys.argv[1]); "
