@@ -112,15 +112,22 @@ def _pattern(patterns: dict, module: str, default):
   return default
 
 
-def read_config(adapter_dir: str, as_sglang: bool = False) -> lora.LoraConfig:
-  """The LoraConfig of PEFT directory `adapter_dir`. ValueError for what we cannot compute as
-  PEFT and SGLang would: another PEFT type, rsLoRA, DoRA, biases, fan_in_fan_out
-  (`as_sglang`: another PEFT type and DoRA only, the rest ignored as SGLang ignores it)."""
+def _config_json(adapter_dir: str) -> dict:
   path = os.path.join(adapter_dir, CONFIG)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{adapter_dir}: no {CONFIG} (not a PEFT adapter directory)")
   with open(path) as f:
-    config = json.load(f)
+    return json.load(f)
+
+
+def read_config(adapter_dir: str, as_sglang: bool = False) -> lora.LoraConfig:
+  """The LoraConfig of PEFT directory `adapter_dir`. ValueError for what we cannot compute as
+  PEFT and SGLang would: another PEFT type, rsLoRA, DoRA, biases, fan_in_fan_out
+  (`as_sglang`: another PEFT type and DoRA only, the rest ignored as SGLang ignores it)."""
+  return _lora_config(_config_json(adapter_dir), os.path.join(adapter_dir, CONFIG), as_sglang)
+
+
+def _lora_config(config: dict, path: str, as_sglang: bool) -> lora.LoraConfig:
   checked = (("peft_type", "LORA"), ("use_dora", False)) + ((
       ("use_rslora", False), ("bias", "none"), ("fan_in_fan_out", False)) if not as_sglang
       else ())
@@ -151,9 +158,8 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, *,
   as `save_adapter` folds it), or with `as_sglang` SGLang's, lora_alpha / r everywhere
   (sglang srt/lora/lora.py L71; lora_config.py reads no pattern). ValueError naming a tensor
   that fits no kernel of `cfg`, a missing half of a pair, or a shape that does not fit."""
-  lora_cfg = read_config(adapter_dir, as_sglang)
-  with open(os.path.join(adapter_dir, CONFIG)) as f:
-    config = json.load(f)
+  config = _config_json(adapter_dir)
+  lora_cfg = _lora_config(config, os.path.join(adapter_dir, CONFIG), as_sglang)
   path = os.path.join(adapter_dir, WEIGHTS)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{adapter_dir}: no {WEIGHTS}")
@@ -192,22 +198,25 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, *,
     if sorted(by_expert) != list(range(count)):
       raise ValueError(f"{path}: adapters for experts {sorted(by_expert)} of "
                        f"{'/'.join(kernel)}, which has {count}")
-    a = np.stack([by_expert[e][0] for e in range(count)])  # [E, in, R]
-    b = np.stack([by_expert[e][1] for e in range(count)])  # [E, R, out]
-    rank = max(1, lora_cfg.rank // count)  # ours, when save_adapter padded it
-    if rank < a.shape[-1] and not a[..., rank:].any() and not b[:, rank:].any():
-      a, b = a[..., :rank], b[:, :rank]
-    adapters[kernel] = _ours(a, b, by_expert[0][2], lora_cfg.alpha, experts=True)
+    adapters[kernel] = _experts_adapter([by_expert[e] for e in range(count)], lora_cfg)
   if stored:
     raise ValueError(f"{path}: tensors that fit no projection of this model config: "
                      f"{sorted(stored)[:4]}{' ...' if len(stored) > 4 else ''}")
   tree: dict = {}
   for kernel, adapter in adapters.items():
-    node = tree
-    for key in kernel[:-1]:
-      node = node.setdefault(key, {})
-    node[kernel[-1]] = adapter
+    lora._set(tree, kernel, adapter)
   return tree, lora_cfg
+
+
+def _experts_adapter(by_expert, lora_cfg: lora.LoraConfig) -> lora.Adapter:
+  """One Adapter of a routed-experts kernel from its experts' (A [in, R], B [R, out], PEFT
+  scale), the zero padding `save_adapter` adds past our rank r // E trimmed."""
+  a = np.stack([a for a, _, _ in by_expert])  # [E, in, R]
+  b = np.stack([b for _, b, _ in by_expert])  # [E, R, out]
+  rank = max(1, lora_cfg.rank // len(by_expert))
+  if rank < a.shape[-1] and not a[..., rank:].any() and not b[:, rank:].any():
+    a, b = a[..., :rank], b[:, :rank]
+  return _ours(a, b, by_expert[0][2], lora_cfg.alpha, experts=True)
 
 
 def _ours(a: np.ndarray, b: np.ndarray, peft_scale: float, alpha: float,

@@ -175,6 +175,13 @@ def merge(params):
                       is_leaf=_is_adapted)
 
 
+# One program per model: merged op by op, every sync would dispatch a few ops per kernel.
+@jax.jit
+def merged(base, adapters):
+  """Plain params of `base` with `adapters` merged (fresh arrays): what an engine serves."""
+  return merge(attach(base, adapters))
+
+
 def weight(param):
   """A stored param as the array to compute with: an Adapted one merged."""
   return merged_kernel(param) if isinstance(param, Adapted) else param

@@ -315,11 +315,9 @@ def policy(parts: Parts, params):
 def plain_policy(parts: Parts, params):
   """The policy of train state params `params` as plain weights (a LoRA run's merged: fresh
   arrays), what an engine, an evaluation or an export takes."""
-  return params if parts.base is None else _merged(parts.base, params)
+  return params if parts.base is None else lora.merged(parts.base, params)
 
 
-# One program per model: merged op by op, every sync would dispatch a few ops per kernel.
-_merged = jax.jit(lambda base, adapters: lora.merge(lora.attach(base, adapters)))
 
 
 def sync_engine(parts: Parts, params, version: int, while_generating: bool = False) -> None:

@@ -34,7 +34,6 @@ import threading
 import uuid
 from typing import Any, Sequence
 
-import jax
 
 from models import hf_lora, lora
 from models.config import ModelConfig
@@ -74,9 +73,6 @@ class Served:
   in_flight: int = 0
 
 
-_merged = jax.jit(lambda base, adapters: lora.merge(lora.attach(base, adapters)))
-
-
 class Adapters:
   """The adapters a server holds. `max_rank`, `targets`: --max-lora-rank and
   --lora-target-modules (what a load must fit); `max_loaded`: --max-loaded-loras (None: no
@@ -114,7 +110,7 @@ class Adapters:
           "base models. Please increase your `--max-loras-per-batch` or load it as unpinned "
           "LoRA adapters.")
     adapters = self._read(name, path)
-    served = Served(name, path, pinned, uuid.uuid4().hex, adapters, _merged(base, adapters))
+    served = Served(name, path, pinned, uuid.uuid4().hex, adapters, lora.merged(base, adapters))
     with self.counts:
       self.registry[name] = served
       self.known[name] = (path, pinned)
@@ -212,7 +208,7 @@ class Adapters:
     """New base weights: every adapter merged over them."""
     with self.counts:
       for served in self.registry.values():
-        served.weights = _merged(base, served.adapters)
+        served.weights = lora.merged(base, served.adapters)
 
 
 def lora_names(body: dict, prompts: int, n: int) -> list[str | None]:
