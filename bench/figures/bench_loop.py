@@ -282,6 +282,60 @@ _HYBRID_NOT_MEASURED = (
                 "recorded)", UNRECORDED),
 )
 
-FIGURES = _VERIFIERS + _PARTIAL_ROLLOUTS + _REFIT + _QUANTIZED + _HYBRID
+# ## `bench/lora_sync.py`: the row of its table, and the ratios the text reads.
+LORA_SYNC = "bench/results/lora_sync.json"
+_LORA_SYNC = (
+    Figure(_DOC, "qwen2.5-0.5b 32 {} {} {} {} {} {} {} {}", LORA_SYNC,
+           tuple(f"results/model=qwen2.5-0.5b/{key}" for key in (
+               "trained", "full_mib", "full_s", "adapter_mib", "adapter_s", "adapter_write_s",
+               "bytes_ratio", "seconds_ratio")),
+           (lambda n: f"{n / 1e6:.1f}M", "{:.1f}", "{:.2f}", "{:.1f}", "{:.2f}", "{:.2f}",
+            "{:.1f}", "{:.1f}")),
+    Figure(_DOC, "**{}x fewer bytes, {}x less time.**", LORA_SYNC,
+           ("results/model=qwen2.5-0.5b/bytes_ratio", "results/model=qwen2.5-0.5b/seconds_ratio"),
+           ("{:.0f}", "{:.1f}")),
+    Figure(_DOC, "Medians of {} syncs each on /dev/shm", LORA_SYNC, ("syncs",)),
+)
+_LORA_SYNC_NOT_MEASURED = (
+    NotMeasured(_DOC, "bench/lora_sync.py --models qwen2.5-0.5b --rank 32 # about a minute",
+                ROUGH),
+    NotMeasured(_DOC, "about 175 MB in bf16 against 16.4 GB (issue 55's figure, not measured "
+                "here)", "issue 55's arithmetic, quoted"),
+)
+
+# ## `bench/lora_serving.py`: each shape's row, and the range of the unmerged decode's cost.
+LORA_SERVING = "bench/results/lora_serving.json"
+
+
+def _lora_serving_row(shape: str) -> Figure:
+  return Figure(_DOC, f"{shape} 32 {{}} {{}} {{}} {{}}", LORA_SERVING,
+                tuple(f"results/shape={shape}/{key}" for key in (
+                    "merge_s", "decode_merged_s", "decode_attached_s", "attached_over_merged")),
+                ("{:.3f}", "{:.3f}", "{:.3f}", "{:.2f}"))
+
+
+def _unmerged_range(results: list[dict]) -> str:
+  ratios = [r["attached_over_merged"] for r in results]
+  return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
+_LORA_SERVING = (
+    _lora_serving_row("quickstart"), _lora_serving_row("qwen2.5-0.5b"),
+    Figure(_DOC, "Unmerged decoding is {}x slower on every batch", LORA_SERVING, ("results",),
+           _unmerged_range),
+    Figure(_DOC, "the fastest of {} each. The quickstart", LORA_SERVING, ("rounds",)),
+    Figure(_DOC, "The quickstart: {} rows, {}-token prompts, {} new tokens", LORA_SERVING,
+           tuple(f"results/shape=quickstart/{k}" for k in ("rows", "prompt", "max_new"))),
+    Figure(_DOC, "bf16: {} rows, {}-token prompts, {} new tokens", LORA_SERVING,
+           tuple(f"results/shape=qwen2.5-0.5b/{k}" for k in ("rows", "prompt", "max_new"))),
+)
+_LORA_SERVING_NOT_MEASURED = (
+    NotMeasured(_DOC, "bench/lora_serving.py # about 3 minutes", ROUGH),
+    NotMeasured(_DOC, "on the 2-core CPU machine of 2026-12-07", MACHINE),
+)
+
+FIGURES = (_VERIFIERS + _PARTIAL_ROLLOUTS + _REFIT + _LORA_SYNC + _LORA_SERVING + _QUANTIZED
+           + _HYBRID)
 NOT_MEASURED = (_VERIFIERS_NOT_MEASURED + _PARTIAL_ROLLOUTS_NOT_MEASURED + _REFIT_NOT_MEASURED
-                + _QUANTIZED_NOT_MEASURED + _HYBRID_NOT_MEASURED)
+                + _LORA_SYNC_NOT_MEASURED + _LORA_SERVING_NOT_MEASURED + _QUANTIZED_NOT_MEASURED
+                + _HYBRID_NOT_MEASURED)

@@ -540,9 +540,37 @@ _GPU_CHECKS_NOT_MEASURED = (
                 "recorded)", UNRECORDED),
 )
 
+# ## `bench/lora_step.py`: each shape's row, and the share LoRA saves at 0.5B.
+LORA_STEP = "bench/results/lora_step.json"
+
+
+def _lora_step_row(shape: str, rows: int, tokens: int) -> Figure:
+  return Figure(_DOC, f"{shape} {rows} x {tokens} 32 {{}} {{}} {{}}", LORA_STEP,
+                tuple(f"results/shape={shape}/{key}" for key in (
+                    "full_s", "lora_s", "lora_over_full")), ("{:.3f}", "{:.3f}", "{:.2f}"))
+
+
+_LORA_STEP = (
+    _lora_step_row("quickstart", 256, 128), _lora_step_row("qwen2.5-0.5b", 4, 512),
+    Figure(_DOC, "at its step's {} rows of {} tokens (unpacked)", LORA_STEP,
+           ("results/shape=quickstart/rows", "results/shape=quickstart/tokens")),
+    Figure(_DOC, "bf16 compute) at {} rows of {} tokens.", LORA_STEP,
+           ("results/shape=qwen2.5-0.5b/rows", "results/shape=qwen2.5-0.5b/tokens")),
+    Figure(_DOC, "the fastest of {} each. On the 2-core", LORA_STEP, ("rounds",)),
+    Figure(_DOC, "**At 0.5B it saves {}%,", LORA_STEP,
+           ("results/shape=qwen2.5-0.5b/lora_over_full",),
+           lambda ratio: f"{100 * (1 - ratio):.0f}"),
+)
+_LORA_STEP_NOT_MEASURED = (
+    NotMeasured(_DOC, "bench/lora_step.py # about 9 minutes on 2 CPU cores", ROUGH),
+    NotMeasured(_DOC, "a first run of the same script gave 0.90 (53.8 s against 48.2 s, not "
+                "recorded)", UNRECORDED),
+    NotMeasured(_DOC, "CPU machine of 2026-12-07:", MACHINE),
+)
+
 FIGURES = (_ATTENTION + _LONG_CONTEXT + _LOGPROBS + _ROPE + _LOOP_MEMORY
-           + _CHECKPOINT_VERIFY + _MOE_STEP + _STEP_BREAKDOWN + _GPU_CHECKS)
+           + _CHECKPOINT_VERIFY + _MOE_STEP + _LORA_STEP + _STEP_BREAKDOWN + _GPU_CHECKS)
 NOT_MEASURED = (_ATTENTION_NOT_MEASURED + _LONG_CONTEXT_NOT_MEASURED + _LOGPROBS_NOT_MEASURED
                 + _ROPE_NOT_MEASURED + _LOOP_MEMORY_NOT_MEASURED + _CHECKPOINT_VERIFY_NOT_MEASURED
-                + _MOE_STEP_NOT_MEASURED + _STEP_BREAKDOWN_NOT_MEASURED
+                + _MOE_STEP_NOT_MEASURED + _LORA_STEP_NOT_MEASURED + _STEP_BREAKDOWN_NOT_MEASURED
                 + _GPU_CHECKS_NOT_MEASURED)
