@@ -2,9 +2,11 @@
 
   python bench/gpu_sglang_checks.py URL WEIGHTS_DIR API_TYPES_PY
   python bench/gpu_sglang_checks.py --refit fp8|int4 URL WEIGHTS_DIR
+  python bench/gpu_sglang_checks.py --lora URL WEIGHTS_DIR
 
 The second: a server started from WEIGHTS_DIR/v000000, a quantized export, is refit with
-WEIGHTS_DIR/v000001 (refit_check).
+WEIGHTS_DIR/v000001 (refit_check). The third: a LoRA run's syncs on a server started from
+WEIGHTS_DIR/v000000 with --enable-lora (lora_check).
 
 WEIGHTS_DIR holds v000000 (what the server was started with) and v000001 (other weights),
 both tiny random Qwen2 checkpoints in bf16 written by the script (the server runs --dtype
@@ -31,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import hf  # noqa: E402
+from models import hf, lora  # noqa: E402
 from rl.packing import trajectory_batch  # noqa: E402
 from rl.train_step import policy_logprobs  # noqa: E402
 from rollouts.engine import SamplingParams  # noqa: E402
@@ -242,8 +244,67 @@ def refit_check(fmt: str, url: str, weights_dir: str) -> None:
   sys.exit(1 if failures else 0)
 
 
+def _random_adapters(params, cfg, lora_cfg: lora.LoraConfig, seed: int):
+  """Adapters with B drawn too (a fresh adapter's B is zero: it would change nothing)."""
+  adapters = lora.init_adapters(params, lora_cfg, cfg, jax.random.PRNGKey(seed))
+  key = jax.random.PRNGKey(seed + 100)
+  return jax.tree.map(lambda x: x.replace(b=0.05 * jax.random.normal(key, x.b.shape)),
+                      adapters, is_leaf=lambda x: isinstance(x, lora.Adapter))
+
+
+def lora_check(url: str, weights_dir: str) -> None:
+  """A LoRA run's syncs on a real SGLang server started from WEIGHTS_DIR/v000000 with
+  --enable-lora (SGLangEngine.update_adapters, as a run makes them): the first sends the base
+  and then the adapter; each later one the adapter alone. Checks: greedy tokens and log-probs
+  are the embedded engine's on the merged weights of the version each request names, and
+  differ from the base's; each token is tagged with that version; the keep_versions newest
+  adapters stay loaded (/v1/models); an adapter sync against a full sync, timed."""
+  v0 = os.path.join(weights_dir, "v000000")
+  cfg, base = hf.load(v0, dtype="bfloat16", param_dtype="bfloat16")
+  client = SGLangClient([url], control_timeout=300)
+  client.check_health(300)
+  engine = SGLangEngine(client, cfg, weights_dir=os.path.join(weights_dir, "lora"),
+                        weights_path=v0, export_dtype="bfloat16")
+  lora_cfg = lora.LoraConfig(rank=8, alpha=16.0)
+  greedy = SamplingParams(32, temperature=0.0)
+  failures = []
+
+  def check(name, ok, detail=""):
+    print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+    if not ok:
+      failures.append(name)
+
+  plain = JaxEngine(cfg, base).generate(PROMPTS, greedy, seed=0)
+  seconds = {}
+  for version in (1, 2, 3):
+    adapters = _random_adapters(base, cfg, lora_cfg, version)
+    seconds[version] = engine.update_adapters(adapters, lora_cfg, version, base=lambda: base)
+    made = engine.generate(PROMPTS, greedy, seed=0)
+    local = JaxEngine(cfg, lora.merged(base, adapters)).generate(PROMPTS, greedy, seed=0)
+    same = all(m.token_ids[:8].tolist() == l.token_ids[:8].tolist()
+               for m, l in zip(made, local))
+    gap = max(float(np.abs(m.logprobs[:8] - l.logprobs[:8]).max()) for m, l in zip(made, local))
+    moved = any(m.token_ids.tolist() != p.token_ids.tolist() for m, p in zip(made, plain))
+    check(f"adapter v{version}: served as the merged weights, not the base",
+          same and gap < LOGPROB_ATOL and moved and
+          all(set(m.versions.tolist()) == {version} for m in made),
+          f"(first 8 greedy tokens, log-prob gap {gap:.2e}), sync {seconds[version]:.2f} s")
+  cards = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+  loaded = sorted(c["id"] for c in cards if c["id"].startswith(engine.rid_prefix))
+  want = [f"{engine.rid_prefix}-v2", f"{engine.rid_prefix}-v3"]
+  check("the two newest adapters stay loaded", loaded == want, str(loaded))
+  full = engine.update_weights(base, 4)
+  print(f"adapter sync {min(seconds[2], seconds[3]):.2f} s (rank {lora_cfg.rank}) against a "
+        f"full sync {full:.2f} s", flush=True)
+  client.close()
+  print(json.dumps({"lora": True, "failures": failures}))
+  sys.exit(1 if failures else 0)
+
+
 if __name__ == "__main__":
   if sys.argv[1] == "--refit":
     refit_check(*sys.argv[2:5])
+  elif sys.argv[1] == "--lora":
+    lora_check(*sys.argv[2:4])
   else:
     main(*sys.argv[1:4])

@@ -8,7 +8,10 @@
 # refit with another FP8 export, and one from the INT4 export refit with another INT4 export
 # (bench/gpu_sglang_checks.py --refit: FP8 must refit, INT4 is expected to take the server
 # down, which rollouts/sglang_engine.py refuses ahead of a run; a server that survives it fails the
-# check, so that the refusal is lifted). --enable-memory-saver needs torch_memory_saver, which SGLang's
+# check, so that the refusal is lifted). Then a LoRA run's syncs on a server started with
+# --enable-lora (bench/gpu_sglang_checks.py --lora: the base, then each version's adapter under
+# its own name, served as the merged weights; an adapter sync against a full sync, timed).
+# --enable-memory-saver needs torch_memory_saver, which SGLang's
 # own dependencies install.
 #
 # SGLang comes from SGLANG_PYTHON (an interpreter that can `import sglang`, default: a venv
@@ -66,4 +69,13 @@ for fmt in fp8 int4; do
     "$WORK/$fmt" || status=1
   tail -n 20 "$WORK/server.log"
 done
+kill $SERVER 2>/dev/null || true
+wait $SERVER 2>/dev/null || true
+MAX_RANK=$(.venv/bin/python -c "from rollouts.sglang_engine import LORA_MAX_RANK; print(LORA_MAX_RANK)")
+if serve "$WORK/v000000" --enable-lora --max-lora-rank "$MAX_RANK" --lora-target-modules all; then
+  .venv/bin/python bench/gpu_sglang_checks.py --lora "http://127.0.0.1:$PORT" "$WORK" || status=1
+  tail -n 20 "$WORK/server.log"
+else
+  echo "FAIL lora: the server did not start"; status=1
+fi
 exit $status
