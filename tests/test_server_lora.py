@@ -13,6 +13,7 @@ import time
 
 import httpx
 import jax
+import jax.numpy as jnp
 import pytest
 
 from models import config, hf_lora, lora, transformer
@@ -325,3 +326,45 @@ def test_the_engine_syncs_adapters_alone_and_every_request_names_its_version(
           "a000002", "a000003"]
     finally:
       engine.close()
+
+
+def test_a_rollout_resumed_across_adapter_versions_keeps_each_tokens_version(
+    tiny_cfg, tiny_params, tmp_path):
+  """A partial rollout begun under adapter version 1 and resumed after the sync to version 2
+  (its prompt and tokens so far sent again, as rl/envs/driver.py resumes one): the first
+  tokens are tagged 1 and their log-probs are version 1's merged weights', the rest tagged 2
+  and version 2's."""
+  import numpy as np
+  from rollouts.engine import SamplingParams
+  from rollouts.sglang import SGLangClient
+  from rollouts.sglang_engine import SGLangEngine
+  lora_cfg = LoraConfig(rank=4, alpha=8.0)
+  versions = {v: _adapter_dir(tiny_cfg, tiny_params, tmp_path / f"made{v}", key=v)[1]
+              for v in (1, 2)}
+  sampled = SamplingParams(max_new_tokens=6, temperature=1.0)
+  with helpers.serving(tiny_cfg, tiny_params, lora=LORA) as (url, _):
+    engine = SGLangEngine(SGLangClient([url]), tiny_cfg, weights_dir=str(tmp_path / "w"),
+                          rid_prefix="run", export_dtype="float32")
+    try:
+      engine.update_adapters(versions[1], lora_cfg, 1, base=lambda: tiny_params)
+      (first,) = engine.generate([PROMPT], sampled, seed=0, max_new_tokens=[3])
+      engine.update_adapters(versions[2], lora_cfg, 2, base=lambda: tiny_params)
+      (rest,) = engine.generate([PROMPT + first.token_ids.tolist()], sampled, seed=1)
+    finally:
+      engine.close()
+  assert first.versions.tolist() == [1] * 3 and rest.versions.tolist() == [2] * 6
+  ids = jnp.asarray([PROMPT + first.token_ids.tolist() + rest.token_ids.tolist()])
+  rows = (ids, jnp.arange(ids.shape[1])[None], jnp.ones_like(ids))
+  targets = np.asarray(ids[0, len(PROMPT):])
+  logp = {}
+  for version in (1, 2):
+    params = lora.merged(tiny_params, versions[version])
+    logits = transformer.forward(params, tiny_cfg, *rows) @ transformer.output_projection(
+        params, tiny_cfg)
+    scores = jax.nn.log_softmax(logits[0, len(PROMPT) - 1:-1])
+    logp[version] = np.asarray(scores[np.arange(len(targets)), targets])
+  np.testing.assert_allclose(first.logprobs, logp[1][:3], atol=1e-4)
+  np.testing.assert_allclose(rest.logprobs, logp[2][3:], atol=1e-4)
+  # The versions differ where they are told apart.
+  assert np.abs(logp[1][:3] - logp[2][:3]).max() > 1e-2
+  assert np.abs(logp[1][3:] - logp[2][3:]).max() > 1e-2
