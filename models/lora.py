@@ -16,6 +16,10 @@ model's params and adapters meet:
 - `base_of`: the params without their adapters: the frozen base, which is also a LoRA run's
   reference policy (no second copy of the model).
 
+K arms' adapters (rl/arms.py: experiments over one base) stacked on a leading axis attach
+with the arm of each row of a batch (`attach(..., arm=)`): a projection then adds to the
+base's product, on each row, its own arm's low-rank one, so one batch decodes every arm.
+
 Which projections: every decoder projection by default (q/k/v/o, gate/up/down, MLA's, a
 mixture's shared experts and its routed experts), as "LoRA Without Regret" (Thinking Machines,
 2025) found RL needs: attention-only adapters underperform. A name covers every kernel of that
@@ -90,9 +94,12 @@ class Adapter:
 @struct.dataclass
 class Adapted:
   """A base kernel with its adapter. The kernel is the first leaf: flax checks a stored
-  param's shape against its first leaf (flax.core.Scope.param), which is then the kernel's."""
+  param's shape against its first leaf (flax.core.Scope.param), which is then the kernel's.
+  arm: i32[rows], the arm of each row of the batch, when `adapter` holds K arms' adapters
+  stacked (a [K, ...] and b [K, ...]); else None."""
   kernel: Any
   adapter: Adapter
+  arm: Any = None
 
 
 def _kernels(params):
@@ -141,11 +148,13 @@ def init_adapters(params, lora: LoraConfig, cfg: ModelConfig, key: jax.Array) ->
   return adapters
 
 
-def attach(params, adapters):
-  """`params` with each kernel that `adapters` holds an Adapter for an Adapted (no copy)."""
+def attach(params, adapters, arm=None):
+  """`params` with each kernel that `adapters` holds an Adapter for an Adapted (no copy).
+  With `arm` (i32[rows]), `adapters` are K arms' stacked (rl/arms.py) and each row of a
+  batch is computed with its arm's."""
   def join(base, adapter):
     if isinstance(adapter, Adapter):
-      return Adapted(base, adapter)
+      return Adapted(base, adapter, arm)
     missing = sorted(set(adapter) - set(base))
     if missing:
       raise ValueError(f"LoRA: adapters for {missing}, which the params do not have")
@@ -165,6 +174,9 @@ def base_of(params):
 
 def merged_kernel(x: Adapted):
   """W + scale a b in W's dtype (a quantized base dequantized first)."""
+  if x.arm is not None:
+    raise ValueError("LoRA: K arms' adapters are not merged into one kernel; a mixture's "
+                     "routed experts (merged in their layer) decode one arm at a time")
   kernel = quantize.unpack(x.kernel) if isinstance(x.kernel, quantize.Packed) else x.kernel
   return (kernel.astype(jnp.float32) + x.adapter.delta()).astype(kernel.dtype)
 
@@ -187,13 +199,29 @@ def weight(param):
   return merged_kernel(param) if isinstance(param, Adapted) else param
 
 
-def low_rank(lhs, adapter: Adapter, dimension_numbers, dtype):
+def low_rank(lhs, adapter: Adapter, dimension_numbers, dtype, arm=None):
   """scale (lhs a) b for the projection lhs . kernel with `dimension_numbers` (the kernel's
-  contracted dims its leading ones, as a's): [..., *outputs] in `dtype`."""
+  contracted dims its leading ones, as a's): [..., *outputs] in `dtype`. With `arm`
+  (i32[rows]; lhs's leading axis its rows, or rows x seq tokens, models/projections.on_tokens),
+  `adapter` holds K arms' (a [K, *inputs, r], b [K, r, *outputs]) and each row gets its arm's."""
   (lhs_contracted, rhs_contracted), _ = dimension_numbers
-  h = jax.lax.dot_general(lhs, adapter.a.astype(dtype),
-                          ((lhs_contracted, rhs_contracted), ((), ())))
-  out = jax.lax.dot_general(h, adapter.b.astype(dtype), (((h.ndim - 1,), (0,)), ((), ())))
+  a, b = adapter.a.astype(dtype), adapter.b.astype(dtype)
+  if arm is not None:
+    # The K adapters as one of rank K r, each row's h kept on its arm's r columns only: one
+    # product for every arm (K r is small), where gathering each token's own a would copy
+    # it per token.
+    arms, rank = a.shape[0], a.shape[-1]
+    a = jnp.moveaxis(a, 0, -2).reshape(*a.shape[1:-1], arms * rank)
+    b = b.reshape(arms * rank, *b.shape[2:])
+  h = jax.lax.dot_general(lhs, a, ((lhs_contracted, rhs_contracted), ((), ())))
+  if arm is not None:
+    if h.shape[0] % arm.shape[0]:
+      raise ValueError(f"LoRA arms: {arm.shape[0]} rows' arms for a projection of "
+                       f"{h.shape[0]} leading rows or tokens")
+    token_arm = jnp.repeat(arm, h.shape[0] // arm.shape[0])
+    keep = jnp.repeat(jax.nn.one_hot(token_arm, arms, dtype=dtype), rank, axis=-1)
+    h = h * keep.reshape(h.shape[0], *[1] * (h.ndim - 2), arms * rank)
+  out = jax.lax.dot_general(h, b, (((h.ndim - 1,), (0,)), ((), ())))
   return out * jnp.asarray(adapter.scale, dtype)
 
 

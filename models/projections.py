@@ -48,7 +48,7 @@ def _dot(fmt: str | None):
     y = jax.lax.dot_general(lhs, kernel, dimension_numbers, precision=precision,
                             preferred_element_type=preferred_element_type)
     if adapted:
-      y = y + lora.low_rank(lhs, rhs.adapter, dimension_numbers, y.dtype)
+      y = y + lora.low_rank(lhs, rhs.adapter, dimension_numbers, y.dtype, rhs.arm)
     return y
   return dot_general
 
