@@ -7,17 +7,20 @@ arms=True: the step vmapped over the arms, the base shared, its products batched
 batch of decoding serves them all (models/lora.attach with each row's arm).
 
 Owns stacking and unstacking arms, their optimizer (rl/loop.rl_optimizer's, with its learning
-rate held in each arm's optimizer state) and the padding that gives K arms' minibatches one
-shape.
+rate held in each arm's optimizer state), the padding that gives K arms' minibatches one
+shape, and `arms_steps`: rl/loop.rl_steps for K arms in lockstep, each arm's step the step it
+would make alone but for the one update they share.
 """
 
-from typing import Any, Sequence
+import time
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rl import loop, sources
 from rl.loop import rl_optimizer
 from rl.train_step import TrainState, init_train_state
 from rl.types import TrainBatch
@@ -69,3 +72,82 @@ def stack_batches(batches: Sequence[TrainBatch]) -> TrainBatch:
   rows = max(batch.tokens.shape[0] for batch in batches)
   pad = lambda x: np.pad(np.asarray(x), [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   return jax.tree.map(lambda *leaves: np.stack([pad(x) for x in leaves]), *batches)
+
+
+def init_arms_state(adapters: Sequence[Any], learning_rates: Sequence[float],
+                    seeds: Sequence[int], optimizer: optax.GradientTransformation,
+                    parts: loop.Parts) -> loop.LoopState:
+  """K arms' loop state before their first RL step: the stacked train state (init_arms) and
+  each arm's reward state and rollout state, the latter from seeds[k] as rl/loop.init_state
+  makes a run's (its prompts and generation seeds are then the ones that run alone draws)."""
+  if len(seeds) != len(adapters):
+    raise ValueError(f"arms: {len(adapters)} adapters and {len(seeds)} seeds")
+  return loop.LoopState(jnp.zeros((), jnp.int32), init_arms(adapters, learning_rates, optimizer),
+                        [parts.reward.init() for _ in seeds],
+                        [sources.init_state(parts.context, parts.rollouts, s) for s in seeds])
+
+
+def _check(parts: loop.Parts) -> None:
+  """ValueError for parts arms cannot run with (yet)."""
+  config, engine = parts.context.config, parts.context.engine
+  refusals = [why for refused, why in (
+      (parts.base is None, "arms are LoRA runs over one base: give Parts.base"),
+      (parts.rollouts.concurrent, "arms generate in lockstep; a source running ahead of the "
+       "trainer cannot (sources.Lockstep, or DynamicSampling over it)"),
+      (config.hybrid, "arms do not run in a hybrid deployment (RLConfig.hybrid) yet"),
+      (config.weight_sync_every != 1, f"arms sync every step (RLConfig.weight_sync_every is "
+       f"{config.weight_sync_every})"),
+      (engine is None or engine.capabilities.adapters, "arms generate on an engine that takes "
+       "weights (the embedded engine); servers, where each arm's requests would name its own "
+       "adapter, are not supported yet")) if refused]
+  if refusals:
+    raise ValueError("; ".join(refusals))
+
+
+def arms_steps(state: loop.LoopState, parts: loop.Parts) -> Iterator[list[loop.StepRecord]]:
+  """Run K arms' RL steps forever from `state` (init_arms_state's, or one restored),
+  yielding after each step the K arms' StepRecords (each holding the arms' joint state).
+
+  parts: a LoRA run's (Parts.base its frozen base), its train_step made with arms=True.
+  Arm k's step is rl_steps' step of a run alone: the engine gets arm k's merged weights, then
+  its rollouts are generated, scored, packed and corrected as that run's would be; the K arms'
+  minibatches then go through one vmapped update each. Each record's metrics are its arm's;
+  train_s is the shared updates' time.
+  """
+  parts.check()
+  _check(parts)
+  try:
+    while True:
+      step, arms = int(state.step), len(state.rollout)
+      scored, rollout_states, minibatches, measured, pack_s, sync_s, waited = (
+          [], [], [], [], [], [], [])
+      for k in range(arms):
+        params = unstack(state.train.params, k)
+        started = time.perf_counter()
+        loop.sync_engine(parts, params, step)  # its policy, on the one engine
+        sync_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        made, rollout_state = parts.rollouts.next(parts.context, state.rollout[k], step)
+        waited.append(time.perf_counter() - started)
+        rollout_states.append(rollout_state)
+        scored.append(loop.score(parts, state.reward_state[k], made, step, waited[k]))
+        batches, arm_measured, arm_pack_s = loop.corrected_minibatches(parts, params, scored[k],
+                                                                       step)
+        minibatches.append(batches)
+        measured.append(arm_measured)
+        pack_s.append(arm_pack_s)
+      train, per_update, train_s = loop.train_on(
+          parts, state.train, [stack_batches(batches) for batches in zip(*minibatches)])
+      state = state.replace(step=jnp.int32(step + 1), train=train,
+                            reward_state=[s.reward_state for s in scored], rollout=rollout_states)
+      records = []
+      for k in range(arms):
+        updates = [{name: value[k] for name, value in update.items()} for update in per_update]
+        metrics = {**scored[k].metrics, **loop.update_metrics(
+            updates, measured[k], minibatches[k], pack_s[k], train_s), "weight_sync_s": sync_s[k]}
+        loop.finish_metrics(parts, metrics, scored[k], waited[k], step)
+        records.append(loop.StepRecord(step + 1, state, metrics, scored[k].trajectories,
+                                       scored[k].rewards, scored[k].advantages))
+      yield records
+  finally:
+    parts.rollouts.close()

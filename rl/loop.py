@@ -192,14 +192,51 @@ def _timed(make):
   return made, time.perf_counter() - started
 
 
+@dataclasses.dataclass
+class Scored:
+  """One step's rollouts ready to pack: trajectories, rewards f32[N] and advantages f32[N]
+  (before the per-token broadcast), keep bool[N] (the loss mask), the optional fields the
+  step reads, the reward transforms' new state, and the metrics so far."""
+  trajectories: list
+  rewards: np.ndarray
+  advantages: np.ndarray
+  keep: np.ndarray
+  fields: dict
+  reward_state: Any
+  metrics: dict
+
+
 def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
           waited_s: float, switch: dict[str, float]) -> StepRecord:
   """Step `step`'s update on the rollouts `made`: rewards, advantages, batches, train step,
   weight sync. `waited_s`: how long the trainer waited for the rollouts; `switch`: the
   hybrid deployment's offload_s, release_s and reload_s (rl_steps)."""
+  scored = score(parts, state.reward_state, made, step, waited_s)
+  corrected, measured, pack_s = corrected_minibatches(parts, state.train.params, scored, step)
+  train, per_update, train_s = train_on(parts, state.train, corrected)
+  metrics = {**scored.metrics, **update_metrics(per_update, measured, corrected, pack_s, train_s)}
+  started = time.perf_counter()
+  if (step + 1) % parts.context.config.weight_sync_every == 0:
+    sync_engine(parts, train.params, step + 1, parts.rollouts.concurrent)
+    parts.rollouts.synced(step + 1)
+  metrics["weight_sync_s"] = time.perf_counter() - started
+  if switch:
+    metrics.update(switch, switch_to_train_s=switch["release_s"] + switch["reload_s"],
+                   switch_to_inference_s=switch["offload_s"] + metrics["weight_sync_s"])
+  finish_metrics(parts, metrics, scored, waited_s, step)
+  state = state.replace(step=jnp.int32(step + 1), train=train, reward_state=scored.reward_state)
+  return StepRecord(step + 1, state, metrics, scored.trajectories, scored.rewards,
+                    scored.advantages)
+
+
+def score(parts: Parts, reward_state, made: sources.Made, step: int,
+          waited_s: float) -> Scored:
+  """The rollouts `made` scored: reward transforms (from `reward_state`), the KL in the
+  reward, advantages, the fields the loss and correction read (teachers' scores included);
+  metrics: the source's, and score_s."""
   started = time.perf_counter()
   trajectories = made.trajectories
-  rollouts, reward_state = parts.reward.update(rollouts_view(trajectories), state.reward_state,
+  rollouts, reward_state = parts.reward.update(rollouts_view(trajectories), reward_state,
                                                step=step)
   if parts.kl_reward is not None and parts.kl_reward.coef:
     rollouts = rollouts.replace(reward=rollouts.reward - parts.kl_reward.coef * (
@@ -218,36 +255,18 @@ def _step(parts: Parts, state: LoopState, made: sources.Made, step: int,
     teacher, teacher_metrics = distill.teacher_fields(parts.teachers, trajectories, parts.reads)
     fields.update(teacher)
     metrics.update(teacher_metrics)
-  train, train_metrics = _update(parts, state, trajectories, adv, np.asarray(rollouts.loss_mask),
-                                 fields, step)
-  metrics.update(train_metrics)
-  started = time.perf_counter()
-  if (step + 1) % parts.context.config.weight_sync_every == 0:
-    sync_engine(parts, train.params, step + 1, parts.rollouts.concurrent)
-    parts.rollouts.synced(step + 1)
-  metrics["weight_sync_s"] = time.perf_counter() - started
-  if switch:
-    metrics.update(switch, switch_to_train_s=switch["release_s"] + switch["reload_s"],
-                   switch_to_inference_s=switch["offload_s"] + metrics["weight_sync_s"])
-  metrics["trainer_idle_s"] = waited_s
-  metrics.setdefault("engine_idle_s", metrics["pack_s"] + metrics["train_s"] + metrics[
-      "weight_sync_s"] + metrics.get("teacher_s", 0.0))
-  rewards = np.asarray(rollouts.reward)
-  metrics.update(_rollout_metrics(parts, trajectories, rewards, step))
-  state = state.replace(step=jnp.int32(step + 1), train=train, reward_state=reward_state)
-  return StepRecord(step + 1, state, metrics, trajectories, rewards, adv)
+  return Scored(trajectories, np.asarray(rollouts.reward), adv, np.asarray(rollouts.loss_mask),
+                fields, reward_state, metrics)
 
 
-def _update(parts: Parts, state: LoopState, trajectories, adv, keep, fields, step: int):
-  """Pack the step's minibatches, correct them, and make one update on each. Returns the new
-  TrainState and the metrics: pack_s, train_s, rows, the train step's means over updates
-  (logp_diff_max: their max), the correction's metrics, and the engine-vs-trainer mismatch
-  before the first update: with trainer_logprobs every minibatch's (corrections.measure:
-  |d|, KL, ratio percentiles, what each mask would drop), else |trainer - engine| of the first
-  update's (engine_logp_diff_mean / _max)."""
+def corrected_minibatches(parts: Parts, params, scored: Scored, step: int):
+  """The step's minibatches of packed rows, each corrected (parts.correction) against the
+  trainer's log-probs under train state params `params` (the step's starting ones). Returns
+  (minibatches, each one's mismatch and correction metrics, the seconds it took)."""
   started = time.perf_counter()
-  batches = batch_lib.minibatches(trajectories, adv, batch_lib.train_masks(trajectories, keep),
-                                  parts.context.config, fields, parts.context.vision)
+  batches = batch_lib.minibatches(scored.trajectories, scored.advantages,
+                                  batch_lib.train_masks(scored.trajectories, scored.keep),
+                                  parts.context.config, scored.fields, parts.context.vision)
   corrected, measured = [], []
   for batch in batches:
     # The step's starting params for every minibatch: the PPO ratio of a later minibatch then
@@ -255,28 +274,51 @@ def _update(parts: Parts, state: LoopState, trajectories, adv, keep, fields, ste
     # first update, which may take (donate) those params' buffers.
     # (Parts.check: a correction that reads them has trainer_logprobs.)
     trainer_logp = (None if parts.trainer_logprobs is None
-                    else parts.trainer_logprobs(state.train.params, batch))
+                    else parts.trainer_logprobs(params, batch))
     mismatch = {} if trainer_logp is None else corrections_lib.measure(batch, trainer_logp)
     batch, correction_metrics = parts.correction.apply(batch, step=step,
                                                        trainer_logp=trainer_logp)
     corrected.append(batch)
     measured.append({**mismatch, **correction_metrics})
-  pack_s = time.perf_counter() - started
+  return corrected, measured, time.perf_counter() - started
+
+
+def train_on(parts: Parts, train: TrainState, batches):
+  """One update of `train` on each minibatch. Returns (the new TrainState, each update's
+  metrics on the host, the seconds it took)."""
   started = time.perf_counter()
-  train, per_update = state.train, []
-  for batch in corrected:
+  per_update = []
+  for batch in batches:
     train, update_metrics = parts.train_step(train, batch, parts.ref_params)
     per_update.append(update_metrics)
-  per_update = jax.device_get(per_update)
+  return train, jax.device_get(per_update), time.perf_counter() - started
+
+
+def update_metrics(per_update, measured, batches, pack_s: float, train_s: float) -> dict:
+  """A step's update metrics: pack_s, train_s, rows, the train step's means over updates
+  (logp_diff_max: their max), the correction's metrics, and the engine-vs-trainer mismatch
+  before the first update: with trainer_logprobs every minibatch's (corrections.measure:
+  |d|, KL, ratio percentiles, what each mask would drop), else |trainer - engine| of the first
+  update's (engine_logp_diff_mean / _max)."""
   metrics = {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
   metrics["logp_diff_max"] = float(max(m["logp_diff_max"] for m in per_update))
   # Trainer vs engine log-probs on the same tokens, before this step's first update.
   metrics["engine_logp_diff_mean"] = float(per_update[0]["logp_diff_mean"])
   metrics["engine_logp_diff_max"] = float(per_update[0]["logp_diff_max"])
   metrics.update(corrections_lib.combine(measured))
-  metrics.update(pack_s=pack_s, train_s=time.perf_counter() - started,
-                 rows=sum(batch.tokens.shape[0] for batch in corrected))
-  return train, metrics
+  metrics.update(pack_s=pack_s, train_s=train_s,
+                 rows=sum(batch.tokens.shape[0] for batch in batches))
+  return metrics
+
+
+def finish_metrics(parts: Parts, metrics: dict, scored: Scored, waited_s: float,
+                   step: int) -> None:
+  """Adds to a step's `metrics` (weight_sync_s among them) the idle times and the rollouts'
+  numbers (_rollout_metrics)."""
+  metrics["trainer_idle_s"] = waited_s
+  metrics.setdefault("engine_idle_s", metrics["pack_s"] + metrics["train_s"] + metrics[
+      "weight_sync_s"] + metrics.get("teacher_s", 0.0))
+  metrics.update(_rollout_metrics(parts, scored.trajectories, scored.rewards, step))
 
 
 def _rollout_metrics(parts: Parts, trajectories, rewards: np.ndarray, step: int) -> dict:
@@ -316,8 +358,6 @@ def plain_policy(parts: Parts, params):
   """The policy of train state params `params` as plain weights (a LoRA run's merged: fresh
   arrays), what an engine, an evaluation or an export takes."""
   return params if parts.base is None else lora.merged(parts.base, params)
-
-
 
 
 def sync_engine(parts: Parts, params, version: int, while_generating: bool = False) -> None:

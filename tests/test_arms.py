@@ -1,7 +1,8 @@
 """Arms (rl/arms.py): K LoRA experiments over one frozen base. An arm trained among K, in one
 vmapped step, ends with the params it has when trained alone by the ordinary train step (its
-own seed, learning rate and batches; float32); a batch whose rows belong to different arms
-decodes each row with its own arm's adapters."""
+own seed, learning rate and batches; float32), and an arm run among K by arms_steps makes
+the rollouts and ends with the adapters of the same arm run alone by rl_steps; a batch whose
+rows belong to different arms decodes each row with its own arm's adapters."""
 
 import dataclasses
 
@@ -12,11 +13,15 @@ import pytest
 
 from models import lora, transformer
 from models.lora import LoraConfig
-from rl import arms, losses
+from rl import arms, loop, losses
+from rl.config import RLConfig
 from rl.loop import rl_optimizer
 from rl.packing import trajectory_batch
-from rl.train_step import init_train_state, make_train_step
+from rl.train_step import init_train_state, make_train_step, policy_logprobs
 from rollouts import decoding
+from rollouts.jax_engine import JaxEngine
+from tests import helpers
+from tests.test_rl import PickADigit, digit_model  # noqa: F401 - the fixture
 
 RATES = (1e-3, 3e-3, 1e-2)
 
@@ -117,3 +122,71 @@ def test_each_row_of_a_batch_decodes_with_its_own_arms_adapters(tiny_cfg, tiny_p
     tokens_alone, logp_alone, *_ = decode(lora.attach(tiny_params, trained[k]))
     np.testing.assert_array_equal(tokens_together[row], tokens_alone[row])
     np.testing.assert_allclose(logp_together[row], logp_alone[row], atol=2e-5)
+
+
+def _lora_parts(cfg, base, tokenizer, config, optimizer, *, arms_step: bool):
+  """A LoRA run's loop parts over `base` (DAPO on PickADigit, on an embedded engine of its
+  own holding the base), its train step over K stacked arms when `arms_step`."""
+  step = make_train_step(cfg, optimizer, losses.bind("dapo", {}),
+                         micro_batches=config.micro_batches, arms=arms_step)
+  return helpers.parts(
+      cfg, engine=JaxEngine(cfg, base), task=PickADigit(10), tokenizer=tokenizer, config=config,
+      loss="dapo", optimizer=optimizer, base=base,
+      train_step=lambda _: lambda train, batch, ref: step(train, batch, ref, base),
+      trainer_logprobs=jax.jit(lambda p, b: policy_logprobs(lora.attach(base, p), cfg, b)[0]))
+
+
+@pytest.mark.slow
+def test_arms_in_one_run_make_each_arms_rollouts_and_updates_alone(tokenizer, digit_model):
+  """Three arms (seeds, adapters and learning rates of their own) run three RL steps of two
+  minibatches together; each arm alone, by rl_steps on an engine of its own, makes the same
+  trajectories and rewards at every step and ends with the same adapters."""
+  cfg, base = digit_model
+  config = RLConfig(prompts_per_step=4, samples_per_prompt=8, max_new_tokens=4, seq_len=16,
+                    minibatches=2)
+  rates, seeds = (1e-2, 3e-2, 1e-1), (0, 1, 2)
+  adapters = [_adapters(cfg, base, 10 + k) for k in range(3)]
+  optimizer = arms.arms_optimizer()
+  parts = _lora_parts(cfg, base, tokenizer, config, optimizer, arms_step=True)
+  together = arms.arms_steps(arms.init_arms_state(adapters, rates, seeds, optimizer, parts),
+                             parts)
+  steps_together = [next(together) for _ in range(3)]
+  together.close()
+  assert len(steps_together[0]) == 3 and steps_together[-1][0].step == 3
+  for k in range(3):
+    alone_optimizer = rl_optimizer(rates[k])
+    alone_parts = _lora_parts(cfg, base, tokenizer, config, alone_optimizer, arms_step=False)
+    alone = loop.rl_steps(loop.init_state(adapters[k], alone_optimizer, alone_parts, seeds[k]),
+                          alone_parts)
+    for records in steps_together:
+      mine, record = records[k], next(alone)
+      assert [t.token_ids for t in mine.trajectories] == [
+          t.token_ids for t in record.trajectories]
+      np.testing.assert_array_equal(mine.rewards, record.rewards)
+      np.testing.assert_allclose(mine.metrics["loss"], record.metrics["loss"], rtol=1e-4)
+    # A hundredth of one Adam update (about the rate): over six updates the rounding that
+    # Adam amplifies in small gradients (see the test of the step above) compounds; a wrong
+    # rate or another arm's batches would move the adapters by whole updates.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-2 * rates[k]),
+                 arms.unstack(mine.state.train.params, k), record.state.train.params)
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+        jax.tree.leaves(record.state.train.params), jax.tree.leaves(adapters[k])))
+    assert moved > 1e-3  # the arm learned: its rollouts after the first came from its update
+    alone.close()
+  # The arms went their own ways: their rollouts differ.
+  tokens = lambda k: [t.token_ids for r in steps_together for t in r[k].trajectories]
+  assert tokens(0) != tokens(1) != tokens(2)
+
+
+def test_arms_refuse_what_they_cannot_run_with(tokenizer, tiny_cfg, tiny_params):
+  config = RLConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4, seq_len=16,
+                    weight_sync_every=2)
+  parts = _lora_parts(tiny_cfg, tiny_params, tokenizer, config, arms.arms_optimizer(),
+                      arms_step=True)
+  with pytest.raises(ValueError, match="arms sync every step"):
+    next(arms.arms_steps(arms.init_arms_state([_adapters(tiny_cfg, tiny_params, 0)], [1e-3], [0],
+                                              arms.arms_optimizer(), parts), parts))
+  without_base = dataclasses.replace(parts, base=None)
+  with pytest.raises(ValueError, match="give Parts.base"):
+    next(arms.arms_steps(loop.init_state(tiny_params, arms.arms_optimizer(), without_base, 0),
+                         without_base))
