@@ -334,8 +334,32 @@ _LORA_SERVING_NOT_MEASURED = (
     NotMeasured(_DOC, "on the 2-core CPU machine of 2026-12-07", MACHINE),
 )
 
-FIGURES = (_VERIFIERS + _PARTIAL_ROLLOUTS + _REFIT + _LORA_SYNC + _LORA_SERVING + _QUANTIZED
-           + _HYBRID)
+# ## `bench/lora_arms.py`: the table's rows and ratios.
+LORA_ARMS = "bench/results/lora_arms.json"
+
+
+def _lora_arms_row(side: str) -> Figure:
+  return Figure(_DOC, f"{side} {{}} {{}} {{}}", LORA_ARMS,
+                tuple(f"results/arms=4/{side}_{key}" for key in ("s", "generate_s", "train_s")),
+                "{:.2f}")
+
+
+_LORA_ARMS = (
+    _lora_arms_row("together"), _lora_arms_row("apart"),
+    Figure(_DOC, "apart / together: {} (training alone {})", LORA_ARMS,
+           ("results/arms=4/apart_over_together", "results/arms=4/train_apart_over_together"),
+           "{:.2f}"),
+)
+_LORA_ARMS_NOT_MEASURED = (
+    NotMeasured(_DOC, "bench/lora_arms.py # about 2 minutes", ROUGH),
+    NotMeasured(_DOC, "32 prompts x 8 samples of up to 40 tokens, k1.5, the embedded engine",
+                CONFIG),
+    NotMeasured(_DOC, "gave 0.81 to 1.36 (not recorded)", UNRECORDED),
+    NotMeasured(_DOC, "On the 2-core CPU machine of 2026-12-07: ``` step s", MACHINE),
+)
+
+FIGURES = (_VERIFIERS + _PARTIAL_ROLLOUTS + _REFIT + _LORA_SYNC + _LORA_SERVING + _LORA_ARMS
+           + _QUANTIZED + _HYBRID)
 NOT_MEASURED = (_VERIFIERS_NOT_MEASURED + _PARTIAL_ROLLOUTS_NOT_MEASURED + _REFIT_NOT_MEASURED
-                + _LORA_SYNC_NOT_MEASURED + _LORA_SERVING_NOT_MEASURED + _QUANTIZED_NOT_MEASURED
-                + _HYBRID_NOT_MEASURED)
+                + _LORA_SYNC_NOT_MEASURED + _LORA_SERVING_NOT_MEASURED
+                + _LORA_ARMS_NOT_MEASURED + _QUANTIZED_NOT_MEASURED + _HYBRID_NOT_MEASURED)
