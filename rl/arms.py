@@ -8,10 +8,11 @@ batch of decoding serves them all (models/lora.attach with each row's arm).
 
 Owns stacking and unstacking arms, their optimizer (rl/loop.rl_optimizer's, with its learning
 rate held in each arm's optimizer state), the padding that gives K arms' minibatches one
-shape, and `arms_steps`: rl/loop.rl_steps for K arms in lockstep, each arm's step the step it
+shape, each arm's PEFT export, and `arms_steps`: rl/loop.rl_steps for K arms in lockstep, each arm's step the step it
 would make alone but for the one update they share.
 """
 
+import os
 import time
 from typing import Any, Iterator, Sequence
 
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from models import hf_lora, lora
+from models.config import ModelConfig
 from rl import loop, sources
 from rl.loop import rl_optimizer
 from rl.train_step import TrainState, init_train_state
@@ -72,6 +75,16 @@ def stack_batches(batches: Sequence[TrainBatch]) -> TrainBatch:
   rows = max(batch.tokens.shape[0] for batch in batches)
   pad = lambda x: np.pad(np.asarray(x), [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   return jax.tree.map(lambda *leaves: np.stack([pad(x) for x in leaves]), *batches)
+
+
+def export_adapters(state: TrainState, cfg: ModelConfig, lora_cfg: lora.LoraConfig,
+                    out_dir: str, *, base: str | None = None) -> list[str]:
+  """Each arm's adapters of a stacked train state as a PEFT directory out_dir/arm_<k>
+  (models/hf_lora.save_adapter; `base`: the base model's path, recorded in each). Returns
+  their paths."""
+  return [hf_lora.save_adapter(unstack(state.params, k), cfg, lora_cfg,
+                               os.path.join(out_dir, f"arm_{k}"), base=base)
+          for k in range(len(learning_rates(state)))]
 
 
 def init_arms_state(adapters: Sequence[Any], learning_rates: Sequence[float],

@@ -2,7 +2,8 @@
 vmapped step, ends with the params it has when trained alone by the ordinary train step (its
 own seed, learning rate and batches; float32), and an arm run among K by arms_steps makes
 the rollouts and ends with the adapters of the same arm run alone by rl_steps; a batch whose
-rows belong to different arms decodes each row with its own arm's adapters."""
+rows belong to different arms decodes each row with its own arm's adapters. Arms resume
+exactly from a checkpoint of their joint state, and export each arm's adapters for peft."""
 
 import dataclasses
 
@@ -11,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import lora, transformer
+from models import hf_lora, lora, transformer
 from models.lora import LoraConfig
 from rl import arms, loop, losses
+from rl.checkpoint import Checkpointer
 from rl.config import RLConfig
 from rl.loop import rl_optimizer
 from rl.packing import trajectory_batch
@@ -176,6 +178,45 @@ def test_arms_in_one_run_make_each_arms_rollouts_and_updates_alone(tokenizer, di
   # The arms went their own ways: their rollouts differ.
   tokens = lambda k: [t.token_ids for r in steps_together for t in r[k].trajectories]
   assert tokens(0) != tokens(1) != tokens(2)
+
+
+@pytest.mark.slow
+def test_arms_resume_exactly_from_a_checkpoint_and_export_each_arm(tokenizer, digit_model,
+                                                                   tmp_path):
+  """Two arms' joint state saved after their first step and restored into a fresh state's
+  shape: the restored run's next step is the uninterrupted run's, bit for bit; each arm's
+  PEFT export loads back as that arm's adapters."""
+  cfg, base = digit_model
+  config = RLConfig(prompts_per_step=4, samples_per_prompt=8, max_new_tokens=4, seq_len=16)
+  optimizer = arms.arms_optimizer()
+  parts = _lora_parts(cfg, base, tokenizer, config, optimizer, arms_step=True)
+  adapters = [_adapters(cfg, base, 10 + k) for k in range(2)]
+  fresh = lambda: arms.init_arms_state(adapters, (3e-2, 1e-1), (0, 1), optimizer, parts)
+  steps = arms.arms_steps(fresh(), parts)
+  first = next(steps)
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+  checkpointer.save(1, first[0].state)
+  checkpointer.close()
+  second = next(steps)
+  steps.close()
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+  resumed = arms.arms_steps(checkpointer.restore(fresh()), parts)
+  again = next(resumed)
+  resumed.close()
+  checkpointer.close()
+  for k in range(2):
+    assert [t.token_ids for t in again[k].trajectories] == [
+        t.token_ids for t in second[k].trajectories]
+  jax.tree.map(np.testing.assert_array_equal, again[0].state.train, second[0].state.train)
+  np.testing.assert_allclose(arms.learning_rates(again[0].state.train), (3e-2, 1e-1))
+
+  trained = second[0].state.train
+  for k, path in enumerate(arms.export_adapters(trained, cfg, LoraConfig(rank=4, alpha=8.0),
+                                                str(tmp_path / "export"))):
+    assert path.endswith(f"arm_{k}")
+    loaded, _ = hf_lora.load_adapter(path, cfg)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 loaded, arms.unstack(trained.params, k))
 
 
 def test_arms_refuse_what_they_cannot_run_with(tokenizer, tiny_cfg, tiny_params):
