@@ -34,7 +34,6 @@ import threading
 import uuid
 from typing import Any, Sequence
 
-
 from models import hf_lora, lora
 from models.config import ModelConfig
 from rollouts.server.protocol import RequestError
