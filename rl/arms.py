@@ -3,13 +3,14 @@
 An arm is what one LoRA run trains: its adapters (from its own seed), its optimizer state and
 its learning rate. K arms are held stacked, every leaf with a leading arm axis [K, ...], so
 that one program updates them all over the one base (rl/train_step.make_train_step with
-arms=True: the step vmapped over the arms, the base shared, its products batched) and one
-batch of decoding serves them all (models/lora.attach with each row's arm).
+arms=True: the step vmapped over the arms, the base shared, its products batched), and one
+batch of decoding could serve them all (models/lora.attach with each row's arm; no engine
+does yet: arms_steps generates one arm after another).
 
 Owns stacking and unstacking arms, their optimizer (rl/loop.rl_optimizer's, with its learning
 rate held in each arm's optimizer state), the padding that gives K arms' minibatches one
-shape, each arm's PEFT export, and `arms_steps`: rl/loop.rl_steps for K arms in lockstep, each arm's step the step it
-would make alone but for the one update they share.
+shape, each arm's PEFT export, and `arms_steps`: rl/loop.rl_steps for K arms in lockstep,
+each arm's step the step it would make alone but for the one update they share.
 """
 
 import os

@@ -129,8 +129,7 @@ def _check_balancing(cfg: ModelConfig, expert_bias_rate: float, balance_coef: fl
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
                     loss_fn: Callable, *, micro_batches: int = 1, logprob_chunk: int = 2048,
                     state_shardings=None, donate_state: bool = False, replay: bool = False,
-                    expert_bias_rate: float = 0.0, balance_coef: float = 0.0,
-                    arms: bool = False):
+                    expert_bias_rate: float = 0.0, balance_coef: float = 0.0, arms: bool = False):
   """A jitted `step(state, batch, ref_params=None, base=None) -> (state, metrics)`.
 
   batch: TrainBatch with rows divisible by `micro_batches`. With `ref_params`, the batch's
@@ -153,9 +152,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
   the first update of a rollout batch, the engine-vs-trainer mismatch.
   state_shardings (models.sharding.state_shardings): keeps the updated state sharded like
   its input; call the step inside the mesh (models.sharding.on_mesh).
-  arms: K arms' steps in one program (rl/arms.py): every leaf of the state and the batch has
-  a leading arm axis [K, ...], the base and ref_params are shared, and each metric is f32[K],
-  each arm's as its step alone would give it (the step vmapped over the arms).
+  arms: the step of K stacked arms (over_arms).
   donate_state: the updated state takes the input state's buffers (an update in place, as
   PyTorch's optimizers do) and the input state is deleted: one copy of the parameters and
   optimizer moments less at the step's peak, and no fresh buffers for the host allocator to
@@ -207,9 +204,13 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
       new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
     return new_state, metrics
 
-  if arms:
-    one_arm = step
-    # Positionally: vmap maps keyword arguments over their leading axis, and the base is shared.
-    step = lambda state, batch, ref_params=None, base=None: jax.vmap(
-        one_arm, in_axes=(0, 0, None, None))(state, batch, ref_params, base)
-  return jax.jit(step, donate_argnums=0 if donate_state else ())
+  return jax.jit(over_arms(step) if arms else step, donate_argnums=0 if donate_state else ())
+
+
+def over_arms(step: Callable) -> Callable:
+  """`step(state, batch, ref_params=None, base=None)` of K arms in one program (rl/arms.py):
+  every leaf of the state and the batch has a leading arm axis [K, ...], the base and
+  ref_params are shared, and each metric is f32[K], each arm's as its step alone gives it."""
+  # Positionally: vmap maps keyword arguments over their leading axis, and the base is shared.
+  return lambda state, batch, ref_params=None, base=None: jax.vmap(
+      step, in_axes=(0, 0, None, None))(state, batch, ref_params, base)
