@@ -4,8 +4,8 @@ An arm is what one LoRA run trains: its adapters (from its own seed), its optimi
 its learning rate. K arms are held stacked, every leaf with a leading arm axis [K, ...], so
 that one program updates them all over the one base (rl/train_step.make_train_step with
 arms=True: the step vmapped over the arms, the base shared, its products batched), and one
-batch of decoding could serve them all (models/lora.attach with each row's arm; no engine
-does yet: arms_steps generates one arm after another).
+batch of decoding could serve them all (models/lora.attach with each row's arm; SGLang's
+LoRA batching on servers): arms_steps generates one arm after another for now.
 
 Owns stacking and unstacking arms, their optimizer (rl/loop.rl_optimizer's, with its learning
 rate held in each arm's optimizer state), the padding that gives K arms' minibatches one
@@ -111,9 +111,10 @@ def _check(parts: loop.Parts) -> None:
       (config.hybrid, "arms do not run in a hybrid deployment (RLConfig.hybrid) yet"),
       (config.weight_sync_every != 1, f"arms sync every step (RLConfig.weight_sync_every is "
        f"{config.weight_sync_every})"),
-      (engine is None or engine.capabilities.adapters, "arms generate on an engine that takes "
-       "weights (the embedded engine); servers, where each arm's requests would name its own "
-       "adapter, are not supported yet")) if refused]
+      (engine is None, "arms generate on an engine (Context.engine is None)"),
+      (engine is not None and engine.capabilities.adapters and config.lora is None,
+       "arms on servers sync their adapters as PEFT directories: give RLConfig.lora (the "
+       "arms' LoraConfig)")) if refused]
   if refusals:
     raise ValueError("; ".join(refusals))
 
@@ -123,10 +124,11 @@ def arms_steps(state: loop.LoopState, parts: loop.Parts) -> Iterator[list[loop.S
   yielding after each step the K arms' StepRecords (each holding the arms' joint state).
 
   parts: a LoRA run's (Parts.base its frozen base), its train_step made with arms=True.
-  Arm k's step is rl_steps' step of a run alone: the engine gets arm k's merged weights, then
-  its rollouts are generated, scored, packed and corrected as that run's would be; the K arms'
-  minibatches then go through one vmapped update each. Each record's metrics are its arm's;
-  train_s is the shared updates' time.
+  Arm k's step is rl_steps' step of a run alone: the engine gets arm k's policy (the embedded
+  engine its merged weights; servers its adapters, under arm k's own name, which its
+  requests then name), then its rollouts are generated, scored, packed and corrected as that
+  run's would be; the K arms' minibatches then go through one vmapped update each. Each
+  record's metrics are its arm's; train_s is the shared updates' time.
   """
   parts.check()
   _check(parts)
@@ -138,7 +140,7 @@ def arms_steps(state: loop.LoopState, parts: loop.Parts) -> Iterator[list[loop.S
       for k in range(arms):
         params = unstack(state.train.params, k)
         started = time.perf_counter()
-        loop.sync_engine(parts, params, step)  # its policy, on the one engine
+        loop.sync_engine(parts, params, step, arm=k)  # its policy, on the one engine
         sync_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         made, rollout_state = parts.rollouts.next(parts.context, state.rollout[k], step)

@@ -93,10 +93,10 @@ class Capabilities:
   context_length: the most tokens (prompt + completion) one request may hold (a server's
     --context-length: SGLang refuses a request above it); None: no limit.
   adapters: the engine has `update_adapters(adapters, lora, version, *, base,
-    while_generating=False) -> seconds`, which takes a LoRA run's adapters alone (of
-    models.lora.LoraConfig `lora`: servers load each version as a PEFT directory under a
-    name of its own, and every request names the adapter it runs on), and its frozen base
-    once (`base()` gives it). Without it a LoRA run's engine gets merged weights through
+    while_generating=False, arm=None) -> seconds`, which takes a LoRA run's adapters alone
+    (of models.lora.LoraConfig `lora`: servers load each version as a PEFT directory under a
+    name of its own, an arm's (rl/arms.py) under its arm's, and every request names the
+    adapter it runs on), and its frozen base once (`base()` gives it). Without it a LoRA run's engine gets merged weights through
     update_weights.
   """
   abort: bool = False

@@ -123,7 +123,7 @@ class SGLangEngine:
     self.processes = list(processes)
     self._memory_saver_checked = False
     self.adapter: tuple[str, int] | None = None  # the adapter requests run on: (name, version)
-    self._adapters: list[str] = []  # the names loaded on the servers, oldest first
+    self._adapters: list[tuple[str, str]] = []  # (name, directory) loaded, oldest first
 
   @property
   def version(self) -> int:
@@ -281,17 +281,20 @@ class SGLangEngine:
     self.processes = []
 
   def update_adapters(self, adapters, lora, version: int, *, base: Callable[[], Any],
-                      while_generating: bool = False) -> float:
+                      while_generating: bool = False, arm: int | None = None) -> float:
     """A LoRA run's sync: `adapters` (models/lora.py's tree, of LoraConfig `lora`) written as
     a PEFT directory weights_dir/a<version> and loaded by every server under a name of this
     version's own, `rid_prefix`-v<version> (SGLang reloads a name it held before from that
     name's last path, so that a name unloaded and loaded again races with the requests
     naming it: docs/sglang.md 3(n)); every request from now on names it, and its tokens are
-    tagged with `version`. The frozen base (`base()`) goes to the servers as full weights
-    first, once (and again after they released their memory: RLConfig.hybrid). Requests in flight are aborted, or, `while_generating`, finish on the
-    adapter they started with. The keep_versions newest adapters stay loaded; an older one is
-    unloaded (each server returns once no request uses it) and its directory removed. Returns
-    the seconds."""
+    tagged with `version`. `arm`: the adapters are arm `arm`'s (rl/arms.py), their directory
+    and name that arm's own (a<version>-arm<arm>, `rid_prefix`-arm<arm>-v<version>), so that
+    arms synced at one version do not meet. The frozen base (`base()`) goes to the servers as
+    full weights first, once (and again after they released their memory: RLConfig.hybrid).
+    Requests in flight are aborted, or, `while_generating`, finish on the adapter they
+    started with. The keep_versions newest adapters stay loaded; an older one is unloaded
+    (each server returns once no request uses it) and its directory removed. Returns the
+    seconds."""
     started = time.perf_counter()
     if self.adapter is None:  # the servers hold the start's weights, not yet the base
       self.client.check_started_with("--enable-lora", "a LoRA run's adapter syncs "
@@ -299,17 +302,19 @@ class SGLangEngine:
     if self.adapter is None or self.client.released:  # or released it (a hybrid step)
       self.update_weights(base(), version, while_generating=while_generating)
       self.sync_seconds.pop()  # counted in this sync's
-    name = f"{self.rid_prefix}-v{version}"
+    own = "" if arm is None else f"-arm{arm}"
+    name = f"{self.rid_prefix}{own}-v{version}"
+    directory = f"a{version:06d}{own}"
     path = hf_lora.save_adapter(adapters, self.cfg, lora,
-                                os.path.join(self.weights_dir, f"a{version:06d}"))
+                                os.path.join(self.weights_dir, directory))
     if not while_generating:
       self.client.abort_all()
     self.client.load_adapter(name, path)
     self.adapter, self._version = (name, version), version
-    self._adapters.append(name)
+    self._adapters.append((name, directory))
     while len(self._adapters) > self.keep_versions:
-      self.client.unload_adapter(self._adapters.pop(0))
-    kept = {f"a{int(n.rsplit('-v', 1)[1]):06d}" for n in self._adapters}
+      self.client.unload_adapter(self._adapters.pop(0)[0])
+    kept = {kept_directory for _, kept_directory in self._adapters}
     for stale in os.listdir(self.weights_dir):
       if stale.startswith("a") and stale not in kept:
         shutil.rmtree(os.path.join(self.weights_dir, stale), ignore_errors=True)

@@ -3,7 +3,8 @@ vmapped step, ends with the params it has when trained alone by the ordinary tra
 own seed, learning rate and batches; float32), and an arm run among K by arms_steps makes
 the rollouts and ends with the adapters of the same arm run alone by rl_steps; a batch whose
 rows belong to different arms decodes each row with its own arm's adapters. Arms resume
-exactly from a checkpoint of their joint state, and export each arm's adapters for peft."""
+exactly from a checkpoint of their joint state, and export each arm's adapters for peft.
+Through a server, each arm's adapters go under a name of its own, which its requests name."""
 
 import dataclasses
 
@@ -217,6 +218,49 @@ def test_arms_resume_exactly_from_a_checkpoint_and_export_each_arm(tokenizer, di
     loaded, _ = hf_lora.load_adapter(path, cfg)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
                  loaded, arms.unstack(trained.params, k))
+
+
+@pytest.mark.slow
+def test_arms_through_a_server_name_each_arms_own_adapters(tokenizer, digit_model, tmp_path):
+  """Two arms, three steps, through our server with --enable-lora (SGLang's LoRA API): every
+  request of arm k at step s names run-arm<k>-v<s>, the tokens it gets are tagged with s,
+  and its log-probs are arm k's policy's (the trainer's, within float32 rounding: after the
+  first update the arms' policies differ)."""
+  from rollouts.sglang import SGLangClient
+  from rollouts.sglang_engine import SGLangEngine
+  from tests.test_server_lora import LORA
+  cfg, base = digit_model
+  lora_cfg = LoraConfig(rank=4, alpha=8.0)
+  config = RLConfig(prompts_per_step=4, samples_per_prompt=8, max_new_tokens=4, seq_len=16,
+                    lora=lora_cfg)
+  optimizer = arms.arms_optimizer()
+  with helpers.serving(cfg, base, lora=LORA) as (url, scheduler):
+    named = []
+    submit = scheduler.submit
+    scheduler.submit = lambda requests: named.extend(
+        None if r.adapter is None else r.adapter.name for r in requests) or submit(requests)
+    engine = SGLangEngine(SGLangClient([url]), cfg, weights_dir=str(tmp_path / "w"),
+                          rid_prefix="run", export_dtype="float32")
+    try:
+      parts = _lora_parts(cfg, base, tokenizer, config, optimizer, arms_step=True)
+      parts = dataclasses.replace(parts, context=dataclasses.replace(parts.context,
+                                                                     engine=engine))
+      adapters = [_adapters(cfg, base, 10 + k) for k in range(2)]
+      steps = arms.arms_steps(arms.init_arms_state(adapters, (3e-2, 1e-1), (0, 1), optimizer,
+                                                   parts), parts)
+      records = [next(steps) for _ in range(3)]
+      steps.close()
+    finally:
+      engine.close()
+  requests = config.prompts_per_step * config.samples_per_prompt
+  assert named == [f"run-arm{k}-v{s}" for s in range(3) for k in range(2)
+                   for _ in range(requests)]
+  for s, step in enumerate(records):
+    for record in step:
+      assert all(set(t.versions) == {s} for t in record.trajectories)
+      assert record.metrics["engine_logp_diff_max"] < 1e-3
+  tokens = lambda k: [t.token_ids for t in records[-1][k].trajectories]
+  assert tokens(0) != tokens(1)
 
 
 def test_arms_refuse_what_they_cannot_run_with(tokenizer, tiny_cfg, tiny_params):
