@@ -85,7 +85,7 @@ def export_adapters(state: TrainState, cfg: ModelConfig, lora_cfg: lora.LoraConf
   their paths."""
   return [hf_lora.save_adapter(unstack(state.params, k), cfg, lora_cfg,
                                os.path.join(out_dir, f"arm_{k}"), base=base)
-          for k in range(len(learning_rates(state)))]
+          for k in range(jax.tree.leaves(state.params)[0].shape[0])]
 
 
 def init_arms_state(adapters: Sequence[Any], learning_rates: Sequence[float],

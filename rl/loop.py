@@ -366,16 +366,16 @@ def sync_engine(parts: Parts, params, version: int, while_generating: bool = Fal
   flight aborted or, `while_generating`, finishing on the weights they started with (taking
   back the memory it released, in a hybrid deployment): a LoRA run's adapters alone when the
   engine takes adapters (Capabilities.adapters: servers; `arm`: an arm's, rl/arms.py, under
-  its arm's name), its base once; else plain_policy's weights. With several processes, an engine on each gets a whole copy of them; one that
-  keeps the arrays it is given gets a copy of its own when _engine_copies says so (merged
-  ones are already its own)."""
+  its arm's name), its base once; else plain_policy's weights. With several processes, an
+  engine on each gets a whole copy of them; one that keeps the arrays it is given gets a copy
+  of its own when _engine_copies says so (merged ones are already its own)."""
   engine = parts.context.engine
   if parts.base is not None and engine is not None and engine.capabilities.adapters:
     adapters = distributed.local_copy(params)
     distributed.checked(lambda: engine.update_adapters(
         adapters, parts.context.config.lora, version,
         base=lambda: distributed.local_copy(parts.base), while_generating=while_generating,
-        **({} if arm is None else {"arm": arm})))
+        arm=arm))
     return
   whole = distributed.local_copy(plain_policy(parts, params))
   if (parts.base is None and _engine_copies(parts) and engine is not None

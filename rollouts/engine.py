@@ -96,8 +96,8 @@ class Capabilities:
     while_generating=False, arm=None) -> seconds`, which takes a LoRA run's adapters alone
     (of models.lora.LoraConfig `lora`: servers load each version as a PEFT directory under a
     name of its own, an arm's (rl/arms.py) under its arm's, and every request names the
-    adapter it runs on), and its frozen base once (`base()` gives it). Without it a LoRA run's engine gets merged weights through
-    update_weights.
+    adapter it runs on), and its frozen base once (`base()` gives it). Without it a LoRA
+    run's engine gets merged weights through update_weights.
   """
   abort: bool = False
   pause: bool = False

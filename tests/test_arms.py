@@ -24,6 +24,7 @@ from rl.train_step import init_train_state, make_train_step, policy_logprobs
 from rollouts import decoding
 from rollouts.jax_engine import JaxEngine
 from tests import helpers
+from tests.test_lora import _moved
 from tests.test_rl import PickADigit, digit_model  # noqa: F401 - the fixture
 
 RATES = (1e-3, 3e-3, 1e-2)
@@ -88,19 +89,13 @@ def test_bad_arms_name_what_is_wrong(tiny_cfg, tiny_params):
                    arms.arms_optimizer())
 
 
-def _moved(adapters, seed: int):
-  leaves, tree = jax.tree.flatten(adapters)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-  return jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
-                                   for x, k in zip(leaves, keys)])
-
-
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_each_row_of_a_batch_decodes_with_its_own_arms_adapters(tiny_cfg, tiny_params, remat):
   """Rows of arms 2, 0, 1, 2 in one batch: their logits (both layer paths) are each the
   arm's alone, and greedy decoding gives each row the tokens its arm alone gives it."""
   cfg = dataclasses.replace(tiny_cfg, remat=remat)
-  trained = [_moved(_adapters(cfg, tiny_params, 20 + k), 30 + k) for k in range(3)]
+  trained = [_moved(_adapters(cfg, tiny_params, 20 + k), key=30 + k, size=0.3)
+             for k in range(3)]
   row_arms = np.array([2, 0, 1, 2], np.int32)
   rows, seq = len(row_arms), 9
   tokens = jax.random.randint(jax.random.PRNGKey(4), (rows, seq), 3, cfg.vocab_size)
