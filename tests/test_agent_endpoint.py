@@ -1,0 +1,315 @@
+"""The agent endpoint (rl/agents/): an OpenAI-compatible server in front of the embedded
+engine, driven by the official `openai` client as an agent that knows nothing of longrl
+would drive it, on the untrained tiny Qwen2 / Qwen3 of experiments/tiny_checkpoint.py.
+
+What must hold: the tokens of every recorded sequence are the tokens the engine saw and
+sampled (checked by the engine itself: scoring a branch gives back the log-probs recorded as
+it sampled), a later call extends an earlier one's exact tokens, drift is classified, a
+thinking template follows the configured rule, an SDK retry replays, a fork is two sequences,
+and every endpoint (streaming included) answers the official client."""
+
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from experiments import tiny_checkpoint
+from rl.agents import chat as chatlib
+from rl.agents.endpoint import AgentEndpoint, Limits
+from rl.pretrained import HFCheckpoint
+from rollouts.engine import SamplingParams
+from rollouts.jax_engine import JaxEngine
+
+SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0)
+TOOLS = [{"type": "function", "function": {
+    "name": "calc", "description": "Evaluates an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
+
+
+def _model(tmp_path_factory, family: str):
+  path = tiny_checkpoint.make(str(tmp_path_factory.mktemp(family)), family=family, sft_steps=0,
+                              progress=False)
+  checkpoint = HFCheckpoint(path, dtype="float32", template_args=(
+      {"enable_thinking": False} if family == "qwen3" else None))
+  cfg = checkpoint(0)
+  return checkpoint.tokenizer(), JaxEngine(cfg, checkpoint.load(cfg))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+  return _model(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+  return _model(tmp_path_factory, "qwen3")
+
+
+def _client(endpoint, session, **options) -> openai.OpenAI:
+  return openai.OpenAI(**{"base_url": endpoint.url, "api_key": session.key, "max_retries": 0,
+                          **options})
+
+
+def _sent(message) -> dict:
+  """The assistant message as an agent appends it to its history."""
+  return message.model_dump(exclude_none=True, exclude={"annotations", "refusal", "audio",
+                                                        "function_call"})
+
+
+def _assert_sampled(engine, session):
+  """Every branch's policy tokens carry the log-probs the engine gives them in that very
+  context: had a call's prompt not been the branch's prefix, they would differ."""
+  for branch in session.branches():
+    scored = engine.score([branch.prompt_ids.tolist()], [branch.token_ids.tolist()])[0]
+    np.testing.assert_allclose(scored[branch.policy_mask], branch.logprobs[branch.policy_mask],
+                               atol=2e-4)
+    assert (branch.versions[branch.policy_mask] == 0).all()
+
+
+def test_a_multi_call_episode_with_tools_is_one_sequence_of_the_sampled_tokens(qwen2):
+  chat, engine = qwen2
+  with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
+    session = endpoint.open_session()
+    client = _client(endpoint, session)
+    messages = [{"role": "system", "content": "You add numbers."},
+                {"role": "user", "content": "What is 12+30?"}]
+    prompts, replies = [], []
+    for turn in range(3):
+      answer = client.chat.completions.create(
+          model="policy", messages=messages, tools=TOOLS,
+          extra_body={"return_prompt_token_ids": True, "return_token_ids": True})
+      choice = answer.choices[0]
+      prompts.append(choice.prompt_token_ids)
+      replies.append(choice.response_token_ids)
+      assert answer.usage.completion_tokens == len(choice.response_token_ids)
+      messages.append(_sent(choice.message))
+      # A tool's result as the harness writes it, then the user's next turn.
+      messages += [{"role": "tool", "tool_call_id": "call_0", "content": str(42 + turn)},
+                   {"role": "user", "content": f"Check it, step {turn}."}]
+    endpoint.close_session(session)
+  assert session.drift == {"new": 1, "clean": 2}
+  [branch] = session.branches()
+  assert branch.calls == (0, 1, 2)
+  whole = branch.prompt_ids.tolist() + branch.token_ids.tolist()
+  for prompt, reply in zip(prompts, replies):  # each call's prompt extends the one before
+    assert whole[:len(prompt)] == prompt
+    assert whole[len(prompt):len(prompt) + len(reply)] == reply
+    assert branch.policy_mask[len(prompt) - len(prompts[0]):][:len(reply)].all()
+  assert branch.policy_mask.sum() == sum(map(len, replies))
+  # What the agent sent in between is the template's suffix, and out of the loss.
+  tail = chat.tokenizer.decode(whole[len(prompts[0]) + len(replies[0]):len(prompts[1])])
+  assert "<tool_response>\n42\n</tool_response>" in tail and "Check it, step 0." in tail
+  _assert_sampled(engine, session)
+
+
+def test_a_reply_with_tool_calls_reads_back_and_renders_as_the_template_writes_it(qwen2):
+  chat, _ = qwen2
+  text = ('Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expression": '
+          '"12+30"}}\n</tool_call>')
+  message, reason = chatlib.reply_message(text, "stop", tools_offered=True)
+  assert reason == "tool_calls" and message["content"] == "Let me compute."
+  [call] = message["tool_calls"]
+  assert call["function"] == {"name": "calc", "arguments": '{"expression": "12+30"}'}
+  assert chatlib.reply_message(text, "stop", tools_offered=False)[0]["content"] == text
+  thought, _ = chatlib.reply_message("<think>\nhmm\n</think>\n\nIt is 42.", "length",
+                                     tools_offered=False)
+  assert thought == {"role": "assistant", "reasoning_content": "hmm", "content": "It is 42."}
+  # The agent sends the call back: the template writes it as Qwen's Hermes block.
+  [sent] = chatlib.template_messages([message])
+  assert sent["tool_calls"][0]["arguments"] == {"expression": "12+30"}
+  rendered = chat.tokenizer.apply_chat_template(
+      [{"role": "user", "content": "q"}, sent], add_generation_prompt=False)
+  assert ('<tool_call>\n{"name": "calc", "arguments": {"expression": "12+30"}}\n</tool_call>'
+          in rendered)
+  # A harness that re-serialises the arguments, or re-spaces the text, rewrote the reply.
+  respaced = dict(message, content="Let  me compute.")
+  assert chatlib.same_reply(chatlib.given_reply(respaced), chatlib.given_reply(message)) == (
+      "rewritten")
+  assert chatlib.same_reply(chatlib.given_reply(message), chatlib.given_reply(message)) == "same"
+  other = dict(message, content="Something else.")
+  assert chatlib.same_reply(chatlib.given_reply(other), chatlib.given_reply(message)) == "other"
+
+
+def test_the_continuation_is_what_the_template_writes_after_a_reply(qwen2):
+  chat, _ = qwen2
+  history = [{"role": "user", "content": "What is 1+2?"},
+             {"role": "assistant", "content": "3"}]
+  following = [{"role": "user", "content": "And 2+2?"}]
+  whole = chat.tokenizer.apply_chat_template(history + following)
+  before = chat.tokenizer.apply_chat_template(history, add_generation_prompt=False)
+  end = before.rindex("<|im_end|>") + len("<|im_end|>")
+  assert chat.tokenizer.decode(chatlib.continuation(chat, following)) == whole[end:]
+
+
+def test_a_rewritten_reply_is_realigned_and_a_new_conversation_is_forked(qwen2):
+  chat, engine = qwen2
+  with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
+    session = endpoint.open_session()
+    client = _client(endpoint, session)
+    first = [{"role": "user", "content": "What is 12+30?"}]
+    answer = client.chat.completions.create(model="policy", messages=first, n=2)
+    b = _sent(answer.choices[1].message)
+    # The agent goes on from the second choice, its text re-spaced by a harness.
+    rewritten = dict(b, content="  " + b["content"] + "  ")
+    client.chat.completions.create(model="policy", messages=first + [
+        rewritten, {"role": "user", "content": "Sure?"}])
+    # ...and starts a conversation of its own (a summary, a sub-agent).
+    client.chat.completions.create(model="policy", messages=[
+        {"role": "user", "content": "Summarise the task."}])
+    endpoint.close_session(session)
+  assert session.drift == {"new": 2, "realigned": 1, "forked": 1}
+  assert [c.plan.parent for c in session.calls] == [None, None, 1, None]
+  branches = session.branches()
+  assert [br.calls for br in branches] == [(0,), (1, 2), (3,)]
+  _assert_sampled(engine, session)
+
+
+def test_a_thinking_templates_dropped_reasoning_follows_the_rule(qwen3):
+  """Qwen3's template (enable_thinking=False) opens each turn with an empty think block and
+  drops it from turns that later turns follow: under "keep" the history keeps it as sampled
+  (one sequence), under "template" the second call's prompt is the template's own rendering,
+  a sequence of its own."""
+  chat, engine = qwen3
+  prompts = {}
+  for rule in ("keep", "template"):
+    with AgentEndpoint(engine, chat, SAMPLING, reasoning=rule) as endpoint:
+      session = endpoint.open_session()
+      client = _client(endpoint, session)
+      messages = [{"role": "user", "content": "What is 12+30?"}]
+      answer = client.chat.completions.create(model="policy", messages=messages)
+      messages += [_sent(answer.choices[0].message), {"role": "user", "content": "Sure?"}]
+      second = client.chat.completions.create(
+          model="policy", messages=messages, extra_body={"return_prompt_token_ids": True})
+      endpoint.close_session(session)
+    prompts[rule] = second.choices[0].prompt_token_ids
+    _assert_sampled(engine, session)
+    if rule == "keep":
+      assert session.drift == {"new": 1, "clean": 1}
+      assert [b.calls for b in session.branches()] == [(0, 1)]
+    else:
+      assert session.drift == {"new": 1, "forked": 1}
+      assert [b.calls for b in session.branches()] == [(0,), (1,)]
+      assert session.calls[1].plan.why.startswith("the template renders the history")
+      assert prompts[rule] == chatlib.render(chat, chatlib.template_messages(messages))
+  assert chat.tokenizer.decode(prompts["keep"]).count("<think>") == 2
+  assert chat.tokenizer.decode(prompts["template"]).count("<think>") == 1
+
+
+def test_an_sdk_retry_replays_the_first_answer_instead_of_sampling_again(qwen2):
+  chat, engine = qwen2
+  with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
+    session = endpoint.open_session()
+    body = {"model": "policy", "messages": [{"role": "user", "content": "What is 1+2?"}]}
+    headers = {"Authorization": f"Bearer {session.key}"}
+    url = endpoint.url + "/chat/completions"
+    first = httpx.post(url, json=body, headers=headers, timeout=60).json()
+    retry = httpx.post(url, json=body, timeout=60,
+                       headers={**headers, "x-stainless-retry-count": "1"}).json()
+    again = httpx.post(url, json=body, headers=headers, timeout=60).json()
+    assert retry == first and again["id"] != first["id"]
+    assert len(session.calls) == 2 and session.replays == 1
+
+    # The official client's own retry: its first try times out while the engine is held,
+    # its retry (x-stainless-retry-count: 1, the same body) waits for that try's answer.
+    other = endpoint.open_session()
+    client = _client(endpoint, other, max_retries=1, timeout=1.0)
+    held = endpoint.queue.hold()
+    try:
+      started = time.monotonic()
+      threading.Timer(1.5, held.release).start()
+      answer = client.chat.completions.create(model="policy", messages=body["messages"])
+    finally:
+      held.release()
+    assert time.monotonic() - started > 1.0
+    assert len(other.calls) == 1 and other.replays == 1
+    assert answer.choices[0].longrl["call"] == 0
+
+
+def test_every_endpoint_answers_the_official_client(qwen2):
+  chat, engine = qwen2
+  with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
+    session = endpoint.open_session()
+    client = _client(endpoint, session)
+    assert [m.id for m in client.models.list()] == ["longrl"]
+    # Streaming: synthesised from the recorded call, nothing lost.
+    stream = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "What is 1+2?"}], stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    [call] = session.calls
+    assert content == endpoint.decode(call.completion.token_ids)
+    assert chunks[-1].usage.completion_tokens == len(call.completion.token_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    # A text prompt, then one that extends it token for token (its ids as given).
+    text = client.completions.create(model="policy", prompt="What is 1+2?", max_tokens=4,
+                                     extra_body={"return_token_ids": True,
+                                                 "return_prompt_token_ids": True})
+    ids = text.choices[0].prompt_token_ids + text.choices[0].response_token_ids
+    longer = client.completions.create(model="policy", prompt=ids + [5, 6], max_tokens=4,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in longer)
+    # Stop strings end the reply where they begin; the tokens after are not recorded.
+    logprobs = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "Go"}], logprobs=True)
+    assert len(logprobs.choices[0].logprobs.content) == len(session.calls[-1].completion.token_ids)
+    endpoint.close_session(session)
+  assert [c.plan.parent for c in session.calls] == [None, None, 1, None]
+  assert session.drift == {"new": 2, "clean": 1, "forked": 1}
+  _assert_sampled(engine, session)
+
+
+def test_stop_strings_cut_the_reply_and_its_tokens(qwen2):
+  chat, engine = qwen2
+  with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
+    session = endpoint.open_session()
+    client = _client(endpoint, session)
+    messages = [{"role": "user", "content": "What is 1+2?"}]
+    full = client.chat.completions.create(model="policy", messages=messages, seed=7)
+    text = full.choices[0].message.content
+    assert len(text) > 4
+    # A stop string that the next sample (another seed of the queue) may or may not write:
+    # whatever it writes, the text ends before the stop and the tokens end at it.
+    stop = text[2:4]
+    cut = client.chat.completions.create(model="policy", messages=messages, stop=[stop])
+    [_, call] = session.calls
+    reply = cut.choices[0].message.content
+    assert stop not in reply
+    whole = endpoint.decode(call.completion.token_ids)
+    if cut.choices[0].finish_reason == "stop":
+      assert stop in whole and whole.startswith(reply)
+      assert stop not in endpoint.decode(call.completion.token_ids[:-1])
+    endpoint.close_session(session)
+  assert session.overrides["seed"] == 1
+
+
+def test_bad_calls_get_openai_errors_that_name_what_is_wrong(qwen2):
+  chat, engine = qwen2
+  with AgentEndpoint(engine, chat, SAMPLING, limits=Limits(max_body_bytes=2000)) as endpoint:
+    session = endpoint.open_session()
+    client = _client(endpoint, session)
+    with pytest.raises(openai.AuthenticationError, match="unknown or ended session key"):
+      _client(endpoint, session, api_key="sk-wrong").models.list()
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]: unknown role 'robot'"):
+      client.chat.completions.create(model="p", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in \[1, 16\]"):
+      client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}],
+                                     n=99)
+    with pytest.raises(openai.APIStatusError, match="takes at most 2000") as e:
+      client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x" * 3000}])
+    assert e.value.status_code == 413
+    # A session's own base URL works with any key; an ended session is refused.
+    by_url = openai.OpenAI(base_url=endpoint.session_url(session), api_key="unused",
+                           max_retries=0)
+    by_url.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+    endpoint.close_session(session)
+    with pytest.raises(openai.AuthenticationError):
+      by_url.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+    assert json.loads(httpx.get(endpoint.url + "/nothing", headers={
+        "Authorization": "Bearer x"}).text)["error"]["code"] == 401
+  assert len(session.calls) == 1
