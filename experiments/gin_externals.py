@@ -74,7 +74,7 @@ _REGISTERED = {
               visual.Rendered, visual.Scenes, visual.Charts],
     "envs": list(envs.ENVIRONMENTS.values()),  # every registered environment
     "effort": [effort.level_ids],
-    "rewards": [rewards.correctness, rewards.format_reward, rewards.named_chain,
+    "rewards": [rewards.correctness, rewards.episode_reward, rewards.format_reward, rewards.named_chain,
                 rewards.k15_length_penalty, rewards.truncation, rewards.laser, rewards.laser_d,
                 rewards.dapo_overlong, rewards.adaptive_target_length, rewards.mask_incorrect,
                 rewards.mask_long_correct, rewards.mask_over_length, rewards.masked,

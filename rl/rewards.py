@@ -32,6 +32,17 @@ def correctness(*, correct: float = 1.0, incorrect: float = 0.0) -> RewardTransf
   return RewardTransform(lambda: (), update)
 
 
+def episode_reward() -> RewardTransform:
+  """reward = each rollout's own reward, as its source gave it (an agent episode's reward
+  function, rl/agents/rollouts.py); put it first in place of correctness."""
+
+  def update(rollouts: Rollouts, state, *, step):
+    del step
+    return rollouts, state
+
+  return RewardTransform(lambda: (), update)
+
+
 def named_chain(transforms: dict[str, RewardTransform]) -> RewardTransform:
   """Apply `transforms` in their (insertion) order; the state is a dict keyed by the same
   names, so it can be read back."""

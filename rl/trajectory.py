@@ -69,6 +69,8 @@ class Trajectory:
   sequence's input tokens from the engine's last call for it (Completion.routed_experts:
   that call's prompt was the whole sequence so far), or None.
   text, correct, well_formed: the verdict, filled by rl.rollout.verify.
+  reward: the trajectory's own reward, where its source gives one (an agent episode's,
+    rl/agents/rollouts.py); 0 otherwise (reward transforms make it from the verdict).
   """
   record: dict[str, Any]
   prompt_ids: tuple[int, ...]
@@ -91,6 +93,7 @@ class Trajectory:
   text: str = ""
   correct: bool = False
   well_formed: bool = False
+  reward: float = 0.0
 
   @property
   def over(self) -> bool:
@@ -147,8 +150,9 @@ def column(trajectories: Sequence[Trajectory], name: str, dtype) -> np.ndarray:
 
 def rollouts_view(trajectories: Sequence[Trajectory]) -> Rollouts:
   """What reward transforms and advantages see of trajectories laid out group by group: their
-  verdicts and lengths (the policy's tokens), reward 0 and every loss mask on; group ids
-  0..G-1 in order of appearance."""
+  verdicts and lengths (the policy's tokens), their own rewards (0 but for a source that
+  gives them: agent episodes) and every loss mask on; group ids 0..G-1 in order of
+  appearance."""
   groups: dict[int, int] = {}
   group_ids = [groups.setdefault(t.group, len(groups)) for t in trajectories]
   n = len(trajectories)
@@ -157,6 +161,7 @@ def rollouts_view(trajectories: Sequence[Trajectory]) -> Rollouts:
                   lengths=jnp.asarray(column(trajectories, "policy_count", np.int32)),
                   truncated=jnp.asarray(column(trajectories, "truncated", bool)),
                   well_formed=jnp.asarray(column(trajectories, "well_formed", bool)),
-                  reward=jnp.zeros(n, jnp.float32), loss_mask=jnp.ones(n, bool),
+                  reward=jnp.asarray(column(trajectories, "reward", np.float32)),
+                  loss_mask=jnp.ones(n, bool),
                   num_groups=len(groups),
                   record_ids=jnp.asarray(column(trajectories, "record_index", np.int32)))

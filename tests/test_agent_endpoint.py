@@ -8,6 +8,7 @@ it sampled), a later call extends an earlier one's exact tokens, drift is classi
 thinking template follows the configured rule, an SDK retry replays, a fork is two sequences,
 and every endpoint (streaming included) answers the official client."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -31,13 +32,23 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["expression"]}}}]
 
 
-def _model(tmp_path_factory, family: str):
+@dataclasses.dataclass(frozen=True)
+class Model:
+  path: str
+  chat: object
+  cfg: object
+  params: object
+  engine: JaxEngine
+
+
+def _model(tmp_path_factory, family: str) -> Model:
   path = tiny_checkpoint.make(str(tmp_path_factory.mktemp(family)), family=family, sft_steps=0,
                               progress=False)
   checkpoint = HFCheckpoint(path, dtype="float32", template_args=(
       {"enable_thinking": False} if family == "qwen3" else None))
   cfg = checkpoint(0)
-  return checkpoint.tokenizer(), JaxEngine(cfg, checkpoint.load(cfg))
+  params = checkpoint.load(cfg)
+  return Model(path, checkpoint.tokenizer(), cfg, params, JaxEngine(cfg, params))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +83,7 @@ def _assert_sampled(engine, session):
 
 
 def test_a_multi_call_episode_with_tools_is_one_sequence_of_the_sampled_tokens(qwen2):
-  chat, engine = qwen2
+  chat, engine = qwen2.chat, qwen2.engine
   with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
     session = endpoint.open_session()
     client = _client(endpoint, session)
@@ -108,7 +119,7 @@ def test_a_multi_call_episode_with_tools_is_one_sequence_of_the_sampled_tokens(q
 
 
 def test_a_reply_with_tool_calls_reads_back_and_renders_as_the_template_writes_it(qwen2):
-  chat, _ = qwen2
+  chat = qwen2.chat
   text = ('Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expression": '
           '"12+30"}}\n</tool_call>')
   message, reason = chatlib.reply_message(text, "stop", tools_offered=True)
@@ -136,7 +147,7 @@ def test_a_reply_with_tool_calls_reads_back_and_renders_as_the_template_writes_i
 
 
 def test_the_continuation_is_what_the_template_writes_after_a_reply(qwen2):
-  chat, _ = qwen2
+  chat = qwen2.chat
   history = [{"role": "user", "content": "What is 1+2?"},
              {"role": "assistant", "content": "3"}]
   following = [{"role": "user", "content": "And 2+2?"}]
@@ -147,7 +158,7 @@ def test_the_continuation_is_what_the_template_writes_after_a_reply(qwen2):
 
 
 def test_a_rewritten_reply_is_realigned_and_a_new_conversation_is_forked(qwen2):
-  chat, engine = qwen2
+  chat, engine = qwen2.chat, qwen2.engine
   with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
     session = endpoint.open_session()
     client = _client(endpoint, session)
@@ -174,7 +185,7 @@ def test_a_thinking_templates_dropped_reasoning_follows_the_rule(qwen3):
   drops it from turns that later turns follow: under "keep" the history keeps it as sampled
   (one sequence), under "template" the second call's prompt is the template's own rendering,
   a sequence of its own."""
-  chat, engine = qwen3
+  chat, engine = qwen3.chat, qwen3.engine
   prompts = {}
   for rule in ("keep", "template"):
     with AgentEndpoint(engine, chat, SAMPLING, reasoning=rule) as endpoint:
@@ -201,7 +212,7 @@ def test_a_thinking_templates_dropped_reasoning_follows_the_rule(qwen3):
 
 
 def test_an_sdk_retry_replays_the_first_answer_instead_of_sampling_again(qwen2):
-  chat, engine = qwen2
+  chat, engine = qwen2.chat, qwen2.engine
   with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
     session = endpoint.open_session()
     body = {"model": "policy", "messages": [{"role": "user", "content": "What is 1+2?"}]}
@@ -231,7 +242,7 @@ def test_an_sdk_retry_replays_the_first_answer_instead_of_sampling_again(qwen2):
 
 
 def test_every_endpoint_answers_the_official_client(qwen2):
-  chat, engine = qwen2
+  chat, engine = qwen2.chat, qwen2.engine
   with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
     session = endpoint.open_session()
     client = _client(endpoint, session)
@@ -265,7 +276,7 @@ def test_every_endpoint_answers_the_official_client(qwen2):
 
 
 def test_stop_strings_cut_the_reply_and_its_tokens(qwen2):
-  chat, engine = qwen2
+  chat, engine = qwen2.chat, qwen2.engine
   with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
     session = endpoint.open_session()
     client = _client(endpoint, session)
@@ -289,7 +300,7 @@ def test_stop_strings_cut_the_reply_and_its_tokens(qwen2):
 
 
 def test_bad_calls_get_openai_errors_that_name_what_is_wrong(qwen2):
-  chat, engine = qwen2
+  chat, engine = qwen2.chat, qwen2.engine
   with AgentEndpoint(engine, chat, SAMPLING, limits=Limits(max_body_bytes=2000)) as endpoint:
     session = endpoint.open_session()
     client = _client(endpoint, session)
@@ -313,3 +324,68 @@ def test_bad_calls_get_openai_errors_that_name_what_is_wrong(qwen2):
     assert json.loads(httpx.get(endpoint.url + "/nothing", headers={
         "Authorization": "Bearer x"}).text)["error"]["code"] == 401
   assert len(session.calls) == 1
+
+
+def test_agent_episodes_train_through_the_loop_on_the_tokens_sampled(qwen2, tmp_path):
+  """Two RL steps whose rollouts are an agent's episodes (AgentRollouts): each episode asks,
+  then asks again in the same conversation, and writes an auxiliary title in a conversation
+  of its own, which keep_call leaves out of the loss; one agent crashes and its episode is
+  dropped. The trainer's log-probs of every trained token equal the engine's (had a branch's
+  tokens not been the ones sampled, in that context, they would not), and each trajectory
+  carries its episode's reward and each call's discounted return."""
+  from rl import rewards
+  from rl.agents.rollouts import AgentRollouts
+  from rl.config import RLConfig
+  from rl.tasks.math import MathTask
+  from tests import helpers
+  chat, engine = qwen2.chat, qwen2.engine
+  episodes = {"started": 0}
+  lock = threading.Lock()
+
+  def agent(base_url, api_key, record):
+    with lock:
+      episodes["started"] += 1
+      crash = episodes["started"] == 3
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": record["question"]}]
+    first = client.chat.completions.create(model="policy", messages=messages)
+    if crash:
+      raise RuntimeError("the agent's harness failed")
+    messages += [_sent(first.choices[0].message), {"role": "user", "content": "Are you sure?"}]
+    second = client.chat.completions.create(model="policy", messages=messages)
+    client.chat.completions.create(model="policy", messages=[
+        {"role": "user", "content": "Title: " + record["question"]}])
+    return second.choices[0].message.content
+
+  def reward(record, result, session):
+    del record, result
+    # Per call (ask, ask again, title): the title's reward goes nowhere (its call is
+    # filtered), the others are discounted back to the episode's first call.
+    return [0.5, float(session.metadata["sample"] % 2), 7.0]
+
+  config = RLConfig(num_steps=2, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=8,
+                    seq_len=160, learning_rate=1e-4, temperature=1.0)
+  task = MathTask(train_path=f"{qwen2.path}/data/train.jsonl",
+                  test_path=f"{qwen2.path}/data/test.jsonl",
+                  fields={"problem": "question"})
+  source = AgentRollouts(agent=agent, reward=reward, discount=0.5,
+                         keep_call=lambda call: not call.messages[0]["content"].startswith(
+                             "Title"))
+  steps, _ = helpers.steps(qwen2.params, qwen2.cfg, copy=True, engine=engine, task=task,
+                           tokenizer=chat, config=config, rollouts=source,
+                           reward=rewards.named_chain({"episode": rewards.episode_reward()}))
+  try:
+    records = [next(steps) for _ in range(2)]
+  finally:
+    source.close()
+  first = records[0]
+  assert first.metrics["agent_episodes"] == 4 and first.metrics["agent_episodes_failed"] == 1
+  assert first.metrics["agent_drift_clean"] == 3 and first.metrics["agent_drift_forked"] == 3
+  assert len(first.trajectories) == 3  # the crashed episode and the titles are not trained
+  for t, r in zip(first.trajectories, first.rewards):
+    assert t.counts == {"calls": 2} and len(t.turn_ends) == 2
+    assert r == pytest.approx(0.5 + 0.5 * (t.sample % 2)) == t.reward
+    assert t.turn_rewards == pytest.approx([r, t.sample % 2])
+  for record in records:
+    assert record.metrics["engine_logp_diff_max"] < 1e-3, record.metrics
+  assert records[1].metrics["agent_episodes_failed"] == 0
