@@ -358,8 +358,53 @@ _LORA_ARMS_NOT_MEASURED = (
     NotMeasured(_DOC, "On the 2-core CPU machine of 2026-12-07: ``` step s", MACHINE),
 )
 
-FIGURES = (_VERIFIERS + _PARTIAL_ROLLOUTS + _REFIT + _LORA_SYNC + _LORA_SERVING + _LORA_ARMS
+# ## `bench/agent_endpoint.py`: the printed lines, and the prose's derived figures.
+AGENT_ENDPOINT = "bench/results/agent_endpoint.json"
+_AE = ("per_call/", "concurrent/")
+
+
+def _engine_slowdown(concurrent: dict) -> str:
+  """How many times longer each of the endpoint's engine calls took than each wave's."""
+  each = concurrent["engine_in_endpoint_s"] / concurrent["batches"]
+  return f"{each / (concurrent['engine_alone_s'] / concurrent['wave_batches']):.1f}"
+
+
+_AGENT_ENDPOINT = (
+    Figure(_DOC, "per call: endpoint {} ms, engine {} ms, endpoint / engine {} ({} ms)",
+           AGENT_ENDPOINT, tuple("per_call/" + k for k in (
+               "endpoint_s", "engine_s", "endpoint_over_engine", "overhead_ms")),
+           (lambda v: f"{1000 * v:.1f}",) * 2 + ("{:.2f}", "{:.1f}")),
+    Figure(_DOC, "64 agents: {} episodes/s, {} calls/s; the engine alone {} episodes/s, "
+           "through the endpoint {} of it", AGENT_ENDPOINT, tuple("concurrent/" + k for k in (
+               "episodes_per_s", "calls_per_s", "engine_alone_episodes_per_s",
+               "endpoint_over_engine_alone")), ("{:.2f}", "{:.1f}", "{:.2f}", "{:.2f}")),
+    Figure(_DOC, "the engine's calls in the endpoint: {} of {} prompts, {} s; alone: {} of 64, "
+           "{} s", AGENT_ENDPOINT, tuple("concurrent/" + k for k in (
+               "batches", "mean_batch", "engine_in_endpoint_s", "wave_batches",
+               "engine_alone_s")), ("{}", "{:.1f}", "{:.1f}", "{}", "{:.1f}")),
+    Figure(_DOC, "A call costs about {} ms more", AGENT_ENDPOINT, ("per_call/overhead_ms",),
+           "{:.0f}"),
+    Figure(_DOC, "64 agents get {} of what the engine makes", AGENT_ENDPOINT,
+           ("concurrent/endpoint_over_engine_alone",), "{:.2f}"),
+    Figure(_DOC, "The engine's calls take {} s of the run against {} s in waves",
+           AGENT_ENDPOINT, ("concurrent/engine_in_endpoint_s", "concurrent/engine_alone_s"),
+           "{:.1f}"),
+    Figure(_DOC, "({} of {} prompts on average, against {} of 64)", AGENT_ENDPOINT,
+           ("concurrent/batches", "concurrent/mean_batch", "concurrent/wave_batches"),
+           ("{}", "{:.0f}", "{}")),
+    Figure(_DOC, "each batch takes about {} times as long", AGENT_ENDPOINT, ("concurrent",),
+           _engine_slowdown),
+)
+_AGENT_ENDPOINT_NOT_MEASURED = (
+    NotMeasured(_DOC, "bench/agent_endpoint.py # about 1 minute", ROUGH),
+    NotMeasured(_DOC, "replies of up to 16 tokens at temperature 1", CONFIG),
+    NotMeasured(_DOC, "30 of each alternating", CONFIG),
+    NotMeasured(_DOC, "made it worse (26.06 episodes/s, not recorded)", UNRECORDED),
+    NotMeasured(_DOC, "sharing the 2 cores", MACHINE),
+)
+
+FIGURES = (_AGENT_ENDPOINT + _VERIFIERS + _PARTIAL_ROLLOUTS + _REFIT + _LORA_SYNC + _LORA_SERVING + _LORA_ARMS
            + _QUANTIZED + _HYBRID)
-NOT_MEASURED = (_VERIFIERS_NOT_MEASURED + _PARTIAL_ROLLOUTS_NOT_MEASURED + _REFIT_NOT_MEASURED
+NOT_MEASURED = (_AGENT_ENDPOINT_NOT_MEASURED + _VERIFIERS_NOT_MEASURED + _PARTIAL_ROLLOUTS_NOT_MEASURED + _REFIT_NOT_MEASURED
                 + _LORA_SYNC_NOT_MEASURED + _LORA_SERVING_NOT_MEASURED
                 + _LORA_ARMS_NOT_MEASURED + _QUANTIZED_NOT_MEASURED + _HYBRID_NOT_MEASURED)

@@ -412,6 +412,7 @@ def _chunks(response: dict) -> list[dict]:
 
 class _Server(http.server.ThreadingHTTPServer):
   daemon_threads = True
+  request_queue_size = 1024  # the listen backlog: hundreds of agents connect at once (5 drops them)
 
   def __init__(self, address, handler, endpoint: AgentEndpoint):
     self.endpoint = endpoint
