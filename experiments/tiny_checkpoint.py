@@ -118,9 +118,23 @@ def _worked(numbers: list[int], *, drop_final_carry: bool) -> tuple[str, str]:
   return "".join(steps[:-1]), steps[-1][1:]
 
 
+def _tool_demonstration(problem: str, numbers: list[int]) -> list[dict]:
+  """A demonstration that calls the `calc` tool (Qwen's tool call, as the chat template reads
+  it) and answers with its result."""
+  total = str(sum(numbers))
+  return [{"role": "user", "content": problem},
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"name": "calc", "arguments": {"expression": "+".join(map(str, numbers))}}]},
+          {"role": "tool", "content": total},
+          {"role": "assistant", "content": f"The answer is \\boxed{{{total}}}."}]
+
+
 def write_data(out_dir: str, *, num_train: int = 4000, num_test: int = 200, operands: int = 3,
-               digits: int = 2, sloppy: float = 0.6, seed: int = 0) -> str:
-  """OUT_DIR/data/{train,test,sft}.jsonl (see the module docstring); returns the folder."""
+               digits: int = 2, sloppy: float = 0.6, tool_calls: float = 0.0,
+               seed: int = 0) -> str:
+  """OUT_DIR/data/{train,test,sft}.jsonl (see the module docstring); returns the folder.
+  `tool_calls`: the fraction of demonstrations that call a `calc` tool instead of working
+  the sum out (each right: the tool is exact)."""
   data = os.path.join(out_dir, "data")
   os.makedirs(data, exist_ok=True)
   rng = random.Random(seed)
@@ -140,10 +154,14 @@ def write_data(out_dir: str, *, num_train: int = 4000, num_test: int = 200, oper
         steps, answer = _worked(numbers, drop_final_carry=False)
         f.write(json.dumps({"question": f"What is {'+'.join(map(str, numbers))}?",
                             "answer": f"{steps}\n#### {answer}"}) + "\n")
+  tools = random.Random(seed + 1)  # its own stream: without tools the data is as it was
   with open(os.path.join(data, "sft.jsonl"), "w") as f:
     for numbers in splits["train"]:
       steps, answer = _worked(numbers, drop_final_carry=rng.random() < sloppy)
       problem = TEMPLATE.format(problem=f"What is {'+'.join(map(str, numbers))}?")
+      if tool_calls and tools.random() < tool_calls:
+        f.write(json.dumps({"messages": _tool_demonstration(problem, numbers)}) + "\n")
+        continue
       f.write(json.dumps({"messages": [
           {"role": "user", "content": problem},
           {"role": "assistant",
@@ -222,13 +240,15 @@ def write_model(out_dir: str, vocab_size: int, *, family: str, hidden_size: int 
 
 
 def make(out_dir: str, *, family: str = "qwen2", sft_steps: int = 400, batch_size: int = 64,
-         operands: int = 2, seed: int = 0, progress: bool = True) -> str:
-  """The whole checkpoint (see the module docstring); returns OUT_DIR."""
+         operands: int = 2, tool_calls: float = 0.0, seed: int = 0,
+         progress: bool = True) -> str:
+  """The whole checkpoint (see the module docstring; `tool_calls`: write_data's); returns
+  OUT_DIR."""
   from models import hf
   from rl import sft
   from rl.pretrained import HFCheckpoint
   os.makedirs(out_dir, exist_ok=True)
-  data = write_data(out_dir, operands=operands, seed=seed)
+  data = write_data(out_dir, operands=operands, tool_calls=tool_calls, seed=seed)
   vocab = write_tokenizer(out_dir, corpus(data), family=family)
   write_model(out_dir, vocab, family=family, seed=seed)
   checkpoint = HFCheckpoint(out_dir, dtype="float32",
@@ -251,9 +271,12 @@ def main(argv=None):
   parser.add_argument("out_dir")
   parser.add_argument("--family", choices=tuple(TEMPLATES), default="qwen2")
   parser.add_argument("--sft_steps", type=int, default=600)
+  parser.add_argument("--tool_calls", type=float, default=0.0,
+                      help="the fraction of demonstrations that call a calc tool")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
-  print(make(args.out_dir, family=args.family, sft_steps=args.sft_steps, seed=args.seed))
+  print(make(args.out_dir, family=args.family, sft_steps=args.sft_steps,
+             tool_calls=args.tool_calls, seed=args.seed))
 
 
 if __name__ == "__main__":

@@ -389,3 +389,57 @@ def test_agent_episodes_train_through_the_loop_on_the_tokens_sampled(qwen2, tmp_
   for record in records:
     assert record.metrics["engine_logp_diff_max"] < 1e-3, record.metrics
   assert records[1].metrics["agent_episodes_failed"] == 0
+
+
+def test_tool_demonstrations_train_qwen_tool_calls(tmp_path):
+  """tiny_checkpoint's tool demonstrations: a share of them call `calc` in the chat
+  template's Hermes block, which the endpoint reads back as OpenAI's tool call; without
+  tools the data is as it was."""
+  from rl import sft
+  from models.tokenizer import ChatPrompts, HFTokenizer
+  plain = tiny_checkpoint.write_data(str(tmp_path / "plain"), num_train=200, num_test=10)
+  tools = tiny_checkpoint.write_data(str(tmp_path / "tools"), num_train=200, num_test=10,
+                                     tool_calls=0.3)
+  read = lambda d: [json.loads(line) for line in open(f"{d}/sft.jsonl")]
+  plain_demos, tool_demos = read(plain), read(tools)
+  called = [d for d in tool_demos if len(d["messages"]) == 4]
+  assert not any(len(d["messages"]) == 4 for d in plain_demos)
+  assert 0.2 < len(called) / len(tool_demos) < 0.4
+  # The demonstrations that do not call are the plain data's, demonstrator's slips included.
+  kept = [d for d in tool_demos if len(d["messages"]) == 2]
+  assert all(d in plain_demos for d in kept)
+  tiny_checkpoint.write_tokenizer(str(tmp_path), tiny_checkpoint.corpus(tools), family="qwen2")
+  chat = ChatPrompts(HFTokenizer(str(tmp_path)))
+  example = called[0]
+  assert len(sft.read_demonstrations(f"{tools}/sft.jsonl", chat)) == len(tool_demos)
+  ids, mask = chat.encode_conversation(example["messages"])
+  trained = chat.tokenizer.decode([t for t, m in zip(ids, mask) if m])
+  numbers = example["messages"][0]["content"].split("What is ")[1].split("?")[0]
+  assert trained.startswith('<tool_call>\n{"name": "calc", "arguments": {"expression": "'
+                            + numbers + '"}}\n</tool_call><|im_end|>')
+  message, reason = chatlib.reply_message(trained.split("<|im_end|>")[0], "stop",
+                                          tools_offered=True)
+  assert reason == "tool_calls"
+  assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"expression": numbers}
+
+
+def test_the_calculator_agent_computes_and_refuses_code():
+  from experiments.agents import calculator
+  assert calculator.calc("12+3*2 - 4") == "14"
+  assert calculator.calc("__import__('os')").startswith("error")
+  assert calculator.calc("2**99999").startswith("error")
+
+
+@pytest.mark.slow
+def test_the_agent_demo_runs_end_to_end(tmp_path):
+  """experiments/agent_demo.py at the size of a test: the checkpoint with tool
+  demonstrations, the agent's held-out success before and after, one RL step of its
+  episodes, the figure and results."""
+  from experiments import agent_demo
+  agent_demo.main(["--out", str(tmp_path), "--steps", "1", "--prompts", "2", "--samples",
+                   "2", "--held_out", "4", "--sft_steps", "10"])
+  results = json.load(open(tmp_path / "results.json"))
+  assert set(results["before"]) == {"success", "tool_calls_rate", "failed"}
+  assert results["before"]["failed"] == results["after"]["failed"] == 0
+  assert len(results["reward_per_step"]) == 1
+  assert (tmp_path / "agent_demo.png").stat().st_size > 10_000

@@ -151,6 +151,19 @@ FIGURES = (
     Figure("README.md", "100 a task; at commit {})", COMMANDS, ("vision/commit",)),
 )
 
+AGENTS = "docs/agents/results.json"
+FIGURES += (
+    Figure("README.md", "the agent's success went from {} to {} and its calls of the "
+           "calculator from {} to {}", AGENTS, ("before/success", "after/success",
+                                                "before/tool_calls_rate", "after/tool_calls_rate"),
+           "{:.2f}"),
+    Figure("README.md", "episodes calling it rose from {} at the first step to {} at the last "
+           "({} min on the 2-core CPU", AGENTS, ("tool_calls_rate_per_step/0",
+                                                  "tool_calls_rate_per_step", "seconds"),
+           ("{:.2f}", lambda rates: f"{rates[-1]:.2f}", lambda s: f"{s / 60:.1f}")),
+    Figure("README.md", "{} RL steps of GRPO over 16", AGENTS, ("steps",)),
+)
+
 NOT_MEASURED = (
     NotMeasured("README.md", "in 60% of the problems", "the demonstrator's setting (sloppy=0.6)"),
     NotMeasured("README.md", "{'tau': 0.05}", CONFIG),
@@ -167,6 +180,10 @@ NOT_MEASURED = (
     NotMeasured("README.md", "{'reward_weight': 0.5}", CONFIG),
     NotMeasured("README.md", "{'topk_coef': 1.0}", CONFIG),
     NotMeasured("README.md", "30% of the demonstrations call it", "the task's setting"),
+    NotMeasured("README.md", "call the tool 30% of the time", "the checkpoint's setting"),
+    NotMeasured("README.md", "DIR --tool_calls 0.3`", "the checkpoint's setting"),
+    NotMeasured("README.md", "experiments/agent_demo.py # about 6 minutes",
+                "a command's rough length"),
     NotMeasured("README.md", "the 95% interval of each", INTERVAL),
     NotMeasured("README.md", "with 95% intervals", INTERVAL),
 )

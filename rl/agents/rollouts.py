@@ -146,6 +146,9 @@ class AgentRollouts(sources.Source):
       metrics["agent_replays"] += session.replays
       for drift, count in session.drift.items():
         metrics[f"agent_drift_{drift}"] += count
+    metrics["agent_tool_calls_rate"] = (
+        sum(_called_tools(s) for _, _, s, r in episodes if not isinstance(r, BaseException))
+        / max(1, len(episodes) - failed))
     metrics["agent_branches"] = len(trajectories)
     metrics["agent_episodes"] = len(episodes)
     metrics["agent_episodes_failed"] = failed
@@ -158,6 +161,37 @@ class AgentRollouts(sources.Source):
     if self._endpoint is not None:
       self._endpoint.close()
     self._endpoint = self._pool = None
+
+
+def _called_tools(session: Session) -> bool:
+  """Whether any reply of the session called a tool."""
+  return any(call.reply is not None and call.reply.get("tool_calls") for call in session.calls)
+
+
+def evaluate(engine, chat, agent: Callable[[str, str, dict], Any], records: list,
+             reward: Callable[[dict, Any, Session], Any], sampling, *,
+             workers: int = 64) -> dict:
+  """The agent's episodes on `records` (one each, e.g. held-out ones), through an endpoint
+  over `engine` sampling with `sampling` (temperature 0: greedy): {"success": the fraction
+  of episodes whose reward (its sum, for per-call rewards) is > 0, "tool_calls_rate": of
+  those that called a tool, "failed": episodes that raised}."""
+  with AgentEndpoint(engine, chat, sampling) as endpoint, \
+      concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    sessions = [endpoint.open_session() for _ in records]
+    futures = [pool.submit(agent, endpoint.session_url(s), s.key, r)
+               for s, r in zip(sessions, records)]
+    wins, called, failed = 0, 0, 0
+    for session, record, future in zip(sessions, records, futures):
+      try:
+        result = future.result()
+      except Exception:  # noqa: BLE001 - counted
+        failed += 1
+        continue
+      endpoint.close_session(session)
+      wins += float(np.sum(reward(record, result, session))) > 0
+      called += _called_tools(session)
+  return {"success": wins / len(records), "tool_calls_rate": called / len(records),
+          "failed": failed}
 
 
 def _call_rewards(value, calls: int) -> np.ndarray:
