@@ -56,8 +56,7 @@ def held_out(path: str, task, records: int) -> dict:
   cfg, chat = checkpoint(0), checkpoint.tokenizer()
   engine = JaxEngine(cfg, checkpoint.load(cfg))
   sampling = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=chat.stop_token_ids)
-  return agent_rollouts.evaluate(engine, chat, agent, [task.test[i] for i in range(records)],
-                                 reward_of(task),
+  return agent_rollouts.evaluate(engine, chat, agent, task.test[:records], reward_of(task),
                                  sampling)
 
 

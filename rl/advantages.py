@@ -7,6 +7,7 @@ names the estimator it is defined with.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _group_stats(reward, group_ids, num_groups):
@@ -46,6 +47,21 @@ def success_indicator(reward, group_ids, num_groups: int, *, threshold: float = 
   """1[r_i >= threshold]: the positive-only weight of ReST / rejection-sampling fine-tuning."""
   del group_ids, num_groups
   return (reward >= threshold).astype(jnp.float32)
+
+
+def per_episode(estimator, reward, group_ids, num_groups: int, episode_ids) -> jax.Array:
+  """Advantages of episodes made of several trajectories (an agent episode's branches,
+  rl/agents: one per branch of its conversation), `episode_ids` i32[N] naming each one's:
+  the estimator over episodes, each counted once with its branches' mean reward, and each
+  branch given its episode's advantage divided by the episode's branch count, so that an
+  episode of many branches weighs in its group's baseline and in the loss as one of one."""
+  episode_ids = np.asarray(episode_ids)
+  _, first, inverse, counts = np.unique(episode_ids, return_index=True, return_inverse=True,
+                                        return_counts=True)
+  episodes = len(counts)
+  mean = jax.ops.segment_sum(reward, jnp.asarray(inverse), episodes) / jnp.asarray(counts)
+  advantage = estimator(mean, jnp.asarray(group_ids)[first], num_groups)
+  return advantage[inverse] / jnp.asarray(counts, jnp.float32)[inverse]
 
 
 ESTIMATORS = {"mean_baseline": mean_baseline, "group_normalized": group_normalized,

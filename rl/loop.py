@@ -243,7 +243,13 @@ def score(parts: Parts, reward_state, made: sources.Made, step: int,
         batch_lib.sequence_kl(trajectories, parts.reference_logprobs, parts.kl_reward,
                               parts.context.config, parts.context.vision)))
   advantage_fn = advantages_lib.ESTIMATORS[parts.advantage]
-  adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, rollouts.num_groups))
+  episodes = [(t.group, t.sample) for t in trajectories]
+  if len(set(episodes)) < len(episodes):  # an agent episode's branches share theirs
+    adv = np.asarray(advantages_lib.per_episode(
+        advantage_fn, rollouts.reward, rollouts.group_ids, rollouts.num_groups,
+        np.unique(np.asarray(episodes), axis=0, return_inverse=True)[1].reshape(-1)))
+  else:
+    adv = np.asarray(advantage_fn(rollouts.reward, rollouts.group_ids, rollouts.num_groups))
   metrics = dict(made.metrics)
   metrics.setdefault("generate_s", 0.0)
   metrics.setdefault("verify_s", 0.0)

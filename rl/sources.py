@@ -15,6 +15,8 @@ in the reward and advantages come after any source, once, in the loop (rl/loop.p
                                     groups wait in a replay buffer and resume on newer weights
     Ahead(inner, max_staleness)     make the next steps' rollouts on a thread while a step
                                     trains, at most max_staleness versions behind
+    AgentRollouts(agent)            (rl/agents/rollouts.py) the episodes of an agent's own
+                                    program, its calls through the agent endpoint
 
 A source is a small class (a `Source`) with `next(context, state, step, gate) -> (Made,
 state)` and, where it needs them, `init(context) -> state` (a pytree, saved with the loop

@@ -58,7 +58,9 @@ class Trajectory:
 
   record: the task record; record_index: its index in task.train (-1: not a train record);
   group: the id of its group (the samples of one prompt, unique within a run's step or, for
-  partial rollouts, within the run); sample: its index in the group.
+  partial rollouts, within the run); sample: its index in the group. (group, sample) is the
+  trajectory's own but for an agent episode's branches (rl/agents), which share it: the loop's
+  advantages then count the episode once (rl.advantages.per_episode).
   prompt_ids: the prompt's tokens. env_state: the environment's state of the episode.
   token_ids, logprobs, versions, policy_mask: per continuation token (observation tokens an
   environment inserted have log-prob 0 and policy_mask False); policy_count counts the

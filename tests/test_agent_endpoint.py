@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
@@ -301,6 +302,7 @@ def test_stop_strings_cut_the_reply_and_its_tokens(qwen2):
 
 def test_bad_calls_get_openai_errors_that_name_what_is_wrong(qwen2):
   chat, engine = qwen2.chat, qwen2.engine
+  AgentEndpoint(engine, chat, SAMPLING).close()  # never started: closes without waiting
   with AgentEndpoint(engine, chat, SAMPLING, limits=Limits(max_body_bytes=2000)) as endpoint:
     session = endpoint.open_session()
     client = _client(endpoint, session)
@@ -329,23 +331,25 @@ def test_bad_calls_get_openai_errors_that_name_what_is_wrong(qwen2):
 def test_agent_episodes_train_through_the_loop_on_the_tokens_sampled(qwen2, tmp_path):
   """Two RL steps whose rollouts are an agent's episodes (AgentRollouts): each episode asks,
   then asks again in the same conversation, and writes an auxiliary title in a conversation
-  of its own, which keep_call leaves out of the loss; one agent crashes and its episode is
-  dropped. The trainer's log-probs of every trained token equal the engine's (had a branch's
-  tokens not been the ones sampled, in that context, they would not), and each trajectory
-  carries its episode's reward and each call's discounted return."""
+  of its own, which keep_call leaves out of the loss (one episode writes a note instead,
+  kept: a second branch); one agent crashes and its episode is dropped. The trainer's
+  log-probs of every trained token equal the engine's (had a branch's tokens not been the
+  ones sampled, in that context, they would not), each trajectory carries its branch's
+  discounted return, and the two-branch episode counts once in the advantages."""
   from rl import rewards
   from rl.agents.rollouts import AgentRollouts
   from rl.config import RLConfig
   from rl.tasks.math import MathTask
   from tests import helpers
-  chat, engine = qwen2.chat, qwen2.engine
+  chat = qwen2.chat
+  engine = JaxEngine(qwen2.cfg, qwen2.params)  # the run syncs its weights into it
   episodes = {"started": 0}
   lock = threading.Lock()
 
   def agent(base_url, api_key, record):
     with lock:
       episodes["started"] += 1
-      crash = episodes["started"] == 3
+      crash, note = episodes["started"] == 3, episodes["started"] == 2
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": record["question"]}]
     first = client.chat.completions.create(model="policy", messages=messages)
@@ -354,7 +358,7 @@ def test_agent_episodes_train_through_the_loop_on_the_tokens_sampled(qwen2, tmp_
     messages += [_sent(first.choices[0].message), {"role": "user", "content": "Are you sure?"}]
     second = client.chat.completions.create(model="policy", messages=messages)
     client.chat.completions.create(model="policy", messages=[
-        {"role": "user", "content": "Title: " + record["question"]}])
+        {"role": "user", "content": ("Note: " if note else "Title: ") + record["question"]}])
     return second.choices[0].message.content
 
   def reward(record, result, session):
@@ -381,11 +385,24 @@ def test_agent_episodes_train_through_the_loop_on_the_tokens_sampled(qwen2, tmp_
   first = records[0]
   assert first.metrics["agent_episodes"] == 4 and first.metrics["agent_episodes_failed"] == 1
   assert first.metrics["agent_drift_clean"] == 3 and first.metrics["agent_drift_forked"] == 3
-  assert len(first.trajectories) == 3  # the crashed episode and the titles are not trained
+  # The crashed episode and the titles are not trained; the note is an episode's second branch.
+  assert len(first.trajectories) == 4
   for t, r in zip(first.trajectories, first.rewards):
-    assert t.counts == {"calls": 2} and len(t.turn_ends) == 2
-    assert r == pytest.approx(0.5 + 0.5 * (t.sample % 2)) == t.reward
-    assert t.turn_rewards == pytest.approx([r, t.sample % 2])
+    assert r == t.reward
+    if t.counts == {"calls": 1}:
+      assert r == 7.0 and t.turn_rewards == [7.0]
+    else:
+      assert r == pytest.approx(0.5 + 0.5 * (t.sample % 2)) and len(t.turn_ends) == 2
+      assert t.turn_rewards == pytest.approx([r, t.sample % 2])
+  from rl import advantages
+  keys = [(t.group, t.sample) for t in first.trajectories]
+  [shared] = {k for k in keys if keys.count(k) == 2}
+  ids = [sorted(set(keys)).index(k) for k in keys]
+  groups = jnp.asarray([t.group for t in first.trajectories])
+  np.testing.assert_allclose(first.advantages, advantages.per_episode(
+      advantages.mean_baseline, jnp.asarray(first.rewards), groups, 2, ids), rtol=1e-6)
+  pair = [a for k, a in zip(keys, first.advantages) if k == shared]
+  assert pair[0] == pair[1]
   for record in records:
     assert record.metrics["engine_logp_diff_max"] < 1e-3, record.metrics
   assert records[1].metrics["agent_episodes_failed"] == 0
@@ -443,3 +460,80 @@ def test_the_agent_demo_runs_end_to_end(tmp_path):
   assert results["before"]["failed"] == results["after"]["failed"] == 0
   assert len(results["reward_per_step"]) == 1
   assert (tmp_path / "agent_demo.png").stat().st_size > 10_000
+
+
+def test_the_endpoint_serves_over_our_sglang_server(qwen2):
+  """Any engine: the endpoint in front of SGLangEngine over our server (SGLang's /generate,
+  token ids in and out), a two-call episode extending its first call's tokens; the recorded
+  branch is what the embedded engine scores it as."""
+  from rollouts.sglang import SGLangClient
+  from rollouts.sglang_engine import SGLangEngine
+  from tests import helpers
+  with helpers.serving(qwen2.cfg, qwen2.params) as (url, _):
+    engine = SGLangEngine(SGLangClient([url]), qwen2.cfg, weights_dir="unused")
+    try:
+      with AgentEndpoint(engine, qwen2.chat, SAMPLING) as endpoint:
+        session = endpoint.open_session()
+        client = _client(endpoint, session)
+        messages = [{"role": "user", "content": "What is 12+30?"}]
+        first = client.chat.completions.create(model="policy", messages=messages)
+        messages += [_sent(first.choices[0].message), {"role": "user", "content": "Sure?"}]
+        client.chat.completions.create(model="policy", messages=messages)
+        endpoint.close_session(session)
+    finally:
+      engine.close()
+  assert session.drift == {"new": 1, "clean": 1}
+  assert [b.calls for b in session.branches()] == [(0, 1)]
+  _assert_sampled(qwen2.engine, session)
+
+
+def test_calls_during_a_weight_update_wait_or_get_429_with_retry_after(qwen2):
+  chat, engine = qwen2.chat, qwen2.engine
+  messages = [{"role": "user", "content": "What is 1+2?"}]
+  with AgentEndpoint(engine, chat, SAMPLING, limits=Limits(retry_after_s=0.5)) as endpoint:
+    session = endpoint.open_session()
+    held = endpoint.queue.hold()
+    try:
+      with pytest.raises(openai.RateLimitError) as refused:
+        _client(endpoint, session).chat.completions.create(model="p", messages=messages)
+      assert refused.value.response.headers["retry-after"] == "0.5"
+      # The SDK's own retry honours Retry-After; by then the update is over.
+      threading.Timer(0.3, held.release).start()
+      _client(endpoint, session, max_retries=2).chat.completions.create(
+          model="p", messages=messages)
+    finally:
+      held.release()
+    assert len(session.calls) == 1
+  # The default: a call made while the engine takes new weights waits, then runs on them.
+  with AgentEndpoint(JaxEngine(qwen2.cfg, qwen2.params), chat, SAMPLING) as endpoint:
+    session = endpoint.open_session()
+    held = endpoint.queue.hold()  # the update's own hold comes and goes inside ours
+    try:
+      endpoint.update_weights(qwen2.params, 1)
+      answers = []
+      call = threading.Thread(target=lambda: answers.append(_client(
+          endpoint, session).chat.completions.create(model="p", messages=messages)))
+      call.start()
+      call.join(timeout=0.5)
+      assert call.is_alive() and not session.calls
+    finally:
+      held.release()
+    call.join(timeout=60)
+    assert answers[0].choices[0].longrl["weight_versions"] == [1]
+
+
+@pytest.mark.parametrize("name", ["mean_baseline", "group_normalized", "leave_one_out"])
+def test_an_episode_of_many_branches_counts_once_in_its_advantage(name):
+  """Group 0: episode a (two branches, reward 1), b and c (one each, reward 0); group 1:
+  d, e. Per episode, the estimator sees a, b, c once each, and a's branches share a's
+  advantage; with one branch an episode, per_episode is the estimator itself."""
+  from rl import advantages
+  estimator = advantages.ESTIMATORS[name]
+  reward = jnp.asarray([1.0, 1.0, 0.0, 0.0, 0.5, 1.5])
+  groups = jnp.asarray([0, 0, 0, 0, 1, 1])
+  got = np.asarray(advantages.per_episode(estimator, reward, groups, 2, [0, 0, 1, 2, 3, 4]))
+  once = np.asarray(estimator(jnp.asarray([1.0, 0.0, 0.0, 0.5, 1.5]),
+                              jnp.asarray([0, 0, 0, 1, 1]), 2))
+  np.testing.assert_allclose(got, [once[0] / 2, once[0] / 2, *once[1:]], rtol=1e-6)
+  alone = advantages.per_episode(estimator, reward, groups, 2, np.arange(6))
+  np.testing.assert_allclose(alone, estimator(reward, groups, 2), rtol=1e-6)

@@ -139,3 +139,14 @@ def test_needle_haystacks_are_their_length_and_their_key_is_asked_once():
   assert len(set(depths)) > 1 and all(0 <= d < 1 for d in depths)
   with pytest.raises(ValueError, match="Needle.context"):
     needle.Needle(context=5)
+
+
+def test_task_records_slice_as_a_list_and_name_an_index_out_of_range(tmp_path):
+  from rl.tasks.jsonl import read_records
+  path = tmp_path / "train.jsonl"
+  path.write_text("".join(f'{{"problem": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(5)))
+  records = read_records(path, ("problem", "answer"))
+  assert records[1:3] == [{"problem": "1+1", "answer": "2"}, {"problem": "2+1", "answer": "3"}]
+  assert records[-2:] == list(records.records[-2:]) and records[:0] == []
+  with pytest.raises(IndexError, match=r"train.jsonl: index 5 out of range \[0, 5\)"):
+    records[5]

@@ -11,7 +11,8 @@ id is lost between engine and record. The run's sampling settings win over the a
 (temperature, top_p, seed; each override is counted in the session and logged once); an
 agent's max_tokens is honoured up to the run's. An SDK's retry (x-stainless-retry-count > 0)
 of a body already sent replays that call's response instead of sampling again. Bodies are
-capped (413), every wait is bounded (504), calls while the engine takes new weights wait.
+capped (413), every wait is bounded (504), calls while the engine takes new weights wait
+(or get 429 with Retry-After: Limits.retry_after_s).
 
 Engine calls go through `EngineQueue`: whatever calls wait when the engine is free go to it
 as one batch (the engine's on_ready answers each as it finishes), one batch at a time.
@@ -20,7 +21,6 @@ It owns no training: the loop turns a session's branches into trajectories.
 
 import concurrent.futures
 import dataclasses
-import hmac
 import http.server
 import json
 import logging
@@ -50,7 +50,8 @@ class EngineQueue:
     self._batches = 0
     self._cond = threading.Condition()
     self._waiting: list[tuple[np.ndarray, int, int, concurrent.futures.Future]] = []
-    self._busy = self._paused = self._closed = False
+    self._holds = 0  # hold() calls not yet released: calls go to the engine at 0
+    self._busy = self._closed = False
     self._thread = threading.Thread(target=self._run, name="agent-endpoint-engine", daemon=True)
     self._thread.start()
 
@@ -67,7 +68,7 @@ class EngineQueue:
   def _run(self):
     while True:
       with self._cond:
-        self._cond.wait_for(lambda: self._closed or (self._waiting and not self._paused))
+        self._cond.wait_for(lambda: self._closed or (self._waiting and not self._holds))
         if self._closed:
           return
         batch, self._waiting = self._waiting, []
@@ -100,15 +101,20 @@ class EngineQueue:
 
   def hold(self) -> "Held":
     """Holds the queue once the batch in flight is done: calls made meanwhile wait (bounded
-    by their timeout) until `release()`."""
+    by their timeout) until every hold is released."""
     with self._cond:
-      self._paused = True
+      self._holds += 1
       self._cond.wait_for(lambda: not self._busy)
     return Held(self)
 
+  @property
+  def held(self) -> bool:
+    with self._cond:
+      return self._holds > 0
+
   def _release(self):
     with self._cond:
-      self._paused = False
+      self._holds -= 1
       self._cond.notify_all()
 
   def update_weights(self, params, version: int) -> float:
@@ -144,19 +150,22 @@ class Held:
 class HTTPError(Exception):
   """An error answered in OpenAI's shape: {"error": {"message", "type", "code"}}."""
 
-  def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+  def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+               headers: dict | None = None):
     super().__init__(message)
-    self.status, self.kind = status, kind
+    self.status, self.kind, self.headers = status, kind, dict(headers or {})
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """max_body_bytes: a larger request is refused (413; tool outputs can be large);
   call_timeout_s: the longest a call waits for the engine (504); max_n: the most choices
-  one call may ask for."""
+  one call may ask for; retry_after_s: while the engine takes new weights a call waits
+  (None), or is answered 429 with this Retry-After (an SDK retries it, as OpenAI's do)."""
   max_body_bytes: int = 64 << 20
   call_timeout_s: float = 600.0
   max_n: int = 16
+  retry_after_s: float | None = None
 
 
 class AgentEndpoint:
@@ -214,7 +223,7 @@ class AgentEndpoint:
 
   def session(self, key: str) -> Session:
     with self._lock:
-      found = next((s for k, s in self._sessions.items() if hmac.compare_digest(k, key)), None)
+      found = self._sessions.get(key)
     if found is None:
       raise HTTPError(401, "unknown or ended session key", "authentication_error")
     return found
@@ -223,11 +232,11 @@ class AgentEndpoint:
     return self.queue.update_weights(params, version)
 
   def close(self):
-    self._server.shutdown()
+    if self._thread is not None:  # shutdown() waits for a serve_forever that never ran
+      self._server.shutdown()
+      self._thread.join(timeout=60)
     self._server.server_close()
     self.queue.close()
-    if self._thread is not None:
-      self._thread.join(timeout=60)
 
   def __enter__(self):
     return self.start()
@@ -260,6 +269,10 @@ class AgentEndpoint:
     if budget < 1:
       raise HTTPError(400, f"the prompt holds {len(plan.prompt_ids)} tokens: no room to "
                       f"generate within the context length {self.context_length}")
+    if self.limits.retry_after_s is not None and self.queue.held:
+      raise HTTPError(429, "the engine is taking new weights; retry after "
+                      f"{self.limits.retry_after_s} s", "rate_limit_error",
+                      {"Retry-After": f"{self.limits.retry_after_s:g}"})
     affinity = int.from_bytes(session.key.encode()[-8:], "little")
     futures = [self.queue.submit(plan.prompt_ids, budget, affinity) for _ in range(n)]
     try:
@@ -444,9 +457,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else ""
     return self.server.endpoint.session(key)
 
-  def _send_json(self, status: int, value: dict):
+  def _send_json(self, status: int, value: dict, headers: dict | None = None):
     payload = json.dumps(value).encode()
     self.send_response(status)
+    for name, header in (headers or {}).items():
+      self.send_header(name, header)
     self.send_header("Content-Type", "application/json")
     self.send_header("Content-Length", str(len(payload)))
     self.end_headers()
@@ -454,7 +469,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
   def _send_error(self, e: HTTPError):
     self._send_json(e.status, {"error": {"message": str(e), "type": e.kind, "param": None,
-                                         "code": e.status}})
+                                         "code": e.status}}, e.headers)
 
   def _send_stream(self, response: dict, body: dict):
     """Server-sent events in chunked transfer encoding, ending with [DONE]."""

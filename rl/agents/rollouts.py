@@ -14,7 +14,8 @@ Each branch of the session (sessions.py: one sequence per branch, exactly the to
 engine sampled, the agent's messages out of the loss) is a trajectory of the record's group,
 with its episode's reward (rl.trajectory.Trajectory.reward: train with
 rewards.episode_reward()), `correct` when that reward is > 0, and each call's return on its
-last token (Trajectory.turn_rewards). A call `keep_call(call)` rejects (a title, a summary)
+last token (Trajectory.turn_rewards); an episode's branches share its group and sample, so
+the loop counts the episode once in its advantages (rl.advantages.per_episode). A call `keep_call(call)` rejects (a title, a summary)
 is out of the loss; an episode that raises, times out or has no call is dropped whole, never
 half-trained, and counted.
 

@@ -20,7 +20,9 @@ class Records:
   def __len__(self) -> int:
     return len(self.records)
 
-  def __getitem__(self, index: int) -> dict[str, Any]:
+  def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+    if isinstance(index, slice):  # task.test[:200], as one would take a list's
+      return list(self.records[index])
     if not 0 <= index < len(self.records):
       raise IndexError(f"{self.origin}: index {index} out of range [0, {len(self.records)})")
     return self.records[index]
