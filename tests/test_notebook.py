@@ -44,3 +44,14 @@ def test_vision_notebook_runs(monkeypatch):
   assert all(f"rl_accuracy_{name}=" in last for name in ("rendered", "text", "scenes")), last
   assert "reward=" in text  # what the policy wrote about an image
   assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # the images, the curves
+
+
+@pytest.mark.slow
+def test_agent_notebook_runs(monkeypatch):
+  text, outputs = _run("agent.ipynb", monkeypatch)
+  last = text.strip().splitlines()[-1]
+  assert all(f"{key}=" in last for key in ("before_success", "after_success",
+                                           "before_tool_calls_rate", "after_tool_calls_rate"))
+  assert "import openai" not in text and "def solve(" in text  # the agent's source, shown
+  assert "drift {" in text  # one episode, call by call
+  assert any("image/png" in o.get("data", {}) for o in outputs)
