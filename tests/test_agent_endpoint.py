@@ -537,3 +537,54 @@ def test_an_episode_of_many_branches_counts_once_in_its_advantage(name):
   np.testing.assert_allclose(got, [once[0] / 2, once[0] / 2, *once[1:]], rtol=1e-6)
   alone = advantages.per_episode(estimator, reward, groups, 2, np.arange(6))
   np.testing.assert_allclose(alone, estimator(reward, groups, 2), rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tmp_path_factory) -> Model:
+  """The tiny Qwen2 after 60 SFT steps on demonstrations that all call `calc`: greedy, it
+  calls the tool (with whatever arguments it has learnt)."""
+  path = tiny_checkpoint.make(str(tmp_path_factory.mktemp("tools")), sft_steps=60,
+                              tool_calls=1.0, progress=False)
+  checkpoint = HFCheckpoint(path, dtype="float32")
+  cfg = checkpoint(0)
+  params = checkpoint.load(cfg)
+  return Model(path, checkpoint.tokenizer(), cfg, params, JaxEngine(cfg, params))
+
+
+@pytest.mark.slow
+def test_tool_calls_made_and_answered_stay_the_tokens_sampled(tool_caller):
+  """The calculator agent (experiments/agents/calculator.py) on a model that calls the tool:
+  each episode is one sequence, the model's tool call, the tool's answer (out of the loss) and
+  its next turn, exactly as the engine sampled and scores them; a harness that re-serialises
+  the call's arguments (indented, keys reordered) still extends the call cleanly."""
+  from experiments.agents import calculator
+  greedy = SamplingParams(max_new_tokens=40, temperature=0.0)
+  with AgentEndpoint(tool_caller.engine, tool_caller.chat, greedy) as endpoint:
+    sessions = []
+    for question in ("What is 12+34?", "What is 56+78?"):
+      session = endpoint.open_session()
+      result = calculator.solve(endpoint.url, session.key, question)
+      endpoint.close_session(session)
+      sessions.append(session)
+      assert result["tool_calls"] >= 1
+      assert session.drift["new"] == 1 and session.drift["clean"] == len(session.calls) - 1
+      [branch] = session.branches()
+      text = tool_caller.chat.tokenizer.decode(branch.token_ids)
+      assert text.startswith("<tool_call>\n") and "<tool_response>\n" in text
+      _assert_sampled(tool_caller.engine, session)
+    # A harness that writes the call back its own way: the same call, clean.
+    session = endpoint.open_session()
+    client = _client(endpoint, session)
+    messages = [{"role": "user", "content": "What is 12+34?" + calculator.INSTRUCTION}]
+    first = client.chat.completions.create(model="p", messages=messages,
+                                           tools=[calculator.CALCULATOR])
+    [call] = first.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {
+            "name": "calc", "arguments": json.dumps(arguments, indent=2, sort_keys=True)}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "46"}]
+    client.chat.completions.create(model="p", messages=messages, tools=[calculator.CALCULATOR])
+    endpoint.close_session(session)
+  assert session.drift == {"new": 1, "clean": 1}
+  _assert_sampled(tool_caller.engine, session)
