@@ -266,7 +266,7 @@ def test_every_endpoint_answers_the_official_client(qwen2):
     longer = client.completions.create(model="policy", prompt=ids + [5, 6], max_tokens=4,
                                        stream=True)
     assert "".join(c.choices[0].text for c in longer)
-    # Stop strings end the reply where they begin; the tokens after are not recorded.
+    # Log-probs in OpenAI's shape, one per recorded token.
     logprobs = client.chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "Go"}], logprobs=True)
     assert len(logprobs.choices[0].logprobs.content) == len(session.calls[-1].completion.token_ids)
@@ -277,26 +277,26 @@ def test_every_endpoint_answers_the_official_client(qwen2):
 
 
 def test_stop_strings_cut_the_reply_and_its_tokens(qwen2):
+  """Greedy, the same reply twice: the second, asked to stop at a string of the first, ends
+  before it, and its recorded tokens end at the token that completes it."""
   chat, engine = qwen2.chat, qwen2.engine
-  with AgentEndpoint(engine, chat, SAMPLING) as endpoint:
+  greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+  with AgentEndpoint(engine, chat, greedy) as endpoint:
     session = endpoint.open_session()
     client = _client(endpoint, session)
     messages = [{"role": "user", "content": "What is 1+2?"}]
     full = client.chat.completions.create(model="policy", messages=messages, seed=7)
     text = full.choices[0].message.content
-    assert len(text) > 4
-    # A stop string that the next sample (another seed of the queue) may or may not write:
-    # whatever it writes, the text ends before the stop and the tokens end at it.
+    assert len(text) > 4 and full.choices[0].finish_reason == "length"
     stop = text[2:4]
     cut = client.chat.completions.create(model="policy", messages=messages, stop=[stop])
-    [_, call] = session.calls
-    reply = cut.choices[0].message.content
-    assert stop not in reply
-    whole = endpoint.decode(call.completion.token_ids)
-    if cut.choices[0].finish_reason == "stop":
-      assert stop in whole and whole.startswith(reply)
-      assert stop not in endpoint.decode(call.completion.token_ids[:-1])
     endpoint.close_session(session)
+  [whole, call] = session.calls
+  reply = cut.choices[0].message.content
+  assert cut.choices[0].finish_reason == "stop" and reply == text[:text.index(stop)]
+  tokens = call.completion.token_ids
+  assert tokens.tolist() == whole.completion.token_ids[:len(tokens)].tolist()
+  assert stop in endpoint.decode(tokens) and stop not in endpoint.decode(tokens[:-1])
   assert session.overrides["seed"] == 1
 
 
