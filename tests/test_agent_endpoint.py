@@ -73,6 +73,37 @@ def _sent(message) -> dict:
                                                         "function_call"})
 
 
+class Recording:
+  """An engine, the affinity keys of the prompts it was given recorded (with the prompt)."""
+
+  def __init__(self, engine):
+    self.engine, self.affinity = engine, []
+
+  @property
+  def capabilities(self):
+    return self.engine.capabilities
+
+  def generate(self, prompts, *args, affinity=None, **kwargs):
+    self.affinity += list(zip(affinity, map(tuple, prompts)))
+    return self.engine.generate(prompts, *args, affinity=affinity, **kwargs)
+
+
+def test_a_sessions_calls_are_sticky_to_one_server(qwen2):
+  """Every call of a session carries the session's affinity key (an engine of several
+  servers sends the same key to the same server: its prefix cache holds the session), and
+  sessions have keys of their own."""
+  recording = Recording(qwen2.engine)
+  with AgentEndpoint(recording, qwen2.chat, SAMPLING) as endpoint:
+    sessions = [endpoint.open_session() for _ in range(3)]
+    for session in sessions * 2:
+      _client(endpoint, session).chat.completions.create(
+          model="p", messages=[{"role": "user", "content": "What is 1+2?"}])
+  keys = {}
+  for key, prompt in recording.affinity:
+    keys.setdefault(key, []).append(prompt)
+  assert len(keys) == 3 and all(len(prompts) == 2 for prompts in keys.values())
+
+
 def _assert_sampled(engine, session):
   """Every branch's policy tokens carry the log-probs the engine gives them in that very
   context: had a call's prompt not been the branch's prefix, they would differ."""

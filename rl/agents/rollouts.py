@@ -12,12 +12,14 @@ the calls' order (per call, each branch's reward then the discounted sum over it
 `discount`); the default verifies the result's text with the task (1.0 when it is right).
 Each branch of the session (sessions.py: one sequence per branch, exactly the tokens the
 engine sampled, the agent's messages out of the loss) is a trajectory of the record's group,
-with its episode's reward (rl.trajectory.Trajectory.reward: train with
+with its branch's return as its reward (rl.trajectory.Trajectory.reward: train with
 rewards.episode_reward()), `correct` when that reward is > 0, and each call's return on its
 last token (Trajectory.turn_rewards); an episode's branches share its group and sample, so
-the loop counts the episode once in its advantages (rl.advantages.per_episode). A call `keep_call(call)` rejects (a title, a summary)
-is out of the loss; an episode that raises, times out or has no call is dropped whole, never
-half-trained, and counted.
+the loop counts the episode once in its advantages (rl.advantages.per_episode). A call
+`keep_call(call)` rejects (a title, a summary) is out of the loss; an episode that raises,
+times out or has no call is dropped whole, never half-trained, and counted. A call whose
+client left before its answer (a timeout the SDK does not retry) stays recorded: the engine
+protocol cannot abort one request of a batch.
 
 It owns running episodes and their conversion; the endpoint and sessions are endpoint.py's and
 sessions.py's, rewards after the source the loop's.
