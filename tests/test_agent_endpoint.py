@@ -271,6 +271,24 @@ def test_an_sdk_retry_replays_the_first_answer_instead_of_sampling_again(qwen2):
     assert time.monotonic() - started > 1.0
     assert len(other.calls) == 1 and other.replays == 1
     assert answer.choices[0].longrl["call"] == 0
+    # The first try's client left, the retry got the reply: the call is the agent's.
+    assert [b.calls for b in other.branches()] == [(0,)] and other.undelivered == 0
+
+    # A client that times out and does not retry: its reply reached nobody, so no branch
+    # holds it (and the next call, from the same history, is a new conversation).
+    gone = endpoint.open_session()
+    held = endpoint.queue.hold()
+    try:
+      with pytest.raises(openai.APITimeoutError):
+        _client(endpoint, gone, timeout=0.5).chat.completions.create(
+            model="policy", messages=body["messages"])
+    finally:
+      held.release()
+    deadline = time.monotonic() + 60
+    while not gone.calls and time.monotonic() < deadline:
+      time.sleep(0.05)
+    time.sleep(0.2)  # the handler's check, after the call is recorded
+    assert len(gone.calls) == 1 and gone.branches() == [] and gone.undelivered == 1
 
 
 def test_every_endpoint_answers_the_official_client(qwen2):

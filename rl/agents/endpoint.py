@@ -10,7 +10,8 @@ URL (`/sessions/KEY/v1`). Streaming is synthesised from the finished generation,
 id is lost between engine and record. The run's sampling settings win over the agent's
 (temperature, top_p, seed; each override is counted in the session and logged once); an
 agent's max_tokens is honoured up to the run's. An SDK's retry (x-stainless-retry-count > 0)
-of a body already sent replays that call's response instead of sampling again. Bodies are
+of a body already sent replays that call's response instead of sampling again; a reply whose
+client left before it was sent (and that no retry fetched) is in no branch. Bodies are
 capped (413), every wait is bounded (504), calls while the engine takes new weights wait
 (or get 429 with Retry-After: Limits.retry_after_s).
 
@@ -25,6 +26,7 @@ import http.server
 import json
 import logging
 import secrets
+import select
 import socket
 import threading
 import time
@@ -543,8 +545,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         answer.append(handlers[path](session, body))
       finally:
         done.set()
+    if self._client_gone():  # a client that timed out: its reply reached nobody
+      return
     if body.get("stream"):
       self._send_stream(answer[0], body)
     else:
       self._send_json(200, answer[0])
+    session.delivered(choice["longrl"]["call"] for choice in answer[0]["choices"])
+
+  def _client_gone(self) -> bool:
+    """Whether the client closed its connection (an end of stream waits to be read)."""
+    try:
+      readable, _, _ = select.select([self.connection], [], [], 0)
+      return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+    except OSError:
+      return True
 

@@ -18,8 +18,8 @@ last token (Trajectory.turn_rewards); an episode's branches share its group and 
 the loop counts the episode once in its advantages (rl.advantages.per_episode). A call
 `keep_call(call)` rejects (a title, a summary) is out of the loss; an episode that raises,
 times out or has no call is dropped whole, never half-trained, and counted. A call whose
-client left before its answer (a timeout the SDK does not retry) stays recorded: the engine
-protocol cannot abort one request of a batch.
+client left before its answer (a timeout the SDK does not retry) is in no branch (counted);
+its generation runs to its end: the engine protocol cannot abort one request of a batch.
 
 It owns running episodes and their conversion; the endpoint and sessions are endpoint.py's and
 sessions.py's, rewards after the source the loop's.
@@ -127,7 +127,8 @@ class AgentRollouts(sources.Source):
   def _trajectories(self, context, indices, episodes) -> tuple[list[Trajectory], dict]:
     reward_of = self.reward or verified(context.task)
     trajectories, failed, rewards = [], 0, []
-    metrics = {"agent_calls": 0, "agent_branches": 0, "agent_overrides": 0, "agent_replays": 0}
+    metrics = {"agent_calls": 0, "agent_branches": 0, "agent_overrides": 0, "agent_replays": 0,
+               "agent_calls_undelivered": 0}
     for drift in ("new", "clean", "realigned", "forked"):
       metrics[f"agent_drift_{drift}"] = 0
     for group, sample, session, result in episodes:
@@ -147,6 +148,7 @@ class AgentRollouts(sources.Source):
       metrics["agent_calls"] += len(calls)
       metrics["agent_overrides"] += sum(session.overrides.values())
       metrics["agent_replays"] += session.replays
+      metrics["agent_calls_undelivered"] += session.undelivered
       for drift, count in session.drift.items():
         metrics[f"agent_drift_{drift}"] += count
     metrics["agent_tool_calls_rate"] = (

@@ -100,6 +100,7 @@ class Session:
     self._lock = threading.Lock()
     self._calls: list[Call] = []
     self._answers: dict[str, tuple[threading.Event, list]] = {}
+    self._delivered: set[int] = set()  # calls whose answer reached the agent
     self.closed = False
     self.drift = collections.Counter()
     self.overrides = collections.Counter()
@@ -211,6 +212,17 @@ class Session:
       self._answers[digest] = slot
       return (*slot, True)
 
+  def delivered(self, calls) -> None:
+    """The answer of `calls` (indices) reached the agent. A call never delivered (its client
+    left first, and no retry of it came) is in no branch: the agent never saw its reply."""
+    with self._lock:
+      self._delivered.update(calls)
+
+  @property
+  def undelivered(self) -> int:
+    with self._lock:
+      return len(self._calls) - len(self._delivered)
+
   def close(self) -> None:
     with self._lock:
       self.closed = True
@@ -220,12 +232,14 @@ class Session:
       raise SessionClosed(f"session {self.key[:12]}... has ended")
 
   def branches(self) -> list[Branch]:
-    """One Branch per leaf call (a call no later call extends), in the order of the leaves."""
+    """One Branch per delivered leaf call (a call no later call extends), in their order."""
     calls = self.calls
+    with self._lock:
+      delivered = set(self._delivered)
     parents = {c.plan.parent for c in calls}
     branches = []
     for leaf in calls:
-      if leaf.index in parents:
+      if leaf.index in parents or leaf.index not in delivered:
         continue
       path = [leaf]
       while path[-1].plan.parent is not None:
