@@ -34,6 +34,7 @@ from rl import rewards
 from rl import sampling
 from rl import sources
 from rl import trainer
+from rl.agents import rollouts as agent_rollouts
 from rl.tasks import agentic
 from rl.tasks import arithmetic
 from rl.tasks import code as code_task
@@ -57,12 +58,22 @@ remote_engine = gin.external_configurable(sglang_engine.remote_engine, module="r
 # on a TPU pod slice or under SLURM; run.py calls it before anything else.
 initialize = gin.external_configurable(distributed.initialize, module="models")
 
+def calculator_agent(base_url: str, api_key: str, record: dict) -> str:
+  """experiments/agents/calculator.py's agent, imported when it runs: it needs the `openai`
+  package (the test extra), which a run without agents does not."""
+  from experiments.agents import calculator
+  return calculator.calculator_agent(base_url, api_key, record)
+
+
 _REGISTERED = {
     "rl": [rl_config.RLConfig, rl_config.KLReward, trainer.Objective, trainer.WarmStart,
            trainer.FromRun, trainer.Hooks, trainer.Evaluation, eval_lib.SampledEval,
            distill.from_checkpoints, long2short_lib.Long2ShortConfig,
            pretrained.HFCheckpoint],
-    "sources": [sources.Lockstep, sources.DynamicSampling, sources.Partial, sources.Ahead],
+    "sources": [sources.Lockstep, sources.DynamicSampling, sources.Partial, sources.Ahead,
+                agent_rollouts.AgentRollouts],
+    # Agents for AgentRollouts.agent, referenced without a call: `@calculator_agent`.
+    "agents": [calculator_agent],
     "corrections": [corrections.keep, corrections.mask_stale, corrections.tis,
                     corrections.trust_region, corrections.seq_tis, corrections.mis,
                     corrections.icepop, corrections.geo_mask],
@@ -74,8 +85,8 @@ _REGISTERED = {
               visual.Rendered, visual.Scenes, visual.Charts],
     "envs": list(envs.ENVIRONMENTS.values()),  # every registered environment
     "effort": [effort.level_ids],
-    "rewards": [rewards.correctness, rewards.episode_reward, rewards.format_reward, rewards.named_chain,
-                rewards.k15_length_penalty, rewards.truncation, rewards.laser, rewards.laser_d,
+    "rewards": [rewards.correctness, rewards.episode_reward, rewards.format_reward,
+                rewards.named_chain, rewards.k15_length_penalty, rewards.truncation, rewards.laser, rewards.laser_d,
                 rewards.dapo_overlong, rewards.adaptive_target_length, rewards.mask_incorrect,
                 rewards.mask_long_correct, rewards.mask_over_length, rewards.masked,
                 rewards.accuracy_at_least, rewards.k15, rewards.dapo, rewards.effort_budget,

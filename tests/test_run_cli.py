@@ -257,3 +257,26 @@ def test_lambda_partial_rollouts_with_the_trust_region_through_a_server_process(
     assert_engine_matches_trainer(r)
     assert r["trust_region_masked"] == 0.0  # the window (-1, 1) masks nothing
     assert {"partial_aborted", "replay_size", "stale_token_fraction"} <= set(r)
+
+
+@pytest.mark.slow
+def test_the_calculator_agent_trains_from_the_command_line(tmp_path):
+  """experiments/configs/agent_calculator.gin at the size of a test, on a tiny Qwen2 that
+  calls its calc tool: run.py trains the agent's own episodes and logs them."""
+  from experiments import tiny_checkpoint
+  checkpoint = tiny_checkpoint.make(str(tmp_path / "tools"), sft_steps=60, tool_calls=1.0,
+                                    progress=False)
+  run_dir = tmp_path / "run"
+  result = run("--gin", os.path.join(ROOT, "experiments/configs/agent_calculator.gin"),
+               "--run_dir", str(run_dir), "--gin_param", f"CHECKPOINT = '{checkpoint}'",
+               "--gin_param", f"TRAIN = '{checkpoint}/data/train.jsonl'",
+               "--gin_param", f"TEST = '{checkpoint}/data/test.jsonl'",
+               "--gin_param", "Hooks.progress = False", "--gin_param", "RLConfig.num_steps = 1",
+               "--gin_param", "RLConfig.prompts_per_step = 2",
+               "--gin_param", "RLConfig.samples_per_prompt = 2",
+               "--gin_param", "Evaluation.records = 4")
+  assert result.returncode == 0, result.stderr[-3000:]
+  [step] = [json.loads(line) for line in open(run_dir / "metrics.jsonl")
+            if "agent_episodes" in line]
+  assert step["agent_episodes"] == 4 and step["agent_episodes_failed"] == 0
+  assert step["agent_tool_calls_rate"] == 1.0 and step["agent_drift_clean"] >= 4

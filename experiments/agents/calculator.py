@@ -54,5 +54,10 @@ def solve(base_url: str, api_key: str, question: str, *, max_calls: int = 3,
   return {"answer": "", "tool_calls": tool_calls}
 
 
+def calculator_agent(base_url: str, api_key: str, record: dict) -> str:
+  """The agent on a task record ({"question": ...}): its answer's text."""
+  return solve(base_url, api_key, record["question"])["answer"]
+
+
 if __name__ == "__main__":
   print(json.dumps(solve(*sys.argv[1:4])))
