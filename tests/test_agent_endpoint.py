@@ -637,3 +637,64 @@ def test_tool_calls_made_and_answered_stay_the_tokens_sampled(tool_caller):
     endpoint.close_session(session)
   assert session.drift == {"new": 1, "clean": 1}
   _assert_sampled(tool_caller.engine, session)
+
+
+class Concurrency:
+  """An engine, its generate calls' sizes and the most that ran at once recorded."""
+
+  def __init__(self, engine):
+    self.engine, self.sizes, self.running, self.most = engine, [], 0, 0
+    self._lock = threading.Lock()
+
+  @property
+  def capabilities(self):
+    return self.engine.capabilities
+
+  def generate(self, prompts, *args, **kwargs):
+    with self._lock:
+      self.sizes.append(len(prompts))
+      self.running += 1
+      self.most = max(self.most, self.running)
+    try:
+      return self.engine.generate(prompts, *args, **kwargs)
+    finally:
+      with self._lock:
+        self.running -= 1
+
+
+def _six_agents_at_once(endpoint):
+  start = threading.Barrier(6)
+
+  def agent():
+    session = endpoint.open_session()
+    start.wait(timeout=60)
+    _client(endpoint, session).chat.completions.create(
+        model="p", messages=[{"role": "user", "content": "What is 1+2?"}])
+
+  threads = [threading.Thread(target=agent) for _ in range(6)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=120)
+
+
+def test_servers_get_each_call_as_it_arrives_the_embedded_engine_batches(qwen2):
+  """Servers batch continuously: each call goes to them on its own, at once (none waits for
+  another's end). The embedded engine decodes a batch at a time: the calls waiting go
+  together, one generate after another."""
+  from rollouts.sglang import SGLangClient
+  from rollouts.sglang_engine import SGLangEngine
+  from tests import helpers
+  with helpers.serving(qwen2.cfg, qwen2.params) as (url, _):
+    served = SGLangEngine(SGLangClient([url]), qwen2.cfg, weights_dir="unused")
+    try:
+      servers = Concurrency(served)
+      with AgentEndpoint(servers, qwen2.chat, SAMPLING) as endpoint:
+        _six_agents_at_once(endpoint)
+    finally:
+      served.close()
+  assert servers.sizes == [1] * 6 and servers.most > 1
+  embedded = Concurrency(qwen2.engine)
+  with AgentEndpoint(embedded, qwen2.chat, SAMPLING) as endpoint:
+    _six_agents_at_once(endpoint)
+  assert sum(embedded.sizes) == 6 and embedded.most == 1

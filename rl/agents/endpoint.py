@@ -16,7 +16,8 @@ capped (413), every wait is bounded (504), calls while the engine takes new weig
 (or get 429 with Retry-After: Limits.retry_after_s).
 
 Engine calls go through `EngineQueue`: whatever calls wait when the engine is free go to it
-as one batch (the engine's on_ready answers each as it finishes), one batch at a time.
+as one batch (the engine's on_ready answers each as it finishes), one batch at a time; to
+servers, which batch continuously, each call goes as it arrives.
 It owns no training: the loop turns a session's branches into trajectories.
 """
 
@@ -41,9 +42,11 @@ log = logging.getLogger(__name__)
 
 
 class EngineQueue:
-  """One engine, many callers. `submit` queues a prompt; a worker thread hands every prompt
-  waiting when the engine is free to one engine.generate. `update_weights` waits for the
-  batch in flight, holds the queue while the engine takes the weights, then lets it go."""
+  """One engine, many callers. `submit` queues a prompt; a worker thread hands the prompts
+  waiting when the engine is free to one engine.generate, one batch at a time, or, for
+  servers (Capabilities.serves_all_processes: they batch continuously themselves), each
+  prompt to a generate of its own as it arrives, so that no call waits for another's end.
+  `hold` (and `update_weights`) waits for what is in flight and keeps the rest waiting."""
 
   def __init__(self, engine, sampling: SamplingParams, *, seed: int = 0):
     self._engine = engine
@@ -53,7 +56,10 @@ class EngineQueue:
     self._cond = threading.Condition()
     self._waiting: list[tuple[np.ndarray, int, int, concurrent.futures.Future]] = []
     self._holds = 0  # hold() calls not yet released: calls go to the engine at 0
-    self._busy = self._closed = False
+    self._in_flight = 0  # generate calls running
+    self._closed = False
+    self._each = (concurrent.futures.ThreadPoolExecutor(256, "agent-endpoint-call")
+                  if engine.capabilities.serves_all_processes else None)
     self._thread = threading.Thread(target=self._run, name="agent-endpoint-engine", daemon=True)
     self._thread.start()
 
@@ -70,18 +76,28 @@ class EngineQueue:
   def _run(self):
     while True:
       with self._cond:
-        self._cond.wait_for(lambda: self._closed or (self._waiting and not self._holds))
+        self._cond.wait_for(lambda: self._closed or (self._waiting and not self._holds
+                                                      and (self._each or not self._in_flight)))
         if self._closed:
           return
         batch, self._waiting = self._waiting, []
-        self._busy, seed = True, self._seed + self._batches
-        self._batches += 1
-      try:
-        self._generate(batch, seed)
-      finally:
-        with self._cond:
-          self._busy = False
-          self._cond.notify_all()
+        batches = [[item] for item in batch] if self._each else [batch]
+        seeds = range(self._seed + self._batches, self._seed + self._batches + len(batches))
+        self._batches += len(batches)
+        self._in_flight += len(batches)
+      for one, seed in zip(batches, seeds):
+        if self._each:
+          self._each.submit(self._dispatch, one, seed)
+        else:
+          self._dispatch(one, seed)
+
+  def _dispatch(self, batch, seed: int):
+    try:
+      self._generate(batch, seed)
+    finally:
+      with self._cond:
+        self._in_flight -= 1
+        self._cond.notify_all()
 
   def _generate(self, batch, seed: int):
     futures = [item[3] for item in batch]
@@ -106,7 +122,7 @@ class EngineQueue:
     by their timeout) until every hold is released."""
     with self._cond:
       self._holds += 1
-      self._cond.wait_for(lambda: not self._busy)
+      self._cond.wait_for(lambda: not self._in_flight)
     return Held(self)
 
   @property
@@ -135,6 +151,8 @@ class EngineQueue:
     for item in waiting:
       item[3].set_exception(RuntimeError("the agent endpoint closed before this call ran"))
     self._thread.join(timeout=60)
+    if self._each is not None:
+      self._each.shutdown(wait=False, cancel_futures=True)
 
 
 class Held:
